@@ -1,0 +1,1 @@
+"""Named presets (models, serving). Data only: no engine logic lives here."""

@@ -1,0 +1,1 @@
+"""Flax NNX model families, Hugging Face checkpoint loading, tokenizer, and the embedded default model."""
