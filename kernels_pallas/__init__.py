@@ -1,1 +1,4 @@
-"""Pallas kernels for paged attention over a device-resident block array, each with a pure-jnp reference."""
+"""Pallas kernels for paged attention over a device-resident block array.
+
+Each kernel file ends with its pure-jnp reference.
+"""

@@ -1,1 +1,1 @@
-"""Flax NNX model families, Hugging Face checkpoint loading, tokenizer, and the embedded default model."""
+"""Flax NNX model families, HF checkpoint loading, tokenizer, the embedded default model."""
