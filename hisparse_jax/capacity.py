@@ -1,0 +1,243 @@
+"""KV capacity: planning the pools of each memory kind, and reporting what was allocated.
+
+Owns two steps of model loading:
+
+1. `plan_capacity`: how many blocks each tier gets. Device budget: `--device_kv_gib`;
+   else, where `device.memory_stats()` exists (GPU, TPU), `device_memory_fraction` of
+   `bytes_limit - bytes_in_use` measured after the weights are loaded; else (CPU, where
+   it is None) `DEFAULT_DEVICE_KV_GIB`. Device bytes reserved for the indexer and hot
+   buffers (`device_reserved_bytes`, filled by HiSparse) come out of that budget first.
+   Host budget: `--host_pool_gib`, refused above 95% of the available RAM. Each tier
+   must hold one request of `--max_model_len` tokens, or planning fails naming the flag.
+2. `CapacityReport.from_pools`: the capacity of each memory kind measured on the
+   allocated arrays (sum of `nbytes` of the arrays whose sharding has that memory kind),
+   never from the formula used to plan them; `log()` writes the capacity lines.
+
+The null block of each pool (block 0) is allocated (its bytes are in `kv_bytes` and in
+the GiB figure) but never handed out, so it is not in `num_blocks` or `num_tokens`;
+each line says so in its detail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import psutil
+from absl import logging
+
+from hisparse_jax import metrics as m
+from hisparse_jax.kv_pool import (
+  DEVICE,
+  MEMORY_KINDS,
+  NUM_NULL_BLOCKS,
+  PINNED_HOST,
+  KVCacheSpec,
+  KVPool,
+)
+
+GIB = 2**30
+DEFAULT_DEVICE_KV_GIB = 0.25  # device budget when neither the flag nor memory_stats() decide
+DEFAULT_DEVICE_MEMORY_FRACTION = 0.9  # of the device memory left after loading the weights
+MAX_HOST_RAM_FRACTION = 0.95  # of psutil.virtual_memory().available
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+  """Block counts of both tiers. Invariant: each tier holds one request of
+  `max_model_len` tokens in usable blocks (the null block of each tier excluded); the
+  device blocks plus `device_reserved_bytes` fit the device budget; the host blocks fit
+  the host budget."""
+
+  spec: KVCacheSpec
+  num_device_blocks: int  # allocated, null block included
+  num_host_blocks: int
+  device_budget_bytes: int
+  device_budget_source: str  # "--device_kv_gib", "memory_stats" or "default"
+  device_reserved_bytes: int
+  host_budget_bytes: int
+  max_model_len: int
+
+  def allocate(self, device: jax.Device | None = None) -> tuple[KVPool, KVPool]:
+    """The (device pool, host pool) of this plan."""
+    return (KVPool(self.spec, self.num_device_blocks, DEVICE, device),
+            KVPool(self.spec, self.num_host_blocks, PINNED_HOST, device))
+
+
+def _gib(num_bytes: float) -> str:
+  return f"{num_bytes / GIB:.2f} GiB"
+
+
+def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float,
+                  device_kv_gib: float | None = None, device: jax.Device | None = None,
+                  device_reserved_bytes: int = 0,
+                  device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION
+                  ) -> CapacityPlan:
+  """Plans the block counts of both tiers; `ValueError` naming the flag when refused."""
+  device = device if device is not None else jax.devices()[0]
+  if max_model_len <= 0:
+    raise ValueError(f"--max_model_len must be positive, got {max_model_len}")
+  if device_reserved_bytes < 0:
+    raise ValueError(f"device_reserved_bytes must be >= 0, got {device_reserved_bytes}")
+  blocks_per_request = math.ceil(max_model_len / spec.block_size)
+  request_bytes = blocks_per_request * spec.bytes_per_block
+  need = (f"one request of --max_model_len={max_model_len:,} tokens needs "
+          f"{blocks_per_request:,} blocks of {spec.block_size} tokens "
+          f"({request_bytes:,} bytes = {_gib(request_bytes)})")
+
+  # Device tier.
+  stats = device.memory_stats()
+  free = None
+  if stats and "bytes_limit" in stats:
+    free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  if device_kv_gib is not None:
+    if device_kv_gib <= 0:
+      raise ValueError(f"--device_kv_gib must be positive, got {device_kv_gib}")
+    budget, source = int(device_kv_gib * GIB), "--device_kv_gib"
+    if free is not None and budget > free:
+      raise ValueError(f"--device_kv_gib={device_kv_gib} asks for {_gib(budget)} but only "
+                       f"{_gib(free)} of device memory is free after loading the weights")
+  elif free is not None:
+    budget, source = int(device_memory_fraction * free), "memory_stats"
+  else:
+    budget, source = int(DEFAULT_DEVICE_KV_GIB * GIB), "default"
+  num_device_blocks = max(0, (budget - device_reserved_bytes) // spec.bytes_per_block)
+  if num_device_blocks - NUM_NULL_BLOCKS < blocks_per_request:
+    raise ValueError(
+        f"--device_kv_gib: the device KV budget of {_gib(budget)} ({source}) holds "
+        f"{max(0, num_device_blocks - NUM_NULL_BLOCKS):,} usable blocks after the null block and "
+        f"{device_reserved_bytes:,} bytes reserved for the indexer and hot buffers, but "
+        f"{need}; raise --device_kv_gib or lower --max_model_len")
+
+  # Host tier.
+  if host_pool_gib < 0:
+    raise ValueError(f"--host_pool_gib must be >= 0, got {host_pool_gib}")
+  host_bytes = int(host_pool_gib * GIB)
+  available = int(psutil.virtual_memory().available)
+  if host_bytes > MAX_HOST_RAM_FRACTION * available:
+    raise ValueError(
+        f"--host_pool_gib={host_pool_gib} asks for {_gib(host_bytes)} of pinned host memory, "
+        f"above 95% of the available RAM ({_gib(available)} available, at most "
+        f"{_gib(MAX_HOST_RAM_FRACTION * available)})")
+  num_host_blocks = host_bytes // spec.bytes_per_block
+  if num_host_blocks - NUM_NULL_BLOCKS < blocks_per_request:
+    raise ValueError(f"--host_pool_gib={host_pool_gib} ({_gib(host_bytes)}) holds "
+                     f"{max(0, num_host_blocks - NUM_NULL_BLOCKS):,} usable blocks after the "
+                     f"null block, but {need}; raise --host_pool_gib or lower --max_model_len")
+  return CapacityPlan(spec=spec, num_device_blocks=num_device_blocks,
+                      num_host_blocks=num_host_blocks, device_budget_bytes=budget,
+                      device_budget_source=source,
+                      device_reserved_bytes=device_reserved_bytes,
+                      host_budget_bytes=host_bytes, max_model_len=max_model_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierCapacity:
+  """What one memory kind holds. Invariants: `num_tokens == num_blocks * block_size`;
+  `kv_bytes` is the allocated bytes of the pool arrays of this kind, reserved (null)
+  blocks included; `num_blocks` counts only blocks that can be handed out."""
+
+  memory_kind: str
+  kv_bytes: int
+  num_blocks: int
+  block_size: int
+  num_tokens: int
+  num_null_blocks: int
+  bytes_per_token: int
+  reserved_bytes: int = 0  # device bytes for the indexer and hot buffers, not in kv_bytes
+
+  def log_line(self) -> str:
+    line = (f"KV cache capacity [memory_kind={self.memory_kind}]: {_gib(self.kv_bytes)} = "
+            f"{self.num_blocks:,} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens:,} tokens; {self.bytes_per_token:,} bytes per token")
+    if self.num_null_blocks:
+      line += (f"; +{self.num_null_blocks} null block in the bytes, never handed out")
+    if self.memory_kind == DEVICE:
+      line += f"; {self.reserved_bytes:,} bytes reserved for the indexer and hot buffers"
+    return line
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityReport:
+  """KV capacity per memory kind, measured on the allocated pools.
+
+  The total is the sum of the tiers: the tokens the engine can keep at once when every
+  host block holds KV that is not also on the device. That is how swap works (a block
+  swapped out frees its device copy, so device and host blocks hold different
+  requests). Write-back tiering (HiSparse keeps a long sequence's full KV in the host
+  pool and copies of hot blocks on the device) holds a block in both tiers, so for such
+  sequences the distinct tokens are fewer than the sum; the sum stays the capacity of
+  the two tiers together, and `max_concurrency(..., memory_kinds=("device",))` is the
+  device-only figure.
+  """
+
+  tiers: tuple[TierCapacity, ...]
+
+  @classmethod
+  def from_pools(cls, pools: Sequence[KVPool], device_reserved_bytes: int = 0
+                 ) -> CapacityReport:
+    """Capacity from the arrays of `pools`, grouped by each array's memory kind."""
+    by_kind: dict[str, dict[str, int]] = {}
+    for pool in pools:
+      acc = by_kind.setdefault(pool.memory_kind, dict(kv_bytes=0, num_blocks=0,
+                                                      num_null_blocks=0))
+      for array in pool.arrays():
+        kind = array.sharding.memory_kind
+        if kind != pool.memory_kind:
+          raise ValueError(f"a {pool.memory_kind} pool holds an array in {kind}")
+        acc["kv_bytes"] += int(array.nbytes)
+      acc["num_blocks"] += int(pool.k[0].shape[0]) - pool.num_null_blocks
+      acc["num_null_blocks"] += pool.num_null_blocks
+    specs = {pool.spec for pool in pools}
+    if len(specs) != 1:
+      raise ValueError(f"pools of one report must share one KVCacheSpec, got {specs}")
+    spec = specs.pop()
+    tiers = tuple(
+        TierCapacity(memory_kind=kind, block_size=spec.block_size,
+                     num_tokens=acc["num_blocks"] * spec.block_size,
+                     bytes_per_token=spec.bytes_per_token,
+                     reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
+        for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
+    return cls(tiers=tiers)
+
+  def __getitem__(self, memory_kind: str) -> TierCapacity:
+    for tier in self.tiers:
+      if tier.memory_kind == memory_kind:
+        return tier
+    raise KeyError(memory_kind)
+
+  @property
+  def total_tokens(self) -> int:
+    return sum(t.num_tokens for t in self.tiers)
+
+  def max_concurrency(self, tokens_per_request: int,
+                      memory_kinds: Sequence[str] | None = None) -> float:
+    """How many requests of `tokens_per_request` tokens the tiers hold at once, counted
+    in whole blocks per request (a request's last block may be partly empty)."""
+    if tokens_per_request <= 0:
+      raise ValueError(f"tokens_per_request must be positive, got {tokens_per_request}")
+    tiers = [t for t in self.tiers if memory_kinds is None or t.memory_kind in memory_kinds]
+    return sum(t.num_blocks / math.ceil(tokens_per_request / t.block_size) for t in tiers)
+
+  def log_lines(self, tokens_per_request: int) -> list[str]:
+    lines = [t.log_line() for t in self.tiers]
+    lines.append(
+        f"KV cache capacity [total]: {self.total_tokens:,} tokens; max concurrency for "
+        f"{tokens_per_request:,} tokens per request: "
+        f"{self.max_concurrency(tokens_per_request):.2f}x (device only: "
+        f"{self.max_concurrency(tokens_per_request, (DEVICE,)):.2f}x)")
+    return lines
+
+  def log(self, tokens_per_request: int) -> None:
+    """Writes the capacity lines with absl logging at INFO."""
+    for line in self.log_lines(tokens_per_request):
+      logging.info("%s", line)
+
+  def export(self, registry: m.MetricsRegistry) -> None:
+    """Sets `hisparse_kv_capacity_tokens{memory_kind}` for every tier."""
+    gauge = registry.gauge(m.KV_CAPACITY_TOKENS, "KV tokens each memory kind holds.",
+                           ("memory_kind",))
+    for tier in self.tiers:
+      gauge.set(tier.num_tokens, memory_kind=tier.memory_kind)

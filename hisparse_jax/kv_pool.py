@@ -1,0 +1,248 @@
+"""KV block pools by JAX memory kind, and the spec of one KV block.
+
+Owns the arrays that hold the KV cache. A pool is one memory kind of one device:
+the device pool (`memory_kind="device"`, accelerator memory) or the host pool
+(`memory_kind="pinned_host"`, pinned host DRAM). Both use the same block-major layout,
+one K and one V array per layer::
+
+    pool.k[layer], pool.v[layer]   # [num_blocks, block_size, num_kv_heads, head_dim]
+      block 0 | block 1 | ... | block num_blocks-1      (each block one contiguous chunk)
+      ^ null block: padding target of block tables and transfers, never handed out
+        (both pools reserve it, as the block manager's BlockPool of each tier does)
+
+A block id names the same block in every layer, so one block is `spec.bytes_per_block`
+bytes (K and V, all layers). The arrays are replaced, never copied: every update is a
+jitted call that donates the old arrays and gets back new ones in the same buffers
+(`set_arrays`).
+
+Storage dtype: XLA:CPU scatters into a bfloat16 array by converting the whole array to
+float32 and back (about 40 ms per 64 MiB, measured, see DESIGN.md), while uint16,
+float16 and float32 scatters touch only the updated blocks. So on CPU a bfloat16 cache
+is stored bit-for-bit as uint16 (`storage_dtype`), converted at the pool boundary with
+`to_storage`/`from_storage` (a bitcast, free). On accelerators bfloat16 is stored as is.
+float32 and float16 are always stored as themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.compute_on import compute_on
+from jax.sharding import SingleDeviceSharding
+
+DEVICE = "device"
+PINNED_HOST = "pinned_host"
+MEMORY_KINDS = (DEVICE, PINNED_HOST)
+KV_DTYPES = ("float32", "bfloat16", "float16")
+NUM_NULL_BLOCKS = 1  # block 0 of each pool is the null block
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+  """Shape and dtype of the KV cache. Invariant: all fields positive, `block_size` a
+  power of two, `dtype` one of `KV_DTYPES` (the logical dtype the model reads)."""
+
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: str
+  block_size: int
+
+  def __post_init__(self):
+    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"KVCacheSpec.{name} must be a positive integer, got {value!r}")
+    if self.block_size & (self.block_size - 1):
+      raise ValueError(f"--block_size must be a power of two, got {self.block_size}")
+    dtype = jnp.dtype(self.dtype).name if not isinstance(self.dtype, str) else self.dtype
+    if dtype not in KV_DTYPES:
+      raise ValueError(f"--dtype: KV cache dtype must be one of {KV_DTYPES}, got {dtype!r}")
+    object.__setattr__(self, "dtype", dtype)
+
+  @classmethod
+  def from_model_config(cls, config: Any, dtype: str, block_size: int) -> KVCacheSpec:
+    """From any config with `num_hidden_layers`, `num_key_value_heads`, `head_dim`."""
+    try:
+      return cls(num_layers=int(config.num_hidden_layers),
+                 num_kv_heads=int(config.num_key_value_heads),
+                 head_dim=int(config.head_dim), dtype=dtype, block_size=int(block_size))
+    except AttributeError as e:
+      raise ValueError(f"model config lacks a field the KV cache needs: {e}") from None
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def bytes_per_token(self) -> int:
+    """K and V of one token over all layers."""
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+  @property
+  def bytes_per_block(self) -> int:
+    """K and V of one block id over all layers."""
+    return self.block_size * self.bytes_per_token
+
+  def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+    return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def storage_dtype(dtype: str, platform: str) -> np.dtype:
+  """The dtype a pool stores for logical `dtype` on `platform` (see module docstring)."""
+  if dtype == "bfloat16" and platform == "cpu":
+    return np.dtype(np.uint16)
+  return jnp.dtype(dtype)
+
+
+def memory_sharding(device: jax.Device, memory_kind: str) -> SingleDeviceSharding:
+  """`SingleDeviceSharding` of `memory_kind`; ValueError when the device lacks it."""
+  kinds = {m.kind for m in device.addressable_memories()}
+  if memory_kind not in kinds:
+    raise ValueError(f"device {device} has no memory kind {memory_kind!r} "
+                     f"(it has {sorted(kinds)})")
+  return SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+class KVPool:
+  """The K and V block arrays of every layer in one memory kind of one device.
+
+  Invariants: `len(k) == len(v) == spec.num_layers`; every array has shape
+  `spec.block_shape(num_blocks)`, dtype `storage_dtype` and a sharding of kind
+  `memory_kind`; block ids `[0, num_null_blocks)` are reserved (block 0, the null
+  block, in both memory kinds), so usable ids are `[num_null_blocks, num_blocks)`. The
+  arrays change only through `set_arrays`, with arrays returned by a donating jitted
+  update.
+  """
+
+  def __init__(self, spec: KVCacheSpec, num_blocks: int, memory_kind: str,
+               device: jax.Device | None = None):
+    if memory_kind not in MEMORY_KINDS:
+      raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
+    self.spec = spec
+    self.memory_kind = memory_kind
+    self.device = device if device is not None else jax.devices()[0]
+    self.sharding = memory_sharding(self.device, memory_kind)
+    self.num_null_blocks = NUM_NULL_BLOCKS
+    if num_blocks <= self.num_null_blocks:
+      raise ValueError(f"a {memory_kind} pool needs more than {self.num_null_blocks} "
+                       f"blocks, got {num_blocks}")
+    self.num_blocks = int(num_blocks)
+    self.storage_dtype = storage_dtype(spec.dtype, self.device.platform)
+    shape = spec.block_shape(self.num_blocks)
+    self.k: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))
+    self.v: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))
+
+  def _zeros(self, shape: tuple[int, ...]) -> jax.Array:
+    if self.memory_kind == DEVICE:
+      # Built on the device: no host buffer, no host-to-device copy.
+      return jax.jit(functools.partial(jnp.zeros, shape, self.storage_dtype),
+                     out_shardings=self.sharding)()
+    # Host kind: copied from a host buffer, one layer at a time, never through the
+    # device. (A jitted jnp.zeros with a pinned_host out_sharding yields an array whose
+    # type lacks the host memory space on jax 0.10.2, which later host ops reject.)
+    # may_alias=False: on CPU an aliased numpy buffer would make every donation copy.
+    return jax.device_put(np.zeros(shape, self.storage_dtype), self.sharding, may_alias=False)
+
+  @property
+  def num_usable_blocks(self) -> int:
+    return self.num_blocks - self.num_null_blocks
+
+  @property
+  def num_layers(self) -> int:
+    return self.spec.num_layers
+
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """All arrays as one flat tuple: `k[0], ..., k[L-1], v[0], ..., v[L-1]`."""
+    return self.k + self.v
+
+  def set_arrays(self, arrays: tuple[jax.Array, ...]) -> None:
+    """Installs the arrays returned by a donating update (same order as `arrays()`)."""
+    arrays = tuple(arrays)
+    num_layers = self.spec.num_layers
+    if len(arrays) != 2 * num_layers:
+      raise ValueError(f"expected {2 * num_layers} arrays, got {len(arrays)}")
+    shape = self.spec.block_shape(self.num_blocks)
+    for a in arrays:
+      if a.shape != shape or a.dtype != self.storage_dtype:
+        raise ValueError(f"pool array must be {self.storage_dtype}{list(shape)}, "
+                         f"got {a.dtype}{list(a.shape)}")
+      if a.sharding.memory_kind != self.memory_kind:
+        raise ValueError(f"pool array must live in {self.memory_kind}, "
+                         f"got {a.sharding.memory_kind}")
+    self.k, self.v = arrays[:num_layers], arrays[num_layers:]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of all arrays of this pool, as allocated."""
+    return sum(int(a.nbytes) for a in self.arrays())
+
+  def to_storage(self, x: jax.Array) -> jax.Array:
+    """Logical dtype -> storage dtype (bitcast for bfloat16 on CPU, else identity)."""
+    if x.dtype == self.storage_dtype:
+      return x
+    return jax.lax.bitcast_convert_type(x.astype(self.spec.dtype), self.storage_dtype)
+
+  def from_storage(self, x: jax.Array) -> jax.Array:
+    """Storage dtype -> logical dtype."""
+    if x.dtype == jnp.dtype(self.spec.dtype):
+      return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(self.spec.dtype))
+
+  def read_blocks(self, layer: int, block_ids) -> tuple[jax.Array, jax.Array]:
+    """Copies of K and V of `block_ids` in `layer`, in the logical dtype, on the device.
+
+    Each `[len(block_ids), block_size, num_kv_heads, head_dim]`. For tests and debugging:
+    the result shares no buffer with the pool, so later donations stay in place.
+    """
+    ids = np.asarray(block_ids, np.int32)
+    k, v = _gather_fn(self.memory_kind, self.device)(self.k[layer], self.v[layer], ids)
+    return self.from_storage(k), self.from_storage(v)
+
+  def write_blocks(self, layer: int, block_ids, k, v) -> None:
+    """Writes K and V (logical dtype, `[n, block_size, num_kv_heads, head_dim]`) into
+    `block_ids` of `layer` of a device pool, in place (donated)."""
+    if self.memory_kind != DEVICE:
+      raise ValueError("write_blocks writes the device pool; the host pool is written "
+                       "by TransferEngine.swap_out")
+    ids = np.asarray(block_ids, np.int32)
+    shape = (len(ids),) + self.spec.block_shape(1)[1:]
+    if tuple(np.shape(k)) != shape or tuple(np.shape(v)) != shape:
+      raise ValueError(f"k and v must have shape {shape}, got {np.shape(k)}, {np.shape(v)}")
+    new_k, new_v = _scatter_fn(self.sharding)(
+        self.k[layer], self.v[layer], ids, self.to_storage(jnp.asarray(k)),
+        self.to_storage(jnp.asarray(v)))
+    self.k = self.k[:layer] + (new_k,) + self.k[layer + 1:]
+    self.v = self.v[:layer] + (new_v,) + self.v[layer + 1:]
+
+  def __repr__(self) -> str:
+    return (f"KVPool({self.memory_kind}, {self.num_layers} layers x 2 x "
+            f"{self.storage_dtype}{list(self.spec.block_shape(self.num_blocks))}, "
+            f"{self.nbytes:,} bytes)")
+
+
+@functools.cache
+def _gather_fn(memory_kind: str, device: jax.Device):
+  device_sharding = SingleDeviceSharding(device, memory_kind=DEVICE)
+
+  def gather(k, v, ids):
+    if memory_kind == DEVICE:
+      return k[ids], v[ids]
+    ids = jax.device_put(ids, SingleDeviceSharding(device, memory_kind=memory_kind))
+    with compute_on("device_host"):
+      return k[ids], v[ids]
+
+  return jax.jit(gather, out_shardings=(device_sharding, device_sharding))
+
+
+@functools.cache
+def _scatter_fn(sharding: SingleDeviceSharding):
+  def scatter(k_pool, v_pool, ids, k, v):
+    return k_pool.at[ids].set(k), v_pool.at[ids].set(v)
+
+  return jax.jit(scatter, donate_argnums=(0, 1), out_shardings=(sharding, sharding))

@@ -1,0 +1,201 @@
+"""Batched block transfers between the device pool and the host pool.
+
+Owns the data movement of the memory tiers. One `swap_out` (device -> host, "d2h") or
+`swap_in` (host -> device, "h2d") is ONE jitted call that moves every listed block of
+every layer, K and V, never a call per block:
+
+    swap_out(device_ids=[3, 9], host_ids=[40, 7])      swap_in(host_ids=[40], device_ids=[5])
+      device pool  k[l][3] -> host pool k[l][40]         host pool k[l][40] -> device k[l][5]
+                   k[l][9] -> host pool k[l][7]          (every layer l, and the same for v)
+                   (every layer l, and the same for v)
+
+Mechanics (measured on jax 0.10.2 CPU, DESIGN.md): the destination pool is donated and
+comes back in the same buffers; host-side indexing runs under
+`compute_on("device_host")` with the ids `device_put` to the pinned_host kind, and
+`out_shardings` pins each result to its memory kind. Id lists are padded to a bucket
+(a power of two, at least `min_bucket`) so a run compiles a handful of programs: padded
+sources read block 0, padded destinations are out of range and dropped
+(`mode="drop"`), so padding never writes.
+
+Calls are dispatched asynchronously: they return as soon as the program is enqueued,
+and JAX orders every later use of the pools after them. `wait()` blocks (only needed
+before reading pool contents on the host or to time a transfer); `poll()` collects
+finished transfers without blocking. Latency is observed from dispatch to the first
+`poll`/`wait` that sees the transfer done, so it is an upper bound when polled late.
+
+This class is the whole interface other modules use. On GPU, XLA's host offloading has
+known bugs (openxla/xla#34565: scatter into pinned_host with computed indices); a
+fallback (per-block host arrays plus `jax.device_put`) can replace `_dispatch` without
+changing callers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+from jax.experimental.compute_on import compute_on
+from jax.sharding import SingleDeviceSharding
+
+from hisparse_jax import metrics as m
+from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVPool
+
+
+def bucket_size(n: int, min_bucket: int) -> int:
+  """The padded length for `n` ids: the next power of two, at least `min_bucket`."""
+  return max(min_bucket, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _swap_out_program(num_layers: int, device_sharding, host_sharding):
+  """(device arrays, host arrays [donated], device_ids, host_ids) -> new host arrays."""
+
+  def swap_out(device_arrays, host_arrays, device_ids, host_ids):
+    host_ids = jax.device_put(host_ids, host_sharding)
+    out = []
+    for device_array, host_array in zip(device_arrays, host_arrays):
+      blocks = jax.device_put(device_array[device_ids], host_sharding)
+      with compute_on("device_host"):
+        out.append(host_array.at[host_ids].set(blocks, mode="drop"))
+    return tuple(out), device_ids[0]  # a small output to wait on, never donated
+
+  shardings = (tuple([host_sharding] * 2 * num_layers), device_sharding)
+  return jax.jit(swap_out, donate_argnums=(1,), out_shardings=shardings)
+
+
+def _swap_in_program(num_layers: int, device_sharding, host_sharding):
+  """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
+
+  def swap_in(host_arrays, device_arrays, host_ids, device_ids):
+    host_ids = jax.device_put(host_ids, host_sharding)
+    out = []
+    for host_array, device_array in zip(host_arrays, device_arrays):
+      with compute_on("device_host"):
+        blocks = host_array[host_ids]
+      blocks = jax.device_put(blocks, device_sharding)
+      out.append(device_array.at[device_ids].set(blocks, mode="drop"))
+    return tuple(out), device_ids[0]
+
+  shardings = (tuple([device_sharding] * 2 * num_layers), device_sharding)
+  return jax.jit(swap_in, donate_argnums=(1,), out_shardings=shardings)
+
+
+def register_transfer_metrics(registry: m.MetricsRegistry):
+  """The transfer metrics, labelled by direction (h2d, d2h)."""
+  labels = ("direction",)
+  return (
+      registry.counter(m.TRANSFERS_TOTAL, "Batched block transfer calls.", labels),
+      registry.counter(m.TRANSFER_BLOCKS_TOTAL, "KV blocks moved between tiers.", labels),
+      registry.counter(m.TRANSFER_BYTES_TOTAL, "KV bytes moved between tiers.", labels),
+      registry.histogram(m.TRANSFER_SECONDS,
+                         "Seconds from dispatch of a transfer to its observed completion.",
+                         labels),
+  )
+
+
+class TransferEngine:
+  """Moves whole blocks between a device pool and a host pool of the same spec.
+
+  Invariants: the pools' arrays are only replaced by the arrays a transfer returns
+  (donated, same buffers); destination ids of one call are distinct and in range and
+  source ids are usable ids (never a null block); each call is one jitted
+  program; `metrics` count real (unpadded) blocks, and bytes = blocks x
+  `spec.bytes_per_block`.
+  """
+
+  def __init__(self, device_pool: KVPool, host_pool: KVPool,
+               metrics: m.MetricsRegistry | None = None, min_bucket: int = 8):
+    if device_pool.memory_kind != DEVICE or host_pool.memory_kind != PINNED_HOST:
+      raise ValueError("TransferEngine needs a device pool and a pinned_host pool, got "
+                       f"{device_pool.memory_kind} and {host_pool.memory_kind}")
+    if device_pool.spec != host_pool.spec or device_pool.device != host_pool.device:
+      raise ValueError("device and host pools must share one KVCacheSpec and one device")
+    if min_bucket <= 0 or min_bucket & (min_bucket - 1):
+      raise ValueError(f"min_bucket must be a power of two, got {min_bucket}")
+    self.device_pool = device_pool
+    self.host_pool = host_pool
+    self.min_bucket = min_bucket
+    self.metrics = metrics if metrics is not None else m.MetricsRegistry()
+    self._transfers, self._blocks, self._bytes, self._seconds = register_transfer_metrics(
+        self.metrics)
+    device_sharding = SingleDeviceSharding(device_pool.device, memory_kind=DEVICE)
+    num_layers = device_pool.spec.num_layers
+    self._swap_out = _swap_out_program(num_layers, device_sharding, host_pool.sharding)
+    self._swap_in = _swap_in_program(num_layers, device_sharding, host_pool.sharding)
+    self._pending: list[tuple[str, float, jax.Array]] = []
+    self.buckets_used: set[tuple[str, int]] = set()  # (direction, padded length)
+
+  def swap_out(self, device_ids, host_ids) -> None:
+    """Copies device blocks `device_ids[i]` to host blocks `host_ids[i]` (all layers)."""
+    device_ids, host_ids = self._check(device_ids, self.device_pool, host_ids,
+                                       self.host_pool)
+    if len(device_ids):
+      self._dispatch(m.DIRECTION_D2H, device_ids, host_ids)
+
+  def swap_in(self, host_ids, device_ids) -> None:
+    """Copies host blocks `host_ids[i]` to device blocks `device_ids[i]` (all layers)."""
+    host_ids, device_ids = self._check(host_ids, self.host_pool, device_ids,
+                                       self.device_pool)
+    if len(host_ids):
+      self._dispatch(m.DIRECTION_H2D, host_ids, device_ids)
+
+  def _check(self, src_ids, src_pool: KVPool, dst_ids, dst_pool: KVPool):
+    src = np.asarray(src_ids)
+    dst = np.asarray(dst_ids)
+    for ids, pool in ((src, src_pool), (dst, dst_pool)):
+      if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"{pool.memory_kind} block ids must be a 1-D integer array, "
+                         f"got {ids.dtype}{list(ids.shape)}")
+      bad = ids[(ids < pool.num_null_blocks) | (ids >= pool.num_blocks)]
+      if bad.size:
+        raise ValueError(f"{pool.memory_kind} block ids must be in "
+                         f"[{pool.num_null_blocks}, {pool.num_blocks}), got {bad.tolist()}")
+    if src.shape != dst.shape:
+      raise ValueError(f"source and destination id lists differ in length: "
+                       f"{src.size} != {dst.size}")
+    if np.unique(dst).size != dst.size:
+      raise ValueError(f"destination {dst_pool.memory_kind} block ids repeat: {dst.tolist()}")
+    return src.astype(np.int32), dst.astype(np.int32)
+
+  def _dispatch(self, direction: str, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    num_blocks = len(src_ids)
+    padded = bucket_size(num_blocks, self.min_bucket)
+    self.buckets_used.add((direction, padded))
+    src = np.zeros(padded, np.int32)  # padding reads block 0 ...
+    src[:num_blocks] = src_ids
+    if direction == m.DIRECTION_D2H:
+      src_pool, dst_pool, program = self.device_pool, self.host_pool, self._swap_out
+    else:
+      src_pool, dst_pool, program = self.host_pool, self.device_pool, self._swap_in
+    dst = np.full(padded, dst_pool.num_blocks, np.int32)  # ... and writes nowhere
+    dst[:num_blocks] = dst_ids
+    start = time.perf_counter()
+    new_arrays, done = program(src_pool.arrays(), dst_pool.arrays(), src, dst)
+    dst_pool.set_arrays(new_arrays)
+    self._pending.append((direction, start, done))
+    self._transfers.inc(direction=direction)
+    self._blocks.inc(num_blocks, direction=direction)
+    self._bytes.inc(num_blocks * src_pool.spec.bytes_per_block, direction=direction)
+
+  @property
+  def num_pending(self) -> int:
+    """Transfers dispatched whose completion has not been observed yet."""
+    return len(self._pending)
+
+  def poll(self) -> int:
+    """Records finished transfers without blocking; returns how many are still pending."""
+    still = []
+    for direction, start, done in self._pending:
+      if done.is_ready():
+        self._seconds.observe(time.perf_counter() - start, direction=direction)
+      else:
+        still.append((direction, start, done))
+    self._pending = still
+    return len(still)
+
+  def wait(self) -> None:
+    """Blocks until every dispatched transfer has finished, and records its latency."""
+    for direction, start, done in self._pending:
+      done.block_until_ready()
+      self._seconds.observe(time.perf_counter() - start, direction=direction)
+    self._pending = []
