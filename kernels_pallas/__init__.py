@@ -1,4 +1,50 @@
 """Pallas kernels for paged attention over a device-resident block array.
 
-Each kernel file ends with its pure-jnp reference.
+KV layout per layer: ``k_pages, v_pages [num_blocks, block_size, num_kv_heads,
+head_dim]``; block 0 is the null block (padding in block tables). Dense and top-k
+sparse attention are the same kernel: a sparse block table lists only the selected
+blocks.
+
+Public API (each kernel file ends with its pure-jnp ``*_reference``, which is also
+the jit-compiled "xla" backend with the same signature):
+
+* ``paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
+  soft_cap=None, interpret=None)`` -- decode, split-K with a log-sum-exp combine.
+* ``ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
+  *, sm_scale=None, soft_cap=None, sliding_window=None, interpret=None)`` --
+  prefill, chunked prefill and decode rows, causal with offset kv_len - q_len.
+* ``write_kv(k_pages, v_pages, k_new, v_new, slot_ids)`` -- in place (donated);
+  negative slots skipped.
+* ``block_key_bounds(bounds, k_pages, slot_ids)`` -- per-block key min/max,
+  ``bounds [num_blocks, 2, num_kv_heads, head_dim]`` (0 = min, 1 = max), donated.
+
+Backend choice lives in :mod:`kernels_pallas.backend` alone. The engine calls
+``ops(backend=None)``: ``"auto"``/``None`` gives the XLA references on CPU (and
+TPU) and the Pallas kernels on GPU; ``"pallas"``/``"xla"`` force one. A kernel's
+own ``interpret=None`` means interpret mode on CPU (tests), compiled (Triton) on
+GPU.
 """
+
+from kernels_pallas.backend import KernelOps, ops, resolve_backend, resolve_interpret
+from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
+from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from kernels_pallas.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from kernels_pallas.write_kv import write_kv, write_kv_reference
+
+__all__ = [
+    "KernelOps",
+    "block_key_bounds",
+    "block_key_bounds_reference",
+    "ops",
+    "paged_attention",
+    "paged_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "resolve_backend",
+    "resolve_interpret",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -1,0 +1,137 @@
+"""Per-block key summaries: elementwise min and max of the keys of valid tokens.
+
+The input of the training-free block indexer. Layout (decided here)::
+
+  bounds: [num_blocks, 2, num_kv_heads, head_dim]
+                       ^ 0 = min, 1 = max over the block's valid tokens
+
+Block-major like the KV pages, so ``bounds[block_tables]`` gathers the summaries
+of a block table in one gather and a block's summary moves with the block.
+
+Update rule: after ``write_kv(..., slot_ids)``, call
+``block_key_bounds(bounds, k_pages, slot_ids)``. Every block a non-negative slot
+touched is recomputed from its tokens ``0 .. max written offset`` (blocks fill in
+order, so those are exactly its valid tokens); other blocks are left unchanged.
+The recompute (not an incremental min/max) makes a reused block forget its
+previous owner's keys. ``bounds`` is donated and updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend, common
+
+MIN, MAX = 0, 1
+
+
+def _block_key_bounds_kernel(
+    slot_ids_ref,  # [1] int32, -1 unless this token is its block's last write
+    k_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
+    bounds_in_ref,  # aliased to bounds_ref
+    bounds_ref,  # [num_blocks, 2, head_dim] (one KV head)
+):
+  del bounds_in_ref
+  num_blocks, block_size, head_dim = k_pages_ref.shape
+  slot = slot_ids_ref[0]
+
+  @pl.when((slot >= 0) & (slot < num_blocks * block_size))
+  def _update():
+    block_id = slot // block_size
+    num_valid = slot % block_size + 1
+    k = k_pages_ref[block_id]  # [block_size, head_dim]
+    valid = lax.broadcasted_iota(jnp.int32, (block_size, head_dim), 0) < num_valid
+    k_min = jnp.where(valid, k, jnp.array(jnp.inf, k.dtype)).min(axis=0)
+    k_max = jnp.where(valid, k, jnp.array(-jnp.inf, k.dtype)).max(axis=0)
+    bounds_ref[block_id, MIN] = k_min.astype(bounds_ref.dtype)
+    bounds_ref[block_id, MAX] = k_max.astype(bounds_ref.dtype)
+
+
+def _last_write_slots(slot_ids, num_blocks: int, block_size: int):
+  """Keeps, per touched block, only the slot with the largest offset (others -> -1)."""
+  ok = (slot_ids >= 0) & (slot_ids < num_blocks * block_size)
+  block_id = jnp.where(ok, slot_ids // block_size, num_blocks)
+  fill = jnp.zeros((num_blocks,), jnp.int32).at[block_id].max(slot_ids % block_size + 1,
+                                                             mode="drop")
+  last = ok & (slot_ids % block_size + 1 == fill[jnp.minimum(block_id, num_blocks - 1)])
+  return jnp.where(last, slot_ids, -1)
+
+
+def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret):
+  num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+  last_slots = _last_write_slots(slot_ids, num_blocks, block_size)
+  bounds_spec = pl.BlockSpec((num_blocks, 2, None, head_dim), lambda t, h: (0, 0, h, 0))
+  return pl.pallas_call(
+      _block_key_bounds_kernel,
+      grid=(slot_ids.shape[0], num_kv_heads),
+      in_specs=[
+          pl.BlockSpec((1,), lambda t, h: (t,)),
+          pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda t, h: (0, 0, h, 0)),
+          bounds_spec,
+      ],
+      out_specs=bounds_spec,
+      out_shape=jax.ShapeDtypeStruct(bounds.shape, bounds.dtype),
+      input_output_aliases={2: 0},
+      interpret=interpret,
+      compiler_params=backend.compiler_params(interpret, num_warps=1, num_stages=1),
+      name="block_key_bounds",
+  )(last_slots, k_pages, bounds)
+
+
+def _check(bounds, k_pages, slot_ids):
+  num_blocks, _, num_kv_heads, head_dim = common.check_pages(k_pages, k_pages)
+  want = (num_blocks, 2, num_kv_heads, head_dim)
+  if bounds.shape != want:
+    raise ValueError(
+        f"bounds must be [num_blocks, 2, num_kv_heads, head_dim] = {want} for k_pages shape "
+        f"{k_pages.shape}, got {bounds.shape}")
+  if bounds.dtype not in (k_pages.dtype, jnp.float32):
+    raise ValueError(f"bounds dtype must be float32 or the keys' {k_pages.dtype}, got "
+                     f"{bounds.dtype}")
+  if slot_ids.ndim != 1:
+    raise ValueError(f"slot_ids must be int32 [num_tokens], got shape {slot_ids.shape}")
+  common.check_int32("slot_ids", slot_ids, slot_ids.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def block_key_bounds(
+    bounds: jax.Array,  # [num_blocks, 2, num_kv_heads, head_dim], donated
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_ids: jax.Array,  # int32 [num_tokens], the slots write_kv just wrote; < 0 skipped
+    *,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """Returns `bounds` with every block touched by `slot_ids` recomputed (in place)."""
+  _check(bounds, k_pages, slot_ids)
+  interpret = backend.resolve_interpret(interpret)
+  backend.check_triton_sizes(interpret, block_size=k_pages.shape[1], head_dim=k_pages.shape[3])
+  return _block_key_bounds_call(bounds, k_pages, slot_ids, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def block_key_bounds_reference(
+    bounds: jax.Array,  # [num_blocks, 2, num_kv_heads, head_dim], donated
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_ids: jax.Array,  # int32 [num_tokens]; < 0 skipped
+    *,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """Pure-jnp reference (the "xla" backend): masked min/max of the touched blocks."""
+  del interpret
+  _check(bounds, k_pages, slot_ids)
+  num_blocks, block_size = k_pages.shape[:2]
+  last_slots = _last_write_slots(slot_ids, num_blocks, block_size)
+  touched = last_slots >= 0
+  block_id = jnp.where(touched, last_slots // block_size, 0)
+  k = k_pages[block_id]  # [num_tokens, block_size, num_kv_heads, head_dim]
+  valid = (jnp.arange(block_size)[None, :] <= (last_slots % block_size)[:, None])
+  valid = valid[:, :, None, None]
+  k_min = jnp.where(valid, k, jnp.inf).min(axis=1)
+  k_max = jnp.where(valid, k, -jnp.inf).max(axis=1)
+  new = jnp.stack([k_min, k_max], axis=1).astype(bounds.dtype)  # [num_tokens, 2, h, d]
+  return bounds.at[jnp.where(touched, block_id, num_blocks)].set(new, mode="drop")

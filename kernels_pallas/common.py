@@ -1,0 +1,75 @@
+"""Constants and shape checks shared by the kernel files.
+
+Owns the mask value, the small integer helpers used to size grids and the
+`ValueError`-raising checks for the paged KV layout, so that every public kernel
+entry rejects bad shapes with the same wording.
+
+KV layout (per layer), block-major so one block is one contiguous chunk::
+
+  k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim]
+                     ^ block 0 is the null block (padding in block tables)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A large finite negative logit: exp(MASK_VALUE - m) is exactly 0 for any real m,
+# and, unlike -inf, MASK_VALUE - MASK_VALUE is 0 rather than NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+  return cdiv(a, b) * b
+
+
+def next_power_of_2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def check_pages(k_pages: jax.Array, v_pages: jax.Array) -> tuple[int, int, int, int]:
+  """Checks the paged KV pair; returns (num_blocks, block_size, num_kv_heads, head_dim)."""
+  if k_pages.ndim != 4:
+    raise ValueError(
+        "k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], got shape "
+        f"{k_pages.shape}")
+  if k_pages.shape != v_pages.shape:
+    raise ValueError(
+        f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")
+  if k_pages.dtype != v_pages.dtype:
+    raise ValueError(
+        f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and {v_pages.dtype}")
+  if k_pages.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"KV dtype must be float32, bfloat16 or float16, got {k_pages.dtype}")
+  return k_pages.shape
+
+
+def check_int32(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
+  if x.shape != shape:
+    raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+  if x.dtype != jnp.int32:
+    raise ValueError(f"{name} must be int32, got {x.dtype} (shape {x.shape})")
+
+
+def check_query(q: jax.Array, num_kv_heads: int, head_dim: int, kv_dtype) -> tuple[int, ...]:
+  """Checks q [..., num_q_heads, head_dim] against the KV pages; returns q.shape."""
+  if q.ndim != 3:
+    raise ValueError(f"q must be rank 3 [tokens, num_q_heads, head_dim], got shape {q.shape}")
+  if q.shape[-1] != head_dim:
+    raise ValueError(
+        f"q head_dim {q.shape[-1]} (q shape {q.shape}) != KV head_dim {head_dim}")
+  if q.shape[-2] % num_kv_heads:
+    raise ValueError(
+        f"num_q_heads {q.shape[-2]} (q shape {q.shape}) must be a multiple of "
+        f"num_kv_heads {num_kv_heads}")
+  if q.dtype != kv_dtype:
+    raise ValueError(f"q dtype {q.dtype} must equal the KV dtype {kv_dtype}")
+  return q.shape

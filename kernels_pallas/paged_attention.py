@@ -1,0 +1,249 @@
+"""Decode paged attention: one query token per sequence over its block table.
+
+Dense and top-k sparse attention are the same call: a sparse table simply lists
+the selected blocks. The grid is ``(batch, num_kv_heads, num_splits)``; each
+program attends the query heads of one KV head (GQA/MQA rows packed together)
+over one contiguous slice of the block table (split-K), and the slices are
+merged with a log-sum-exp combine. A sequence of length 0 yields zeros.
+
+  block_tables[b] = [ 7, 3, 9, 4, 0, 0 ]   (0 = null block, padding)
+                      |split 0| |split 1|  ... each split: online softmax
+                      -> (acc, m, l) per split -> combine -> out[b]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend, common
+
+# Blocks gathered per inner-loop step: block_size * BLOCKS_PER_STEP keys per dot
+# (Triton needs at least 16 columns per dot).
+DEFAULT_BLOCKS_PER_STEP = 2
+# Split-K: at most this many splits, each of at least this many blocks.
+MAX_SPLITS = 16
+MIN_BLOCKS_PER_SPLIT = 16
+
+
+def _paged_attention_kernel(
+    q_ref,  # [block_h, head_dim]
+    k_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
+    v_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
+    block_tables_ref,  # [blocks_per_split]
+    lengths_ref,  # [1]
+    o_ref,  # [block_h, head_dim] f32, unnormalised
+    m_ref,  # [block_h] f32, running max
+    l_ref,  # [block_h] f32, running sum
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    blocks_per_step: int,
+):
+  split_id = pl.program_id(2)
+  block_h, head_dim = q_ref.shape
+  block_size = k_pages_ref.shape[1]
+  blocks_per_split = block_tables_ref.shape[0]
+  tokens_per_step = blocks_per_step * block_size
+
+  length = lengths_ref[0]
+  first_block = split_id * blocks_per_split
+  num_blocks_here = jnp.clip(pl.cdiv(length, block_size) - first_block, 0, blocks_per_split)
+  num_steps = pl.cdiv(num_blocks_here, blocks_per_step)
+  q = q_ref[...]
+
+  def body(step, carry):
+    m_prev, l_prev, acc_prev = carry
+    local_block = step * blocks_per_step
+    block_ids = block_tables_ref[pl.ds(local_block, blocks_per_step)]
+    k = k_pages_ref[block_ids].reshape(tokens_per_step, head_dim)
+    v = v_pages_ref[block_ids].reshape(tokens_per_step, head_dim)
+    s = jnp.dot(q, k.T, precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32) * sm_scale  # [block_h, tokens_per_step]
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    token_pos = (first_block + local_block) * block_size + jnp.arange(tokens_per_step)
+    valid = (token_pos < length)[None, :]
+    s = jnp.where(valid, s, common.MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=-1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+    l_next = alpha * l_prev + p.sum(axis=-1)
+    # Masked keys may sit in stale or null blocks: zero them so NaN/inf cannot leak.
+    v = jnp.where(valid.T, v, jnp.zeros_like(v))
+    pv = jnp.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+    return m_next, l_next, alpha[:, None] * acc_prev + pv
+
+  m0 = jnp.full((block_h,), common.MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((block_h,), jnp.float32)
+  acc0 = jnp.zeros((block_h, head_dim), jnp.float32)
+  m, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
+  o_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def _paged_attention_call(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_cap,
+                          num_splits, blocks_per_step, block_h, interpret):
+  """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim]."""
+  batch, num_q_heads, head_dim = q.shape
+  num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  max_blocks = block_tables.shape[1]
+
+  blocks_per_split = common.round_up(common.cdiv(max_blocks, num_splits), blocks_per_step)
+  pad_blocks = num_splits * blocks_per_split - max_blocks
+  tables = jnp.pad(block_tables, ((0, 0), (0, pad_blocks)))
+  tables = tables.reshape(batch, num_splits, blocks_per_split)
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+  q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+
+  kernel = functools.partial(_paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                             blocks_per_step=blocks_per_step)
+  pages_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
+                            lambda b, h, s: (0, 0, h, 0))
+  part_shape = (num_splits, batch, num_kv_heads, block_h)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, num_splits),
+      in_specs=[
+          pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
+          pages_spec,
+          pages_spec,
+          pl.BlockSpec((None, None, blocks_per_split), lambda b, h, s: (b, s, 0)),
+          pl.BlockSpec((1,), lambda b, h, s: (b,)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+          pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
+          pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct(part_shape, jnp.float32),
+          jax.ShapeDtypeStruct(part_shape, jnp.float32),
+      ],
+      interpret=interpret,
+      compiler_params=backend.compiler_params(interpret),
+      name="paged_attention",
+  )(q4, k_pages, v_pages, tables, lengths)
+
+  # Log-sum-exp combine of the splits. Empty splits carry m = MASK_VALUE, l = 0.
+  m_all = m.max(axis=0)  # [batch, num_kv_heads, block_h]
+  w = jnp.exp(m - m_all[None])
+  l_all = (w * l).sum(axis=0)
+  o_all = (w[..., None] * o).sum(axis=0)
+  safe_l = jnp.where(l_all > 0, l_all, 1.0)
+  out = jnp.where(l_all[..., None] > 0, o_all / safe_l[..., None], 0.0)
+  return out[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _default_num_splits(max_blocks: int, blocks_per_step: int) -> int:
+  steps = common.cdiv(max_blocks, blocks_per_step)
+  return max(1, min(MAX_SPLITS, steps * blocks_per_step // MIN_BLOCKS_PER_SPLIT, steps))
+
+
+def _check(q, k_pages, v_pages, block_tables, lengths):
+  _, _, num_kv_heads, head_dim = common.check_pages(k_pages, v_pages)
+  batch = common.check_query(q, num_kv_heads, head_dim, k_pages.dtype)[0]
+  if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+    raise ValueError(
+        f"block_tables must be int32 [batch={batch}, max_blocks_per_seq], got shape "
+        f"{block_tables.shape} (q shape {q.shape})")
+  common.check_int32("block_tables", block_tables, block_tables.shape)
+  common.check_int32("lengths", lengths, (batch,))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "num_splits",
+                                             "blocks_per_step", "block_h"))
+def paged_attention(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
+    lengths: jax.Array,  # int32 [batch]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | None = None,
+    num_splits: int | None = None,
+    blocks_per_step: int | None = None,
+    block_h: int | None = None,
+) -> jax.Array:
+  """Decode attention of one query token per sequence over its listed blocks.
+
+  Args:
+    q: [batch, num_q_heads, head_dim]; num_q_heads a multiple of num_kv_heads.
+    k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim].
+    block_tables: int32 [batch, max_blocks_per_seq], blocks in attention order,
+      padded with 0; all listed blocks but the last counted one are full.
+    lengths: int32 [batch], tokens attended (0 gives a zero output).
+    sm_scale: logit scale, default 1/sqrt(head_dim).
+    soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+    interpret: None = interpret mode on CPU, compiled on GPU (see backend.py).
+    num_splits, blocks_per_step, block_h: tuning knobs; None picks defaults.
+
+  Returns:
+    [batch, num_q_heads, head_dim] in q's dtype.
+  """
+  _check(q, k_pages, v_pages, block_tables, lengths)
+  interpret = backend.resolve_interpret(interpret)
+  _, block_size, num_kv_heads, head_dim = k_pages.shape
+  group = q.shape[1] // num_kv_heads
+  if blocks_per_step is None:
+    blocks_per_step = max(DEFAULT_BLOCKS_PER_STEP,
+                          backend.min_dot_rows(interpret) // block_size)
+  if block_h is None:
+    block_h = common.next_power_of_2(max(group, backend.min_dot_rows(interpret)))
+  if block_h < group:
+    raise ValueError(f"block_h {block_h} < query heads per KV head {group} (q shape {q.shape})")
+  if num_splits is None:
+    num_splits = _default_num_splits(block_tables.shape[1], blocks_per_step)
+  backend.check_triton_sizes(interpret, block_h=block_h, head_dim=head_dim,
+                             tokens_per_step=block_size * blocks_per_step)
+  return _paged_attention_call(
+      q, k_pages, v_pages, block_tables, lengths,
+      sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
+      num_splits=num_splits, blocks_per_step=blocks_per_step, block_h=block_h,
+      interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
+def paged_attention_reference(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
+    lengths: jax.Array,  # int32 [batch]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """Pure-jnp reference (the "xla" backend): gather the listed blocks, masked softmax."""
+  del interpret  # Same signature as the kernel; nothing to interpret.
+  _check(q, k_pages, v_pages, block_tables, lengths)
+  batch, num_q_heads, head_dim = q.shape
+  _, block_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  k = k_pages[block_tables].reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
+  v = v_pages[block_tables].reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
+  qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
+  s = jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  valid = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+  s = jnp.where(valid, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  denom = p.sum(axis=-1, keepdims=True)
+  p = p / jnp.where(denom > 0, denom, 1.0)
+  v = jnp.where(valid[:, 0, 0, :, None, None], v, 0.0)
+  o = jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST)
+  return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
