@@ -1,0 +1,483 @@
+"""Block tables of sequences over two KV tiers, with prefix caching and swap plans.
+
+This module owns which KV blocks each sequence holds: device block tables in
+attention order, the host blocks of sequences swapped out, prefix-cache lookups in
+both tiers, copy-on-write of shared blocks, and the plans of the block moves that
+follow from these decisions. It is host bookkeeping only (plain Python and numpy):
+the engine executes the plans with the TransferEngine and the jitted step.
+
+    sequence A (device)      table [3, 4, 7]   tokens 0..15 | 16..31 | 32..40
+                                      |  |  `-- partial: never cached, copied on write
+                                      `--`----- full: chained hash, shareable
+    device pool  [0=null][1][2][3][4][5][6][7] ...
+                      swap_out, spill |  ^  swap_in, host prefix hit
+                                      v  |
+    host pool    [0=null][1][2][3][4] ...
+    sequence B (swapped out)  host table [2, 4]   (device table empty)
+
+A block's tier-local life (FREE -> OWNED -> CACHED -> evicted) is described in
+`hisparse_jax.block_pool`. Across tiers, a block's content moves:
+- device -> host: `swap_out(seq)` (preemption by swapping, not recomputing) and
+  `spill_cold_blocks(n)` (write-back of cold cached device blocks);
+- host -> device: `swap_in(seq)` and host-tier prefix hits in `allocate`.
+
+Plan contract for one engine step (the order makes batched transfers safe):
+  1. all device->host plans (SwapOutPlan), as one batched transfer;
+  2. all host->device plans (SwapInPlan), as one batched transfer;
+  3. copy-on-write copies (device -> device);
+  4. the forward step, which writes the KV of the slots handed out;
+  5. `finish_step()`, which releases the host blocks pinned as sources or targets of
+     this step's transfers.
+A sequence that was allocated, appended to or swapped in during a step is neither
+freed, forked nor swapped out before that step's forward has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
+from hisparse_jax.kv_hash import BlockHash, hash_block_tokens, hash_full_blocks
+
+
+def _ids(values: Sequence[int]) -> np.ndarray:
+  return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapOutPlan:
+  """One batched device -> host copy: device block i goes to host block i."""
+
+  device_ids: np.ndarray  # [num_blocks] int32
+  host_ids: np.ndarray  # [num_blocks] int32
+
+  @property
+  def num_blocks(self) -> int:
+    return int(self.device_ids.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapInPlan:
+  """One batched host -> device copy: host block i goes to device block i."""
+
+  host_ids: np.ndarray  # [num_blocks] int32
+  device_ids: np.ndarray  # [num_blocks] int32
+
+  @property
+  def num_blocks(self) -> int:
+    return int(self.host_ids.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocateResult:
+  """Blocks of a new sequence: its table, what the prefix cache covered, what to compute."""
+
+  block_ids: np.ndarray  # [num_blocks] int32, device block table in attention order
+  num_cached_tokens: int  # prompt tokens whose KV exists (device hit) or is swapped in
+  slot_ids: np.ndarray  # [num_tokens - num_cached_tokens] int32, slots of tokens to compute
+  swap_in: SwapInPlan  # host-tier prefix hits to bring into the device blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendResult:
+  """Where a sequence's new token goes, and the copy-on-write copy to do first."""
+
+  slot_id: int  # block_id * block_size + offset
+  copy: tuple[int, int] | None  # (src_device_id, dst_device_id) when the last block was shared
+
+
+@dataclasses.dataclass
+class _SeqState:
+  token_ids: list[int]
+  block_ids: list[int]  # device ids when resident, host ids when swapped out
+  block_hashes: list[BlockHash]  # one per full block (empty when prefix caching is off)
+  extra_keys: tuple | None
+  swapped: bool = False
+  num_cached_tokens: int = 0
+
+
+class BlockManager:
+  """Tiered block manager: device blocks for running sequences, host blocks for the rest.
+
+  Invariants (checked by `check_invariants`):
+  - both pools hold their own invariants (`BlockPool`);
+  - a resident sequence holds cdiv(num_tokens, block_size) device blocks and no host
+    block; a swapped-out sequence holds as many host blocks and no device block;
+  - a device block's ref_cnt equals the number of resident table entries naming it;
+    a host block's ref_cnt equals the swapped table entries naming it plus the pins
+    of this step's transfers;
+  - the null block appears in no table;
+  - a full block's hash is that of the sequence's tokens, so a prefix hit never
+    changes what attention reads.
+  Prefix lookups use the device tier first, then the host tier; hits stop at the
+  first miss (hashes are chained) and never cover the last prompt token, which must
+  be computed to produce logits.
+  """
+
+  def __init__(
+      self,
+      num_device_blocks: int,
+      num_host_blocks: int,
+      block_size: int,
+      *,
+      enable_prefix_caching: bool = True,
+  ):
+    if block_size <= 0:
+      raise ValueError(f"block_size must be positive, got {block_size}")
+    self.block_size = block_size
+    self.enable_prefix_caching = enable_prefix_caching
+    self.device_pool = BlockPool(num_device_blocks, "device")
+    self.host_pool = BlockPool(num_host_blocks, "pinned_host")
+    self._seqs: dict[Hashable, _SeqState] = {}
+    self._pinned_host_groups: list[list[int]] = []
+
+  @property
+  def pools(self) -> dict[str, BlockPool]:
+    """The two tiers by memory kind."""
+    return {"device": self.device_pool, "pinned_host": self.host_pool}
+
+  # --- Queries -------------------------------------------------------------------
+
+  def __contains__(self, seq_id: Hashable) -> bool:
+    return seq_id in self._seqs
+
+  @property
+  def seq_ids(self) -> list[Hashable]:
+    return list(self._seqs)
+
+  def _seq(self, seq_id: Hashable) -> _SeqState:
+    if seq_id not in self._seqs:
+      raise ValueError(f"unknown sequence {seq_id!r}")
+    return self._seqs[seq_id]
+
+  def _resident(self, seq_id: Hashable) -> _SeqState:
+    seq = self._seq(seq_id)
+    if seq.swapped:
+      raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+    return seq
+
+  def num_tokens(self, seq_id: Hashable) -> int:
+    return len(self._seq(seq_id).token_ids)
+
+  def token_ids(self, seq_id: Hashable) -> list[int]:
+    return list(self._seq(seq_id).token_ids)
+
+  def is_swapped(self, seq_id: Hashable) -> bool:
+    return self._seq(seq_id).swapped
+
+  def num_cached_tokens(self, seq_id: Hashable) -> int:
+    return self._seq(seq_id).num_cached_tokens
+
+  def block_table(self, seq_id: Hashable) -> list[int]:
+    """Device block ids of a resident sequence, in attention order."""
+    return list(self._resident(seq_id).block_ids)
+
+  def host_block_table(self, seq_id: Hashable) -> list[int]:
+    """Host block ids of a swapped-out sequence, in attention order."""
+    seq = self._seq(seq_id)
+    if not seq.swapped:
+      raise ValueError(f"sequence {seq_id!r} is resident on the device")
+    return list(seq.block_ids)
+
+  def block_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
+    """[num_seqs, max_num_blocks] int32 device tables, padded with the null block."""
+    tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
+    for row, seq_id in enumerate(seq_ids):
+      block_ids = self._resident(seq_id).block_ids
+      if len(block_ids) > max_num_blocks:
+        raise ValueError(
+            f"sequence {seq_id!r} has {len(block_ids)} blocks > max_num_blocks={max_num_blocks}")
+      tables[row, :len(block_ids)] = block_ids
+    return tables
+
+  def slot_ids(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+    """[end - start] int32 slots (block_id * block_size + offset) of token positions."""
+    block_ids = self._resident(seq_id).block_ids
+    positions = np.arange(start, end)
+    if start < 0 or end > len(block_ids) * self.block_size:
+      raise ValueError(f"positions [{start}, {end}) outside the blocks of {seq_id!r}")
+    table = np.asarray(block_ids, dtype=np.int64)
+    return (table[positions // self.block_size] * self.block_size
+            + positions % self.block_size).astype(np.int32)
+
+  def _num_blocks(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.block_size)
+
+  # --- New sequences -------------------------------------------------------------
+
+  def _prefix_hits(self, hashes: list[BlockHash], num_tokens: int,
+                   count: bool) -> list[tuple[str, int]]:
+    """(memory_kind, block_id) of the longest cached prefix, device tier first."""
+    hits = []
+    for block_hash in hashes[:(num_tokens - 1) // self.block_size]:
+      for pool in (self.device_pool, self.host_pool):
+        lookup = pool.get_cached_block if count else pool.peek_cached_block
+        block_id = lookup(block_hash)
+        if block_id is not None:
+          hits.append((pool.memory_kind, block_id))
+          break
+      else:
+        break
+    return hits
+
+  def _hashes(self, token_ids: Sequence[int], extra_keys: tuple | None) -> list[BlockHash]:
+    if not self.enable_prefix_caching:
+      return []
+    return hash_full_blocks(token_ids, self.block_size, extra_keys)
+
+  def _num_device_blocks_needed(self, num_blocks: int, device_hit_ids: list[int]) -> int:
+    # A hit on an OWNED block costs nothing; a hit on a CACHED block leaves the free
+    # queue just as a new block would.
+    return num_blocks - sum(self.device_pool.ref_cnt(i) > 0 for i in device_hit_ids)
+
+  def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None) -> bool:
+    """Whether `allocate` of this prompt would find enough device blocks."""
+    hits = self._prefix_hits(self._hashes(token_ids, extra_keys), len(token_ids), count=False)
+    device_hit_ids = [i for kind, i in hits if kind == "device"]
+    need = self._num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
+    return need <= self.device_pool.num_free_blocks
+
+  def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
+               extra_keys: tuple | None = None) -> AllocateResult:
+    """Device blocks for a new sequence's prompt, reusing cached prefix blocks.
+
+    Device hits are shared (ref_cnt += 1); host hits get a new device block and an
+    entry in the returned swap-in plan. Every full block of the prompt is cached.
+    """
+    if seq_id in self._seqs:
+      raise ValueError(f"sequence {seq_id!r} already has blocks")
+    if len(token_ids) == 0:
+      raise ValueError(f"sequence {seq_id!r} has no tokens")
+    token_ids = [int(t) for t in token_ids]
+    hashes = self._hashes(token_ids, extra_keys)
+    if not self.can_allocate(token_ids, extra_keys):
+      raise ValueError(
+          f"cannot allocate {seq_id!r}: {self._num_blocks(len(token_ids))} blocks needed, "
+          f"{self.device_pool.num_free_blocks} device blocks free")
+    hits = self._prefix_hits(hashes, len(token_ids), count=True)
+    num_blocks = self._num_blocks(len(token_ids))
+    device_hit_ids = [i for kind, i in hits if kind == "device"]
+    self.device_pool.touch(device_hit_ids)  # Before allocating, so they are not evicted.
+    new_ids = iter(self.device_pool.allocate(num_blocks - len(device_hit_ids)))
+    block_ids, host_src, device_dst = [], [], []
+    for i in range(num_blocks):
+      kind, hit_id = hits[i] if i < len(hits) else (None, None)
+      if kind == "device":
+        block_ids.append(hit_id)
+        continue
+      block_id = next(new_ids)
+      block_ids.append(block_id)
+      if kind == "pinned_host":
+        host_src.append(hit_id)
+        device_dst.append(block_id)
+      if i < len(hashes):
+        self.device_pool.cache_block(block_id, hashes[i])
+    self._pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
+    num_cached_tokens = len(hits) * self.block_size
+    self._seqs[seq_id] = _SeqState(token_ids, block_ids, hashes, extra_keys,
+                                   num_cached_tokens=num_cached_tokens)
+    return AllocateResult(
+        block_ids=_ids(block_ids),
+        num_cached_tokens=num_cached_tokens,
+        slot_ids=self.slot_ids(seq_id, num_cached_tokens, len(token_ids)),
+        swap_in=SwapInPlan(_ids(host_src), _ids(device_dst)))
+
+  # --- Decoding ------------------------------------------------------------------
+
+  def _needs_new_block(self, seq: _SeqState) -> bool:
+    if len(seq.token_ids) % self.block_size == 0:
+      return True
+    return self.device_pool.ref_cnt(seq.block_ids[-1]) > 1  # Shared: copy-on-write.
+
+  def can_append(self, seq_id: Hashable) -> bool:
+    """Whether `append_slot` would find the device block it may need."""
+    seq = self._resident(seq_id)
+    return self.device_pool.num_free_blocks >= self._needs_new_block(seq)
+
+  def append_slot(self, seq_id: Hashable, token_id: int) -> AppendResult:
+    """Adds one token; a new block when the last is full, a private copy when shared."""
+    seq = self._resident(seq_id)
+    if not self.can_append(seq_id):
+      raise ValueError(f"cannot append to {seq_id!r}: no free device block")
+    position = len(seq.token_ids)
+    copy = None
+    if position % self.block_size == 0:
+      seq.block_ids.extend(self.device_pool.allocate(1))
+    elif self._needs_new_block(seq):
+      src_id = seq.block_ids[-1]
+      (dst_id,) = self.device_pool.allocate(1)
+      self.device_pool.free([src_id])
+      seq.block_ids[-1] = dst_id
+      copy = (src_id, dst_id)
+    seq.token_ids.append(int(token_id))
+    if self.enable_prefix_caching and len(seq.token_ids) % self.block_size == 0:
+      parent = seq.block_hashes[-1] if seq.block_hashes else None
+      block_hash = hash_block_tokens(parent, seq.token_ids[-self.block_size:], seq.extra_keys)
+      seq.block_hashes.append(block_hash)
+      self.device_pool.cache_block(seq.block_ids[-1], block_hash)
+    slot_id = seq.block_ids[-1] * self.block_size + position % self.block_size
+    return AppendResult(slot_id=slot_id, copy=copy)
+
+  def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+    """The child shares all of the parent's device blocks (ref_cnt += 1 each)."""
+    parent = self._resident(parent_id)
+    if child_id in self._seqs:
+      raise ValueError(f"sequence {child_id!r} already has blocks")
+    self.device_pool.touch(parent.block_ids)
+    self._seqs[child_id] = _SeqState(
+        list(parent.token_ids), list(parent.block_ids), list(parent.block_hashes),
+        parent.extra_keys, num_cached_tokens=parent.num_cached_tokens)
+
+  def free(self, seq_id: Hashable) -> None:
+    """Drops a finished sequence's blocks, tail first (its full blocks stay cached)."""
+    self._seq(seq_id)
+    seq = self._seqs.pop(seq_id)
+    pool = self.host_pool if seq.swapped else self.device_pool
+    pool.free(reversed(seq.block_ids))
+
+  # --- Moves between tiers -------------------------------------------------------
+
+  def _pin_host_blocks(self, host_ids: Sequence[int], touch: bool) -> None:
+    """Holds host blocks until `finish_step`; `host_ids` in eviction order."""
+    if touch:
+      self.host_pool.touch(host_ids)
+    if host_ids:
+      self._pinned_host_groups.append(list(host_ids))
+
+  def finish_step(self) -> None:
+    """Releases the host blocks pinned by this step's plans (call after the forward)."""
+    for group in self._pinned_host_groups:
+      self.host_pool.free(group)
+    self._pinned_host_groups.clear()
+
+  def _host_hits(self, seq: _SeqState) -> list[int | None]:
+    hashes = seq.block_hashes
+    return [self.host_pool.peek_cached_block(hashes[i]) if i < len(hashes) else None
+            for i in range(len(seq.block_ids))]
+
+  def can_swap_out(self, seq_id: Hashable) -> bool:
+    """Whether the host tier can take every block of the sequence now."""
+    hits = self._host_hits(self._resident(seq_id))
+    need = sum(h is None or self.host_pool.ref_cnt(h) == 0 for h in hits)
+    return need <= self.host_pool.num_free_blocks
+
+  def swap_out(self, seq_id: Hashable) -> SwapOutPlan:
+    """Preempts a sequence by moving its blocks to the host; frees its device blocks.
+
+    Full blocks whose hash the host tier already holds are shared, not copied. The
+    freed device blocks keep their hashes (CACHED), so a quick return finds them.
+    """
+    seq = self._resident(seq_id)
+    if not self.can_swap_out(seq_id):
+      raise ValueError(
+          f"cannot swap out {seq_id!r}: {len(seq.block_ids)} blocks, "
+          f"{self.host_pool.num_free_blocks} host blocks free")
+    hits = self._host_hits(seq)
+    self.host_pool.touch([h for h in hits if h is not None])
+    new_ids = iter(self.host_pool.allocate(sum(h is None for h in hits)))
+    host_ids, device_src, host_dst = [], [], []
+    for i, (device_id, hit_id) in enumerate(zip(seq.block_ids, hits)):
+      if hit_id is not None:
+        host_ids.append(hit_id)
+        continue
+      host_id = next(new_ids)
+      host_ids.append(host_id)
+      device_src.append(device_id)
+      host_dst.append(host_id)
+      if i < len(seq.block_hashes):
+        self.host_pool.cache_block(host_id, seq.block_hashes[i])
+    self.device_pool.free(reversed(seq.block_ids))
+    seq.block_ids = host_ids
+    seq.swapped = True
+    return SwapOutPlan(_ids(device_src), _ids(host_dst))
+
+  def _device_hits(self, seq: _SeqState) -> list[int | None]:
+    hashes = seq.block_hashes
+    return [self.device_pool.peek_cached_block(hashes[i]) if i < len(hashes) else None
+            for i in range(len(seq.block_ids))]
+
+  def can_swap_in(self, seq_id: Hashable) -> bool:
+    """Whether the device tier has the blocks to bring the sequence back now."""
+    seq = self._seq(seq_id)
+    if not seq.swapped:
+      raise ValueError(f"sequence {seq_id!r} is not swapped out")
+    hits = self._device_hits(seq)
+    need = sum(h is None or self.device_pool.ref_cnt(h) == 0 for h in hits)
+    return need <= self.device_pool.num_free_blocks
+
+  def swap_in(self, seq_id: Hashable) -> SwapInPlan:
+    """Brings a swapped-out sequence back to device blocks before it runs again.
+
+    Full blocks still cached on the device are reused without a copy. The host blocks
+    stay pinned until `finish_step`, then become CACHED host blocks (full ones).
+    """
+    if not self.can_swap_in(seq_id):
+      raise ValueError(
+          f"cannot swap in {seq_id!r}: {self.device_pool.num_free_blocks} device blocks free")
+    seq = self._seqs[seq_id]
+    hits = self._device_hits(seq)
+    self.device_pool.touch([h for h in hits if h is not None])
+    new_ids = iter(self.device_pool.allocate(sum(h is None for h in hits)))
+    device_ids, host_src, device_dst = [], [], []
+    for i, (host_id, hit_id) in enumerate(zip(seq.block_ids, hits)):
+      if hit_id is not None:
+        device_ids.append(hit_id)
+        continue
+      device_id = next(new_ids)
+      device_ids.append(device_id)
+      host_src.append(host_id)
+      device_dst.append(device_id)
+      if i < len(seq.block_hashes):
+        self.device_pool.cache_block(device_id, seq.block_hashes[i])
+    self._pin_host_blocks(seq.block_ids[::-1], touch=False)  # Its refs become pins.
+    seq.block_ids = device_ids
+    seq.swapped = False
+    return SwapInPlan(_ids(host_src), _ids(device_dst))
+
+  def spill_cold_blocks(self, max_num_blocks: int) -> SwapOutPlan:
+    """Writes back up to `max_num_blocks` CACHED device blocks, coldest first.
+
+    Only blocks whose hash the host tier lacks are copied; each gets a host block that
+    holds its hash (pinned until `finish_step`, then CACHED). The device copies stay
+    CACHED too, until a device allocation reuses them: then the prefix survives on host.
+    """
+    device_src, host_dst = [], []
+    for device_id in self.device_pool.cached_block_ids_lru():
+      if len(device_src) >= max_num_blocks or self.host_pool.num_free_blocks == 0:
+        break
+      block_hash = self.device_pool.block_hash(device_id)
+      if self.host_pool.peek_cached_block(block_hash) is not None:
+        continue
+      (host_id,) = self.host_pool.allocate(1)
+      self.host_pool.cache_block(host_id, block_hash)
+      device_src.append(device_id)
+      host_dst.append(host_id)
+    self._pin_host_blocks(host_dst, touch=False)  # Coldest first already.
+    return SwapOutPlan(_ids(device_src), _ids(host_dst))
+
+  # --- Checks --------------------------------------------------------------------
+
+  def check_invariants(self) -> None:
+    """Raises AssertionError when a class invariant does not hold."""
+    self.device_pool.check_invariants()
+    self.host_pool.check_invariants()
+    refs = {"device": np.zeros(self.device_pool.num_blocks, np.int64),
+            "pinned_host": np.zeros(self.host_pool.num_blocks, np.int64)}
+    for group in self._pinned_host_groups:
+      np.add.at(refs["pinned_host"], group, 1)
+    for seq_id, seq in self._seqs.items():
+      assert len(seq.block_ids) == self._num_blocks(len(seq.token_ids)), seq_id
+      assert NULL_BLOCK_ID not in seq.block_ids, seq_id
+      np.add.at(refs["pinned_host" if seq.swapped else "device"], seq.block_ids, 1)
+      if self.enable_prefix_caching:
+        assert seq.block_hashes == hash_full_blocks(
+            seq.token_ids, self.block_size, seq.extra_keys), seq_id
+        pool = self.host_pool if seq.swapped else self.device_pool
+        for block_id, block_hash in zip(seq.block_ids, seq.block_hashes):
+          assert pool.block_hash(block_id) == block_hash, (seq_id, block_id)
+    for kind, pool in self.pools.items():
+      actual = [pool.ref_cnt(i) for i in range(pool.num_blocks)]
+      assert actual == refs[kind].tolist(), (kind, actual, refs[kind].tolist())
