@@ -31,6 +31,7 @@ changing callers.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -47,6 +48,7 @@ def bucket_size(n: int, min_bucket: int) -> int:
   return max(min_bucket, 1 << max(0, int(n) - 1).bit_length())
 
 
+@functools.cache  # one program per pool shape set, shared by engines of a process
 def _swap_out_program(num_layers: int, device_sharding, host_sharding):
   """(device arrays, host arrays [donated], device_ids, host_ids) -> new host arrays."""
 
@@ -63,6 +65,7 @@ def _swap_out_program(num_layers: int, device_sharding, host_sharding):
   return jax.jit(swap_out, donate_argnums=(1,), out_shardings=shardings)
 
 
+@functools.cache
 def _swap_in_program(num_layers: int, device_sharding, host_sharding):
   """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
 
