@@ -82,11 +82,12 @@ def test_round_trip_is_bit_exact_and_in_place(dtype, rng):
 
 
 def test_one_program_call_per_swap_and_bounded_compiles(rng):
-  # A head_dim no other test uses, so the program's compile cache is this test's own.
+  # A head_dim no other test uses, so every compile of these shapes happens here.
   device_pool, host_pool, _ = _filled_pools("float32", rng, head_dim=4)
   engine = TransferEngine(device_pool, host_pool, min_bucket=8)
   calls = []
   program = engine._swap_out
+  compiled_before = program._cache_size()
 
   def counting(*args):
     calls.append(len(args[2]))
@@ -101,7 +102,7 @@ def test_one_program_call_per_swap_and_bounded_compiles(rng):
   assert engine.num_pending == 0
   assert calls == [8, 8, 16]  # 3, 7 and 9 blocks of 3 layers: one padded call each
   assert engine.buckets_used == {("d2h", 8), ("d2h", 16)}
-  assert program._cache_size() == 2
+  assert program._cache_size() - compiled_before == 2
   assert [bucket_size(n, 8) for n in (1, 8, 9, 100)] == [8, 8, 16, 128]
 
 
