@@ -22,6 +22,10 @@ def register(name: str, module: str, help_text: str) -> None:
   COMMANDS[name] = (module, help_text)
 
 
+register("capacity", "hisparse_jax.capacity_cmd",
+         "Load the model, allocate the KV pools, log the KV capacity of each memory kind.")
+
+
 FLAGS = flags.FLAGS
 
 # Model and memory flags shared by every command.

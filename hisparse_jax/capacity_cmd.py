@@ -1,0 +1,40 @@
+"""`hisparse-jax capacity`: load a model, allocate the KV pools, log their capacity.
+
+Usage::
+
+  hisparse-jax capacity [--model=DIR] [--dtype=float32] [--block_size=16]
+      [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
+
+Prints (absl logging at INFO, on stderr) one capacity line per memory kind and the
+total, as `hisparse_jax.capacity.CapacityReport.log` writes them, then exits 0. Bad
+flag values (a budget too small for one request of `--max_model_len`, a host pool above
+95% of the available RAM) exit 2 with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+from absl import flags, logging
+
+from hisparse_jax.capacity import CapacityReport, plan_capacity
+from hisparse_jax.kv_pool import KVCacheSpec
+
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> int:
+  del argv  # all input comes from the shared flags of hisparse_jax.cli
+  from models.loader import load_pretrained  # noqa: PLC0415 (heavy: import on use)
+
+  if logging.get_verbosity() < logging.INFO:
+    logging.set_verbosity(logging.INFO)  # the capacity lines are this command's output
+  _, config, _ = load_pretrained(FLAGS.model, dtype=FLAGS.dtype)
+  max_positions = getattr(config, "max_position_embeddings", None)
+  if max_positions is not None and FLAGS.max_model_len > max_positions:
+    raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
+                     f"max_position_embeddings={max_positions}")
+  spec = KVCacheSpec.from_model_config(config, FLAGS.dtype, FLAGS.block_size)
+  plan = plan_capacity(spec, max_model_len=FLAGS.max_model_len,
+                       host_pool_gib=FLAGS.host_pool_gib, device_kv_gib=FLAGS.device_kv_gib)
+  pools = plan.allocate()
+  CapacityReport.from_pools(pools, plan.device_reserved_bytes).log(FLAGS.max_model_len)
+  return 0
