@@ -1,0 +1,83 @@
+"""Ragged paged attention (prefill, chunked prefill, decode rows): kernel vs reference."""
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_testlib as lib
+from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
+
+NUM_BLOCKS = 40
+
+
+def _seqs(block_size):
+  """(q_len, kv_len): decode rows, whole prefills, chunked prefills, an empty query."""
+  bs, long = block_size, 5 * block_size + 3
+  return [(1, 1), (bs - 1, bs - 1), (1, bs), (3, bs + 1), (0, 5), (bs + 5, long), (1, long)]
+
+
+def _case(rng, ratio, block_size, head_dim, dtype, seqs, pad_rows=2):
+  num_kv_heads = 2 if ratio < 8 else 1
+  q_lens, kv_lens = zip(*seqs)
+  pool = lib.make_pool(rng, NUM_BLOCKS, block_size, num_kv_heads, head_dim, lib.DTYPES[dtype])
+  max_blocks = -(-max(kv_lens) // block_size)
+  tables = lib.make_tables(rng, kv_lens, block_size, max_blocks, NUM_BLOCKS)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = jnp.asarray(rng.standard_normal((cu[-1] + pad_rows, ratio * num_kv_heads, head_dim)),
+                  lib.DTYPES[dtype])
+  args = (q, pool.k_pages, pool.v_pages, jnp.asarray(tables), jnp.asarray(kv_lens, jnp.int32),
+          jnp.asarray(cu))
+  return args, pool, tables, cu
+
+
+@pytest.mark.parametrize("ratio,block_size,head_dim,dtype", lib.PAIRWISE_GRID)
+def test_kernel_matches_reference_on_grid(rng, ratio, block_size, head_dim, dtype):
+  args, _, _, cu = _case(rng, ratio, block_size, head_dim, dtype, _seqs(block_size))
+  kw = {}
+  if ratio == 8:
+    kw["sliding_window"] = block_size + 3
+  if ratio == 4:
+    kw["soft_cap"] = 10.0
+  out = ragged_paged_attention(*args, **kw)
+  ref = ragged_paged_attention_reference(*args, **kw)
+  chex.assert_shape(out, args[0].shape)
+  assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= lib.TOL[dtype]
+  np.testing.assert_array_equal(np.asarray(out[cu[-1]:], np.float32), 0.0)  # padding rows
+
+
+def test_chunked_prefill_equals_one_prefill(rng):
+  """Two chunks of a prompt (second with offset kv_len - q_len) == the prompt in one go."""
+  args, _, _, _ = _case(rng, 4, 8, 64, "float32", [(21, 21)], pad_rows=0)
+  q, k, v, tables = args[:4]
+  whole = ragged_paged_attention(*args)
+  split = ragged_paged_attention(
+      q, k, v, jnp.concatenate([tables, tables]), jnp.asarray([13, 21], jnp.int32),
+      jnp.asarray([0, 13, 21], jnp.int32))
+  assert lib.max_abs_err(whole, split) <= 1e-5
+
+
+def test_sparse_rows_against_gathered_tokens(rng):
+  """Decode rows over a subset of a sequence's blocks == softmax over those tokens only."""
+  args, pool, tables, _ = _case(rng, 4, 8, 64, "float32", [(1, 48)], pad_rows=0)
+  picked = tables[:, [4, 0, 2]]  # three of the six blocks, out of order
+  q = args[0]
+  out = ragged_paged_attention(q, args[1], args[2], jnp.asarray(picked),
+                               jnp.asarray([24], jnp.int32), jnp.asarray([0, 1], jnp.int32))
+  k = lib.gather_tokens(pool.k_np, picked[0], 24)
+  v = lib.gather_tokens(pool.v_np, picked[0], 24)
+  assert lib.max_abs_err(out, lib.naive_attention(np.asarray(q), k, v)) <= 1e-5
+
+
+@pytest.mark.parametrize("fn", [ragged_paged_attention, ragged_paged_attention_reference])
+def test_bad_shapes_raise_with_shapes(rng, fn):
+  args, _, _, _ = _case(rng, 4, 8, 64, "float32", [(2, 5), (1, 9)])
+  q, k, v, tables, kv_lens, cu = args
+  with pytest.raises(ValueError, match=r"\(3,\)"):
+    fn(q, k, v, tables, kv_lens, cu[:2])
+  with pytest.raises(ValueError, match=r"\(3, 2\)"):
+    fn(q, k, v, jnp.zeros((3, 2), jnp.int32), kv_lens, cu)
+  with pytest.raises(ValueError, match=r"sliding_window"):
+    fn(q, k, v, tables, kv_lens, cu, sliding_window=0)
+  with pytest.raises(ValueError, match=r"dtype"):
+    fn(q.astype(jnp.bfloat16), k, v, tables, kv_lens, cu)

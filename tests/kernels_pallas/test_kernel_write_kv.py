@@ -1,0 +1,105 @@
+"""write_kv and block_key_bounds: exact bytes, skipped slots, in-place updates."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_testlib as lib
+from kernels_pallas import (
+    block_key_bounds,
+    block_key_bounds_reference,
+    write_kv,
+    write_kv_reference,
+)
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 10, 8, 2, 64
+WRITE = {"pallas": write_kv, "xla": write_kv_reference}
+BOUNDS = {"pallas": block_key_bounds, "xla": block_key_bounds_reference}
+
+
+def _pool(rng, dtype=jnp.float32):
+  return lib.make_pool(rng, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_kv_writes_slots_skips_negative_in_place(rng, impl, dtype):
+  pool = _pool(rng, lib.DTYPES[dtype])
+  slots = np.array([13, -1, 0, 79, -7, 14, 80], np.int32)  # 80 is past the pool: skipped
+  k_new = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), lib.DTYPES[dtype])
+  v_new = -k_new
+  k_ptr, v_ptr = pool.k_pages.unsafe_buffer_pointer(), pool.v_pages.unsafe_buffer_pointer()
+  k_pages, v_pages = WRITE[impl](pool.k_pages, pool.v_pages, k_new, v_new, jnp.asarray(slots))
+  assert pool.k_pages.is_deleted() and pool.v_pages.is_deleted()  # donated
+  assert k_pages.unsafe_buffer_pointer() == k_ptr and v_pages.unsafe_buffer_pointer() == v_ptr
+  want_k = pool.k_np.reshape(-1, NUM_KV_HEADS, HEAD_DIM).copy()
+  want_v = pool.v_np.reshape(-1, NUM_KV_HEADS, HEAD_DIM).copy()
+  k_new_np = np.array(k_new.astype(jnp.float32))
+  for t, slot in enumerate(slots):
+    if 0 <= slot < NUM_BLOCKS * BLOCK_SIZE:
+      want_k[slot], want_v[slot] = k_new_np[t], -k_new_np[t]
+  got_k = np.asarray(k_pages.astype(jnp.float32)).reshape(want_k.shape)
+  got_v = np.asarray(v_pages.astype(jnp.float32)).reshape(want_v.shape)
+  np.testing.assert_array_equal(got_k, want_k)
+  np.testing.assert_array_equal(got_v, want_v)
+  assert (got_k != pool.k_np.reshape(want_k.shape)).any(axis=(1, 2)).sum() == 4  # 4 slots
+
+
+def test_write_kv_bad_shapes_raise(rng):
+  pool = _pool(rng)
+  k_new = jnp.zeros((3, NUM_KV_HEADS, 32), jnp.float32)
+  with pytest.raises(ValueError, match=r"\(3, 2, 32\)"):
+    write_kv(pool.k_pages, pool.v_pages, k_new, k_new, jnp.zeros((3,), jnp.int32))
+  k_new = jnp.zeros((3, NUM_KV_HEADS, HEAD_DIM), jnp.float32)
+  with pytest.raises(ValueError, match=r"slot_ids"):
+    write_kv(pool.k_pages, pool.v_pages, k_new, k_new, jnp.zeros((4,), jnp.int32))
+
+
+def _want_bounds(k_np, block_id, num_valid):
+  keys = k_np[block_id, :num_valid]  # [num_valid, num_kv_heads, head_dim]
+  return np.stack([keys.min(axis=0), keys.max(axis=0)])
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_block_key_bounds_tracks_written_blocks(rng, impl):
+  pool = _pool(rng)
+  k_pages, v_pages = pool.k_pages, pool.v_pages
+  bounds = jnp.full((NUM_BLOCKS, 2, NUM_KV_HEADS, HEAD_DIM), 7.0, jnp.float32)  # sentinel
+  ptr = bounds.unsafe_buffer_pointer()
+
+  def step(k_pages, v_pages, bounds, slots):
+    new = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    slots = jnp.asarray(slots, jnp.int32)
+    k_pages, v_pages = WRITE[impl](k_pages, v_pages, new, new, slots)
+    return k_pages, v_pages, BOUNDS[impl](bounds, k_pages, slots)
+
+  # Prefill: seq A fills block 3 and 5 tokens of block 6; seq B 2 tokens of block 2; padding.
+  prefill = [3 * 8 + i for i in range(8)] + [6 * 8 + i for i in range(5)] + [16, 17, -1, -1]
+  k_pages, v_pages, bounds = step(k_pages, v_pages, bounds, prefill)
+  assert bounds.unsafe_buffer_pointer() == ptr  # in place
+  k_np, b_np = np.asarray(k_pages), np.asarray(bounds)
+  for block_id, num_valid in [(3, 8), (6, 5), (2, 2)]:
+    np.testing.assert_array_equal(b_np[block_id], _want_bounds(k_np, block_id, num_valid))
+  untouched = [b for b in range(NUM_BLOCKS) if b not in (2, 3, 6)]
+  np.testing.assert_array_equal(b_np[untouched], 7.0)
+
+  # Decode: A appends offset 5 of block 6; B's block 2 gets offset 2. Min/max widen to them.
+  k_pages, v_pages, bounds = step(k_pages, v_pages, bounds, [6 * 8 + 5, 2 * 8 + 2])
+  k_np, b_np = np.asarray(k_pages), np.asarray(bounds)
+  np.testing.assert_array_equal(b_np[6], _want_bounds(k_np, 6, 6))
+  np.testing.assert_array_equal(b_np[2], _want_bounds(k_np, 2, 3))
+  # Stale tokens of block 6 past offset 5 (from the random pool) are not counted.
+  assert not np.array_equal(_want_bounds(k_np, 6, 6), _want_bounds(k_np, 6, 8))
+
+  # Block 3 freed and reused by a new sequence: only its 1 new token counts.
+  k_pages, v_pages, bounds = step(k_pages, v_pages, bounds, [3 * 8])
+  k_np, b_np = np.asarray(k_pages), np.asarray(bounds)
+  np.testing.assert_array_equal(b_np[3, 0], k_np[3, 0])
+  np.testing.assert_array_equal(b_np[3, 1], k_np[3, 0])
+
+
+def test_block_key_bounds_bad_layout_raises(rng):
+  pool = _pool(rng)
+  bad = jnp.zeros((NUM_BLOCKS, 2, HEAD_DIM, NUM_KV_HEADS), jnp.float32)
+  with pytest.raises(ValueError, match=r"\(10, 2, 64, 2\)"):
+    block_key_bounds(bad, pool.k_pages, jnp.zeros((1,), jnp.int32))
