@@ -85,7 +85,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   request_bytes = blocks_per_request * spec.bytes_per_block
   need = (f"one request of --max_model_len={max_model_len:,} tokens needs "
           f"{blocks_per_request:,} blocks of {spec.block_size} tokens "
-          f"({request_bytes:,} bytes = {_gib(request_bytes)})")
+          f"({request_bytes:,} bytes)")
 
   # Device tier.
   stats = device.memory_stats()
@@ -106,7 +106,8 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   num_device_blocks = max(0, (budget - device_reserved_bytes) // spec.bytes_per_block)
   if num_device_blocks - NUM_NULL_BLOCKS < blocks_per_request:
     raise ValueError(
-        f"--device_kv_gib: the device KV budget of {_gib(budget)} ({source}) holds "
+        f"--device_kv_gib: the device KV budget of {budget:,} bytes = {_gib(budget)} "
+        f"({source}) holds "
         f"{max(0, num_device_blocks - NUM_NULL_BLOCKS):,} usable blocks after the null block and "
         f"{device_reserved_bytes:,} bytes reserved for the indexer and hot buffers, but "
         f"{need}; raise --device_kv_gib or lower --max_model_len")
@@ -123,7 +124,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"{_gib(MAX_HOST_RAM_FRACTION * available)})")
   num_host_blocks = host_bytes // spec.bytes_per_block
   if num_host_blocks - NUM_NULL_BLOCKS < blocks_per_request:
-    raise ValueError(f"--host_pool_gib={host_pool_gib} ({_gib(host_bytes)}) holds "
+    raise ValueError(f"--host_pool_gib={host_pool_gib} ({host_bytes:,} bytes) holds "
                      f"{max(0, num_host_blocks - NUM_NULL_BLOCKS):,} usable blocks after the "
                      f"null block, but {need}; raise --host_pool_gib or lower --max_model_len")
   return CapacityPlan(spec=spec, num_device_blocks=num_device_blocks,

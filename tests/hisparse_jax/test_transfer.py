@@ -87,7 +87,7 @@ def test_one_program_call_per_swap_and_bounded_compiles(rng):
   engine = TransferEngine(device_pool, host_pool, min_bucket=8)
   calls = []
   program = engine._swap_out
-  compiled_before = program._cache_size()
+  compiled_before = program._cache_size()  # a private jax API, present in 0.10.2
 
   def counting(*args):
     calls.append(len(args[2]))
