@@ -21,10 +21,13 @@ A block's tier-local life (FREE -> OWNED -> CACHED -> evicted) is described in
   `spill_cold_blocks(n)` (write-back of cold cached device blocks);
 - host -> device: `swap_in(seq)` and host-tier prefix hits in `allocate`.
 
-Plan contract for one engine step (the order makes batched transfers safe):
-  1. all device->host plans (SwapOutPlan), as one batched transfer;
-  2. all host->device plans (SwapInPlan), as one batched transfer;
-  3. copy-on-write copies (device -> device);
+Plan contract for one engine step. A block freed during the step may be handed out
+again in the same step, so the order of the batched moves matters:
+  1. all device->host plans (SwapOutPlan), as one batched transfer: they read blocks
+     that this step may hand out again;
+  2. copy-on-write copies (device -> device): their source may have been freed by the
+     copy itself and reused as a swap-in target;
+  3. all host->device plans (SwapInPlan), as one batched transfer;
   4. the forward step, which writes the KV of the slots handed out;
   5. `finish_step()`, which releases the host blocks pinned as sources or targets of
      this step's transfers.
@@ -389,6 +392,9 @@ class BlockManager:
       host_dst.append(host_id)
       if i < len(seq.block_hashes):
         self.host_pool.cache_block(host_id, seq.block_hashes[i])
+    # Pinned too: if the sequence is freed in this step, its host blocks must not be
+    # written by a second transfer of the same batch.
+    self._pin_host_blocks(host_dst[::-1], touch=True)
     self.device_pool.free(reversed(seq.block_ids))
     seq.block_ids = host_ids
     seq.swapped = True

@@ -173,6 +173,7 @@ def test_host_prefix_hit_gives_a_swap_in_plan():
   prompt = list(range(10))
   bm.allocate("a", prompt)  # [1, 2, 3]
   bm.swap_out("a")  # host [1, 2, 3]; hashes of a's two full blocks on host 1, 2.
+  bm.finish_step()  # The step's transfer wrote them: the write pins are released.
   bm.allocate("x", list(range(200, 220)))  # [4, 5, 3, 2, 1]: evicts a's device hashes.
   bm.free("x")  # queue [1, 2, 3, 5, 4]
   before = (bm.host_pool.prefix_cache_queries, bm.host_pool.prefix_cache_hits)
@@ -214,7 +215,10 @@ def test_spill_cold_blocks_then_swap_out_shares_host_copies():
   assert bm.host_block_table("b") == [3, 2, 1, 4]
   bm.check_invariants()
   bm.free("b")  # Host blocks freed tail first.
-  assert bm.host_pool.free_block_ids() == [5, 4, 1, 2, 3]
+  # Host block 4 is still the target of this step's copy: pinned until finish_step.
+  assert bm.host_pool.free_block_ids() == [5, 1, 2, 3]
+  bm.finish_step()
+  assert bm.host_pool.free_block_ids() == [5, 1, 2, 3, 4]
   assert bm.host_pool.num_used_blocks == 0 and bm.device_pool.num_used_blocks == 0
 
 
@@ -240,3 +244,23 @@ def test_refusals_name_the_shortage():
     bm.free("z")
   bm.check_invariants()  # Refusals change nothing.
   assert bm.block_table("a") == [1, 2]
+
+
+def test_a_copy_source_can_be_a_swap_in_target_of_the_same_step():
+  # Why copy-on-write copies run before the host->device transfer (module docstring).
+  bm = BlockManager(num_device_blocks=7, num_host_blocks=4, block_size=BS)
+  bm.allocate("s", [50, 51])  # [1]
+  bm.finish_step()
+  assert _ids(bm.swap_out("s").host_ids) == [1]
+  bm.finish_step()
+  bm.allocate("a", list(range(6)))  # [2, 3]
+  bm.fork("a", "b")
+  bm.finish_step()
+  # One step: b copies block 3 into 4, a finishes, and block 3 is handed out again.
+  assert bm.append_slot("b", 6).copy == (3, 4)
+  bm.free("a")
+  assert _ids(bm.allocate("c", list(range(100, 108))).block_ids) == [5, 6]
+  assert _ids(bm.allocate("d", [7]).block_ids) == [1]
+  plan = bm.swap_in("s")
+  assert (_ids(plan.host_ids), _ids(plan.device_ids)) == ([1], [3])
+  bm.check_invariants()

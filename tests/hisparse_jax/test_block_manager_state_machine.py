@@ -1,0 +1,209 @@
+"""Hypothesis state machine: random allocate/append/fork/free/swap/spill under pressure.
+
+Beside the block manager runs a shadow KV cache: one int per slot, holding the token
+whose KV the slot stores. At each `finish_step` the machine executes the step's plans
+in the documented order (device->host, host->device, copy-on-write, forward writes)
+and then checks that every sequence's blocks, read through its table, hold exactly
+its tokens. So prefix hits, copy-on-write and swap plans are checked for what
+attention would read, not only for their bookkeeping.
+"""
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from hisparse_jax.block_manager import BlockManager
+
+BS = 4
+NUM_DEVICE_BLOCKS = 10
+NUM_HOST_BLOCKS = 8
+# Prompts start with a prefix of one of these, so prefix hits are frequent.
+BASES = [list(range(100, 120)), list(range(200, 220)), [7] * 20]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+  """Random traffic on a small tiered pool; invariants checked after every step."""
+
+  enable_prefix_caching = True
+
+  def __init__(self):
+    super().__init__()
+    self.bm = BlockManager(NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS, BS,
+                           enable_prefix_caching=self.enable_prefix_caching)
+    self.device_kv = np.full((NUM_DEVICE_BLOCKS, BS), -1, np.int64)  # token id per slot
+    self.host_kv = np.full((NUM_HOST_BLOCKS, BS), -1, np.int64)
+    self.swap_outs, self.swap_ins, self.copies, self.writes = [], [], [], []
+    self.dirty = set()  # Sequences given slots this step: not freed/forked/swapped out.
+    self.tokens = {}  # seq_id -> expected tokens
+    self.swapped_shape = {}  # seq_id -> (num_blocks, num_tokens) when swapped out
+    self.next_seq_id = 0
+
+  # --- Helpers -------------------------------------------------------------------
+
+  def _new_seq_id(self):
+    self.next_seq_id += 1
+    return self.next_seq_id
+
+  def _pick(self, index, resident, allow_dirty=True):
+    choices = sorted(s for s in self.tokens
+                     if self.bm.is_swapped(s) != resident and (allow_dirty or s not in self.dirty))
+    return choices[index % len(choices)] if choices else None
+
+  def _check_data(self):
+    for seq_id, tokens in self.tokens.items():
+      if self.bm.is_swapped(seq_id):
+        kv = self.host_kv[self.bm.host_block_table(seq_id)]
+      else:
+        kv = self.device_kv[self.bm.block_table(seq_id)]
+      assert kv.reshape(-1)[:len(tokens)].tolist() == tokens, seq_id
+
+  @staticmethod
+  def _transfer(plans, src_kv, dst_kv, src_attr, dst_attr):
+    src_ids = np.concatenate([getattr(p, src_attr) for p in plans] + [np.zeros(0, np.int32)])
+    dst_ids = np.concatenate([getattr(p, dst_attr) for p in plans] + [np.zeros(0, np.int32)])
+    assert len(set(dst_ids.tolist())) == len(dst_ids), "a block written twice in one step"
+    assert 0 not in src_ids.tolist() and 0 not in dst_ids.tolist(), "null block moved"
+    dst_kv[dst_ids] = src_kv[src_ids]
+
+  # --- Rules ---------------------------------------------------------------------
+
+  @rule(base=st.integers(0, len(BASES) - 1), prefix_len=st.integers(0, 16),
+        suffix=st.lists(st.integers(0, 30), max_size=5))
+  def allocate(self, base, prefix_len, suffix):
+    tokens = BASES[base][:prefix_len] + suffix or [1]
+    seq_id = self._new_seq_id()
+    if not self.bm.can_allocate(tokens):
+      free_before = self.bm.device_pool.num_free_blocks
+      try:
+        self.bm.allocate(seq_id, tokens)
+        raise AssertionError("allocate succeeded although can_allocate said no")
+      except ValueError:
+        assert self.bm.device_pool.num_free_blocks == free_before
+      return
+    result = self.bm.allocate(seq_id, tokens)
+    assert len(result.block_ids) == -(-len(tokens) // BS)
+    assert result.num_cached_tokens % BS == 0 and result.num_cached_tokens < len(tokens)
+    assert len(result.slot_ids) == len(tokens) - result.num_cached_tokens
+    self.swap_ins.append(result.swap_in)
+    self.writes.extend(zip(result.slot_ids.tolist(), tokens[result.num_cached_tokens:]))
+    self.tokens[seq_id] = list(tokens)
+    self.dirty.add(seq_id)
+
+  @rule(index=st.integers(0, 99), token=st.integers(0, 30))
+  def append(self, index, token):
+    seq_id = self._pick(index, resident=True)
+    if seq_id is None:
+      return
+    if not self.bm.can_append(seq_id):
+      assert self.bm.device_pool.num_free_blocks == 0
+      return
+    table_before = self.bm.block_table(seq_id)
+    result = self.bm.append_slot(seq_id, token)
+    if result.copy is not None:
+      src_id, dst_id = result.copy
+      assert src_id == table_before[-1] and self.bm.block_table(seq_id)[-1] == dst_id
+      self.copies.append(result.copy)
+    self.writes.append((result.slot_id, token))
+    self.tokens[seq_id].append(token)
+    self.dirty.add(seq_id)
+
+  @rule(index=st.integers(0, 99))
+  def fork(self, index):
+    parent_id = self._pick(index, resident=True, allow_dirty=False)
+    if parent_id is None:
+      return
+    child_id = self._new_seq_id()
+    self.bm.fork(parent_id, child_id)
+    assert self.bm.block_table(child_id) == self.bm.block_table(parent_id)
+    self.tokens[child_id] = list(self.tokens[parent_id])
+
+  @rule(index=st.integers(0, 99), resident=st.booleans())
+  def free(self, index, resident):
+    seq_id = self._pick(index, resident=resident, allow_dirty=False)
+    if seq_id is None:
+      return
+    self.bm.free(seq_id)
+    del self.tokens[seq_id]
+
+  @rule(index=st.integers(0, 99))
+  def swap_out(self, index):
+    seq_id = self._pick(index, resident=True, allow_dirty=False)
+    if seq_id is None:
+      return
+    if not self.bm.can_swap_out(seq_id):
+      return
+    num_blocks = len(self.bm.block_table(seq_id))
+    plan = self.bm.swap_out(seq_id)
+    assert plan.device_ids.dtype == plan.host_ids.dtype == np.int32
+    assert plan.num_blocks <= num_blocks == len(self.bm.host_block_table(seq_id))
+    self.swap_outs.append(plan)
+    self.swapped_shape[seq_id] = (num_blocks, self.bm.num_tokens(seq_id))
+
+  @rule(index=st.integers(0, 99))
+  def swap_in(self, index):
+    seq_id = self._pick(index, resident=False)
+    if seq_id is None or not self.bm.can_swap_in(seq_id):
+      return
+    plan = self.bm.swap_in(seq_id)
+    # A swapped-in table has the same length and token count as before swap-out.
+    shape = (len(self.bm.block_table(seq_id)), self.bm.num_tokens(seq_id))
+    assert shape == self.swapped_shape.pop(seq_id)
+    assert set(plan.device_ids.tolist()) <= set(self.bm.block_table(seq_id))
+    self.swap_ins.append(plan)
+    self.dirty.add(seq_id)
+
+  @rule(max_num_blocks=st.integers(0, 4))
+  def spill(self, max_num_blocks):
+    plan = self.bm.spill_cold_blocks(max_num_blocks)
+    assert plan.num_blocks <= max_num_blocks
+    self.swap_outs.append(plan)
+
+  @rule()
+  def finish_step(self):
+    # The documented order: device->host, copy-on-write, host->device, forward. Each
+    # direction is one batched transfer: every source is read before any write.
+    self._transfer(self.swap_outs, self.device_kv, self.host_kv, "device_ids", "host_ids")
+    for src_id, dst_id in self.copies:
+      self.device_kv[dst_id] = self.device_kv[src_id]
+    self._transfer(self.swap_ins, self.host_kv, self.device_kv, "host_ids", "device_ids")
+    for slot_id, token in self.writes:
+      self.device_kv.reshape(-1)[slot_id] = token
+    self.swap_outs, self.swap_ins, self.copies, self.writes = [], [], [], []
+    self.bm.finish_step()
+    self.dirty.clear()
+    self._check_data()
+
+  # --- Invariants ----------------------------------------------------------------
+
+  @invariant()
+  def pools_and_tables_are_consistent(self):
+    self.bm.check_invariants()  # Ref counts, free queue, hashes, tables (see docstrings).
+    for pool in self.bm.pools.values():
+      # Every block is free, owned or cached; counts add up to the pool size.
+      assert pool.num_free_blocks + pool.num_used_blocks + 1 == pool.num_blocks
+      assert pool.num_cached_blocks <= pool.num_free_blocks
+      assert 0 <= pool.usage <= 1
+      assert pool.prefix_cache_hits <= pool.prefix_cache_queries
+      assert pool.ref_cnt(0) == 0  # The null block is never handed out.
+    if not self.bm.enable_prefix_caching:
+      assert self.bm.device_pool.num_cached_blocks == 0
+
+  def teardown(self):
+    # After all sequences finish, every non-cached block is free again.
+    self.finish_step()
+    for seq_id in list(self.tokens):
+      self.bm.free(seq_id)
+    self.bm.finish_step()
+    self.bm.check_invariants()
+    for pool in self.bm.pools.values():
+      assert pool.num_used_blocks == 0
+      assert pool.num_free_blocks == pool.num_blocks - 1
+      assert sorted(pool.free_block_ids()) == list(range(1, pool.num_blocks))
+
+
+class NoPrefixCachingMachine(BlockManagerMachine):
+  enable_prefix_caching = False
+
+
+TestBlockManagerStateMachine = BlockManagerMachine.TestCase
+TestBlockManagerNoPrefixCaching = NoPrefixCachingMachine.TestCase
