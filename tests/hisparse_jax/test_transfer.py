@@ -123,8 +123,11 @@ def test_poll_records_finished_transfers(rng):
     ([1, 2, 3], [1, 2], "differ in length"),
     ([[1, 2]], [[3, 4]], "1-D integer array"),
 ])
-def test_bad_ids_are_refused(src, dst, match, rng):
-  device_pool, host_pool, _ = _filled_pools("float32", rng)
+def test_bad_ids_are_refused(src, dst, match):
+  spec = KVCacheSpec(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=8, dtype="float32",
+                     block_size=4)
+  device_pool = KVPool(spec, NUM_DEVICE_BLOCKS, DEVICE)
+  host_pool = KVPool(spec, NUM_HOST_BLOCKS, PINNED_HOST)
   registry = m.MetricsRegistry()
   engine = TransferEngine(device_pool, host_pool, registry)
   with pytest.raises(ValueError, match=match):
@@ -132,8 +135,24 @@ def test_bad_ids_are_refused(src, dst, match, rng):
   assert registry.get(m.TRANSFERS_TOTAL).value(direction="d2h") == 0
 
 
-def test_empty_swap_is_a_no_op(rng):
-  device_pool, host_pool, _ = _filled_pools("float32", rng)
-  engine = TransferEngine(device_pool, host_pool)
+def test_empty_swap_is_a_no_op():
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+  engine = TransferEngine(KVPool(spec, 4, DEVICE), KVPool(spec, 4, PINNED_HOST))
   engine.swap_in(np.zeros(0, np.int32), np.zeros(0, np.int32))
   assert engine.num_pending == 0 and not engine.buckets_used
+
+
+def test_copy_on_write_copies_inside_the_device_pool(rng):
+  device_pool, host_pool, data = _filled_pools("bfloat16", rng)
+  engine = TransferEngine(device_pool, host_pool)
+  pointers = [a.unsafe_buffer_pointer() for a in device_pool.arrays()]
+  # 3 -> 7 and 7 -> 2 in one call: block 2 gets the old content of block 7.
+  engine.copy_device_blocks(np.array([3, 7], np.int32), np.array([7, 2], np.int32))
+  assert [a.unsafe_buffer_pointer() for a in device_pool.arrays()] == pointers
+  for layer in range(NUM_LAYERS):
+    k, v = device_pool.read_blocks(layer, [7, 2, 3, 0])
+    k_ref, v_ref = data[layer]
+    np.testing.assert_array_equal(_bits(k[:3]), _bits(k_ref[np.array([3, 7, 3]) - 1]))
+    np.testing.assert_array_equal(_bits(v[:3]), _bits(v_ref[np.array([3, 7, 3]) - 1]))
+    assert not _bits(k[3]).any()  # the null block
+  assert engine.buckets_used == {("d2d", 8)}
