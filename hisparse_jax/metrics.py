@@ -207,11 +207,14 @@ class MetricsRegistry:
   metrics of this registry and no process-global collectors.
   """
 
-  def __init__(self):
+  def __init__(self, prometheus_port: int | None = None):
+    """`prometheus_port`: when given (`--prometheus_port`), serve this registry there."""
     self.prometheus_registry = prometheus_client.CollectorRegistry(auto_describe=True)
     self._metrics: dict[str, _Metric] = {}
     self._lock = threading.Lock()
     self._server = None
+    if prometheus_port is not None:
+      self.serve(prometheus_port)
 
   def _get_or_create(self, cls, name: str, help_text: str, labelnames: Sequence[str],
                      **kwargs) -> _Metric:

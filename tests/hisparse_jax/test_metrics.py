@@ -86,3 +86,18 @@ def test_http_server_serves_the_registry():
     assert 'hisparse_transfer_blocks_total{direction="d2h"} 7.0' in body
   finally:
     reg.close()
+
+
+def test_a_port_given_at_construction_is_served():
+  import socket  # noqa: PLC0415
+
+  with socket.socket() as s:  # find a free port
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  reg = m.MetricsRegistry(prometheus_port=port)
+  try:
+    reg.gauge(m.KV_CAPACITY_TOKENS, "tokens", ("memory_kind",)).set(4096, memory_kind="device")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+      assert 'hisparse_kv_capacity_tokens{memory_kind="device"} 4096.0' in r.read().decode()
+  finally:
+    reg.close()
