@@ -2,10 +2,10 @@
 
 import chex
 import jax.numpy as jnp
+import kernels_testlib as lib
 import numpy as np
 import pytest
 
-import kernels_testlib as lib
 from kernels_pallas import paged_attention_reference, ragged_paged_attention_reference
 
 
