@@ -115,9 +115,9 @@ class BlockManager:
   - the null block appears in no table;
   - a full block's hash is that of the sequence's tokens, so a prefix hit never
     changes what attention reads.
-  Prefix lookups use the device tier first, then the host tier; hits stop at the
-  first miss (hashes are chained) and never cover the last prompt token, which must
-  be computed to produce logits.
+  Prefix lookups use the device tier first, then the host tier (so a host query is
+  counted only for a device miss); hits stop at the first miss (hashes are chained)
+  and never cover the last prompt token, which must be computed to produce logits.
   """
 
   def __init__(
@@ -356,16 +356,41 @@ class BlockManager:
       self.host_pool.free(group)
     self._pinned_host_groups.clear()
 
-  def _host_hits(self, seq: _SeqState) -> list[int | None]:
+  def _hits_in(self, pool: BlockPool, seq: _SeqState) -> list[int | None]:
+    """Per block of `seq`: the block of `pool` holding its hash, or None."""
     hashes = seq.block_hashes
-    return [self.host_pool.peek_cached_block(hashes[i]) if i < len(hashes) else None
+    return [pool.peek_cached_block(hashes[i]) if i < len(hashes) else None
             for i in range(len(seq.block_ids))]
+
+  def _num_needed_in(self, pool: BlockPool, seq: _SeqState) -> int:
+    return sum(h is None or pool.ref_cnt(h) == 0 for h in self._hits_in(pool, seq))
+
+  def _move(self, seq: _SeqState, dst_pool: BlockPool) -> tuple[list[int], list[int], list[int]]:
+    """New table of `seq` in `dst_pool`, and the (src, dst) ids of the blocks to copy.
+
+    Full blocks whose hash `dst_pool` holds are shared there, not copied; the others get
+    new blocks that take over their hashes.
+    """
+    hits = self._hits_in(dst_pool, seq)
+    dst_pool.touch([h for h in hits if h is not None])
+    new_ids = iter(dst_pool.allocate(sum(h is None for h in hits)))
+    table, src_ids, dst_ids = [], [], []
+    for i, (src_id, hit_id) in enumerate(zip(seq.block_ids, hits)):
+      if hit_id is not None:
+        table.append(hit_id)
+        continue
+      dst_id = next(new_ids)
+      table.append(dst_id)
+      src_ids.append(src_id)
+      dst_ids.append(dst_id)
+      if i < len(seq.block_hashes):
+        dst_pool.cache_block(dst_id, seq.block_hashes[i])
+    return table, src_ids, dst_ids
 
   def can_swap_out(self, seq_id: Hashable) -> bool:
     """Whether the host tier can take every block of the sequence now."""
-    hits = self._host_hits(self._resident(seq_id))
-    need = sum(h is None or self.host_pool.ref_cnt(h) == 0 for h in hits)
-    return need <= self.host_pool.num_free_blocks
+    seq = self._resident(seq_id)
+    return self._num_needed_in(self.host_pool, seq) <= self.host_pool.num_free_blocks
 
   def swap_out(self, seq_id: Hashable) -> SwapOutPlan:
     """Preempts a sequence by moving its blocks to the host; frees its device blocks.
@@ -378,20 +403,7 @@ class BlockManager:
       raise ValueError(
           f"cannot swap out {seq_id!r}: {len(seq.block_ids)} blocks, "
           f"{self.host_pool.num_free_blocks} host blocks free")
-    hits = self._host_hits(seq)
-    self.host_pool.touch([h for h in hits if h is not None])
-    new_ids = iter(self.host_pool.allocate(sum(h is None for h in hits)))
-    host_ids, device_src, host_dst = [], [], []
-    for i, (device_id, hit_id) in enumerate(zip(seq.block_ids, hits)):
-      if hit_id is not None:
-        host_ids.append(hit_id)
-        continue
-      host_id = next(new_ids)
-      host_ids.append(host_id)
-      device_src.append(device_id)
-      host_dst.append(host_id)
-      if i < len(seq.block_hashes):
-        self.host_pool.cache_block(host_id, seq.block_hashes[i])
+    host_ids, device_src, host_dst = self._move(seq, self.host_pool)
     # Pinned too: if the sequence is freed in this step, its host blocks must not be
     # written by a second transfer of the same batch.
     self._pin_host_blocks(host_dst[::-1], touch=True)
@@ -400,19 +412,12 @@ class BlockManager:
     seq.swapped = True
     return SwapOutPlan(_ids(device_src), _ids(host_dst))
 
-  def _device_hits(self, seq: _SeqState) -> list[int | None]:
-    hashes = seq.block_hashes
-    return [self.device_pool.peek_cached_block(hashes[i]) if i < len(hashes) else None
-            for i in range(len(seq.block_ids))]
-
   def can_swap_in(self, seq_id: Hashable) -> bool:
     """Whether the device tier has the blocks to bring the sequence back now."""
     seq = self._seq(seq_id)
     if not seq.swapped:
       raise ValueError(f"sequence {seq_id!r} is not swapped out")
-    hits = self._device_hits(seq)
-    need = sum(h is None or self.device_pool.ref_cnt(h) == 0 for h in hits)
-    return need <= self.device_pool.num_free_blocks
+    return self._num_needed_in(self.device_pool, seq) <= self.device_pool.num_free_blocks
 
   def swap_in(self, seq_id: Hashable) -> SwapInPlan:
     """Brings a swapped-out sequence back to device blocks before it runs again.
@@ -424,20 +429,7 @@ class BlockManager:
       raise ValueError(
           f"cannot swap in {seq_id!r}: {self.device_pool.num_free_blocks} device blocks free")
     seq = self._seqs[seq_id]
-    hits = self._device_hits(seq)
-    self.device_pool.touch([h for h in hits if h is not None])
-    new_ids = iter(self.device_pool.allocate(sum(h is None for h in hits)))
-    device_ids, host_src, device_dst = [], [], []
-    for i, (host_id, hit_id) in enumerate(zip(seq.block_ids, hits)):
-      if hit_id is not None:
-        device_ids.append(hit_id)
-        continue
-      device_id = next(new_ids)
-      device_ids.append(device_id)
-      host_src.append(host_id)
-      device_dst.append(device_id)
-      if i < len(seq.block_hashes):
-        self.device_pool.cache_block(device_id, seq.block_hashes[i])
+    device_ids, host_src, device_dst = self._move(seq, self.device_pool)
     self._pin_host_blocks(seq.block_ids[::-1], touch=False)  # Its refs become pins.
     seq.block_ids = device_ids
     seq.swapped = False

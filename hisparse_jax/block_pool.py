@@ -135,6 +135,7 @@ class BlockPool:
     self._free_queue = _FreeBlockQueue(self._blocks[first:])
     self._hash_to_blocks: dict[BlockHash, dict[int, _Block]] = {}
     self._num_owned_blocks = 0
+    self._num_cached_blocks = 0  # ref_cnt 0 with a hash; kept O(1) for per-step metrics.
     # Prefix-cache lookups in this tier, counted in blocks (plain ints; the engine
     # exports them as metrics).
     self.prefix_cache_queries = 0
@@ -159,7 +160,7 @@ class BlockPool:
   @property
   def num_cached_blocks(self) -> int:
     """CACHED blocks: ref_cnt 0 but still holding a prefix hash (evictable)."""
-    return sum(1 for b in self._blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    return self._num_cached_blocks
 
   @property
   def usage(self) -> float:
@@ -206,6 +207,8 @@ class BlockPool:
   def _evict_hash(self, block: _Block) -> None:
     if block.block_hash is None:
       return
+    if block.ref_cnt == 0:
+      self._num_cached_blocks -= 1
     blocks = self._hash_to_blocks[block.block_hash]
     del blocks[block.block_id]
     if not blocks:
@@ -226,7 +229,7 @@ class BlockPool:
     block_ids = []
     for _ in range(num_blocks):
       block = self._free_queue.popleft()
-      self._evict_hash(block)
+      self._evict_hash(block)  # Lazy eviction: only now does a CACHED block lose its hash.
       block.ref_cnt = 1
       block_ids.append(block.block_id)
     self._num_owned_blocks += num_blocks
@@ -241,6 +244,7 @@ class BlockPool:
       if block.ref_cnt == 0:
         self._free_queue.remove(block)
         self._num_owned_blocks += 1
+        self._num_cached_blocks -= block.block_hash is not None
       block.ref_cnt += 1
 
   def free(self, block_ids: Iterable[int]) -> None:
@@ -260,6 +264,7 @@ class BlockPool:
       if block.ref_cnt == 0:
         self._free_queue.append(block)
         self._num_owned_blocks -= 1
+        self._num_cached_blocks += block.block_hash is not None
 
   def evict(self, block_id: int) -> bool:
     """Drops the hash of a CACHED block (it stays free); True if it had one."""
@@ -297,6 +302,8 @@ class BlockPool:
       if block.block_hash is not None:
         assert self._hash_to_blocks[block.block_hash][block.block_id] is block, kind
     assert num_owned == self._num_owned_blocks, (kind, num_owned, self._num_owned_blocks)
+    num_cached = sum(b.ref_cnt == 0 and b.block_hash is not None for b in self._blocks)
+    assert num_cached == self._num_cached_blocks, (kind, num_cached, self._num_cached_blocks)
     assert num_owned + len(free_ids) == self.num_usable_blocks, kind
     num_hashed = sum(len(blocks) for blocks in self._hash_to_blocks.values())
     assert num_hashed == sum(b.block_hash is not None for b in self._blocks), kind

@@ -9,6 +9,7 @@ attention would read, not only for their bookkeeping.
 """
 
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -103,6 +104,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
       src_id, dst_id = result.copy
       assert src_id == table_before[-1] and self.bm.block_table(seq_id)[-1] == dst_id
       self.copies.append(result.copy)
+    # The block a token is written into belongs to this sequence alone.
+    written_block_id = result.slot_id // BS
+    assert written_block_id == self.bm.block_table(seq_id)[-1]
+    assert self.bm.device_pool.ref_cnt(written_block_id) == 1
     self.writes.append((result.slot_id, token))
     self.tokens[seq_id].append(token)
     self.dirty.add(seq_id)
@@ -158,7 +163,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     assert plan.num_blocks <= max_num_blocks
     self.swap_outs.append(plan)
 
-  @rule()
+  @rule(end_step=st.integers(0, 3))
+  def step_boundary(self, end_step):
+    # Ends the step one time in four, so a step holds many actions that interact.
+    if end_step == 0:
+      self.finish_step()
+
   def finish_step(self):
     # The documented order: device->host, copy-on-write, host->device, forward. Each
     # direction is one batched transfer: every source is read before any write.
@@ -205,5 +215,30 @@ class NoPrefixCachingMachine(BlockManagerMachine):
   enable_prefix_caching = False
 
 
+# 100 runs of up to 80 actions: enough to find, in a few seconds, the missing
+# copy-on-write and the unpinned swap-out target (both tried as mutations).
 TestBlockManagerStateMachine = BlockManagerMachine.TestCase
+TestBlockManagerStateMachine.settings = settings(max_examples=100, stateful_step_count=80)
 TestBlockManagerNoPrefixCaching = NoPrefixCachingMachine.TestCase
+
+
+def test_copy_source_reused_as_swap_in_target_in_one_step():
+  # A rare interleaving the machine found once: block 3 is the source of b's
+  # copy-on-write, is freed by a, and receives s's swap-in, all in one step. The
+  # shadow KV is right only if copies run before the host->device transfer.
+  state = BlockManagerMachine()
+  state.allocate(base=0, prefix_len=0, suffix=[1])  # s = 1: [1]
+  state.finish_step()
+  state.swap_out(index=0)
+  state.finish_step()
+  state.allocate(base=0, prefix_len=6, suffix=[])  # a = 2: [2, 3]
+  state.finish_step()
+  state.fork(index=0)  # b = 3 shares [2, 3]
+  state.append(index=1, token=9)  # b copies block 3 into block 4
+  assert state.copies == [(3, 4)]
+  state.free(index=0, resident=True)  # a finishes: block 3 is free again
+  state.allocate(base=1, prefix_len=16, suffix=[0] * 5)  # takes 6 blocks
+  state.swap_in(index=0)  # s comes back into block 3
+  assert state.bm.block_table(1) == [3]
+  state.finish_step()  # Runs the plans and checks every sequence's KV.
+  state.teardown()
