@@ -1,0 +1,207 @@
+"""Loading (and saving) Hugging Face-layout checkpoints from a local directory.
+
+This module owns the mapping between HF tensor names (`model.layers.3.self_attn.q_proj.
+weight`, torch layout [out, in]) and our NNX parameters (`layers[3].self_attn.q_proj.kernel`,
+[in, out]), and every check a checkpoint must pass before a model is built from it. Every
+failure raises `CheckpointError` (a ValueError) naming the file and, where there is one, the
+tensor.
+
+Layout read: `config.json` + (`model.safetensors` | `model.safetensors.index.json` with its
+shards) + `tokenizer.json` (+ optional `generation_config.json`, `tokenizer_config.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+import models
+from models.config import ConfigError, ModelConfig
+from models.llama import LlamaForCausalLM
+from models.tokenizer import Tokenizer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Buffers some exporters write that carry no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory we cannot load; the message names the file (and tensor)."""
+
+
+def _resolve(path: str | os.PathLike | None) -> str:
+  path = models.DEFAULT_MODEL_DIR if path is None else os.fspath(path)
+  if not os.path.isdir(path):
+    raise CheckpointError(f"checkpoint directory {path} does not exist")
+  return path
+
+
+def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
+  """The `ModelConfig` of the checkpoint at `path` (None = the embedded default model)."""
+  path = _resolve(path)
+  file = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise CheckpointError(f"missing file {file}")
+  try:
+    with open(file) as f:
+      raw = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+  if not isinstance(raw, dict):
+    raise CheckpointError(f"{file} does not hold a JSON object")
+  try:
+    return ModelConfig.from_hf_dict(raw)
+  except ConfigError as e:
+    raise CheckpointError(f"{file}: {e}") from e
+
+
+def hf_param_map(config: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
+  """HF tensor name -> (path of our parameter, whether the tensor is transposed)."""
+  out: dict[str, tuple[tuple[Any, ...], bool]] = {
+      "model.embed_tokens.weight": (("embed_tokens",), False),
+      "model.norm.weight": (("norm", "weight"), False),
+  }
+  if not config.tie_word_embeddings:
+    out["lm_head.weight"] = (("lm_head", "kernel"), True)
+  o_bias = config.attention_bias and config.model_type != "qwen2"
+  for i in range(config.num_hidden_layers):
+    pre = f"model.layers.{i}."
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      out[f"{pre}{norm}.weight"] = (("layers", i, norm, "weight"), False)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      out[f"{pre}self_attn.{proj}.weight"] = (("layers", i, "self_attn", proj, "kernel"), True)
+      if config.attention_bias and (proj != "o_proj" or o_bias):
+        out[f"{pre}self_attn.{proj}.bias"] = (("layers", i, "self_attn", proj, "bias"), False)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      out[f"{pre}mlp.{proj}.weight"] = (("layers", i, "mlp", proj, "kernel"), True)
+      if config.mlp_bias:
+        out[f"{pre}mlp.{proj}.bias"] = (("layers", i, "mlp", proj, "bias"), False)
+  return out
+
+
+def _get_variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
+  node: Any = model
+  for part in path:
+    node = node[part] if isinstance(part, int) else getattr(node, part)
+  return node
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file holding it (single file or sharded index)."""
+  single = os.path.join(path, WEIGHTS_FILE)
+  index = os.path.join(path, WEIGHTS_INDEX_FILE)
+  if os.path.isfile(single):
+    files = [single]
+  elif os.path.isfile(index):
+    try:
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+    for name, shard in weight_map.items():
+      if not os.path.isfile(os.path.join(path, shard)):
+        raise CheckpointError(f"missing file {os.path.join(path, shard)} (shard of tensor "
+                              f"{name!r} named by {index})")
+    files = sorted({os.path.join(path, s) for s in weight_map.values()})
+  else:
+    raise CheckpointError(f"missing file {single} (or {index})")
+  name_to_file: dict[str, str] = {}
+  for file in files:
+    try:
+      with safe_open(file, framework="flax") as f:
+        for name in f.keys():
+          name_to_file[name] = file
+    except Exception as e:  # safetensors raises its own error types on bad headers
+      raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+  return name_to_file
+
+
+def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32"
+                    ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+  """(model, config, tokenizer) from a HF-layout directory (None = embedded default model).
+
+  dtype: "float32" or "bfloat16"; every parameter is converted to it.
+  """
+  if dtype not in _DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  path = _resolve(path)
+  config = load_config(path)
+  jdtype = _DTYPES[dtype]
+  expected = hf_param_map(config)
+  name_to_file = _tensor_files(path)
+  present = {n for n in name_to_file if not n.endswith(_IGNORED_SUFFIXES)}
+  if config.tie_word_embeddings:
+    present.discard("lm_head.weight")  # some exporters write the tied copy; it is redundant
+  missing = sorted(set(expected) - present)
+  if missing:
+    raise CheckpointError(f"missing tensor {missing[0]!r} in {path} "
+                          f"({len(missing)} missing in all)")
+  extra = sorted(present - set(expected))
+  if extra:
+    raise CheckpointError(f"unexpected tensor {extra[0]!r} in {name_to_file[extra[0]]} "
+                          f"({len(extra)} unexpected in all)")
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jdtype, rngs=nnx.Rngs(0)))
+  by_file: dict[str, list[str]] = {}
+  for name in expected:
+    by_file.setdefault(name_to_file[name], []).append(name)
+  for file, names in by_file.items():
+    try:
+      handle = safe_open(file, framework="flax")
+    except Exception as e:
+      raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+    with handle as f:
+      for name in names:
+        param_path, transposed = expected[name]
+        var = _get_variable(model, param_path)
+        want = tuple(var.shape[::-1] if transposed else var.shape)
+        shape = tuple(f.get_slice(name).get_shape())
+        if shape != want:
+          raise CheckpointError(f"tensor {name!r} in {file} has shape {shape}, expected {want}")
+        try:
+          tensor = f.get_tensor(name)
+        except Exception as e:
+          raise CheckpointError(f"tensor {name!r} in {file} cannot be read (truncated or "
+                                f"corrupt file): {e}") from e
+        tensor = jnp.asarray(tensor).astype(jdtype)
+        var.value = tensor.T if transposed else tensor
+  return model, config, Tokenizer.from_dir(path)
+
+
+def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
+                    dtype: str = "float32",
+                    generation_config: dict[str, Any] | None = None) -> None:
+  """Writes config.json, model.safetensors (and generation_config.json) in HF layout."""
+  from safetensors.flax import save_file  # noqa: PLC0415 (only writers need it)
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  config = model.config
+  tensors = {}
+  for name, (param_path, transposed) in hf_param_map(config).items():
+    value = _get_variable(model, param_path)[...]
+    value = value.T if transposed else value
+    tensors[name] = jnp.asarray(jax.device_get(value)).astype(_DTYPES[dtype])
+  save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+  hf = config.to_hf_dict()
+  hf["torch_dtype"] = dtype
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(hf, f, indent=2)
+    f.write("\n")
+  if generation_config is not None:
+    with open(os.path.join(out_dir, GENERATION_CONFIG_FILE), "w") as f:
+      json.dump(generation_config, f, indent=2)
+      f.write("\n")
+
+
+def param_count(model: nnx.Module) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))

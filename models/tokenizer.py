@@ -1,0 +1,130 @@
+"""Tokenizer: a thin wrapper over the `tokenizers` library, loaded from `tokenizer.json`.
+
+This module owns text <-> ids for a checkpoint directory and the special ids the engine needs
+(BOS, EOS), which come from `generation_config.json` first, then `config.json`, then the
+tokenizer's own special tokens. It also builds the word-level tokenizer of the default model
+(`build_word_level_tokenizer`) and writes the files that let `transformers.AutoTokenizer`
+load the same tokenizer (`save_tokenizer_files`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import tokenizers
+from tokenizers import Regex, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+
+
+class Tokenizer:
+  """Text <-> token ids. Invariants: `encode` applies the tokenizer.json post-processor
+  (e.g. a leading BOS) when add_special_tokens; `eos_token_ids` is never empty when the
+  checkpoint names an EOS anywhere."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token_id: int | None,
+               eos_token_ids: Sequence[int], pad_token_id: int | None = None):
+    self.backend = tokenizer
+    self.bos_token_id = bos_token_id
+    self.eos_token_ids = tuple(eos_token_ids)
+    self.pad_token_id = pad_token_id
+
+  @property
+  def eos_token_id(self) -> int | None:
+    return self.eos_token_ids[0] if self.eos_token_ids else None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def token_to_id(self, token: str) -> int | None:
+    return self.backend.token_to_id(token)
+
+  def id_to_token(self, token_id: int) -> str | None:
+    return self.backend.id_to_token(int(token_id))
+
+  @classmethod
+  def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+    """Loads `path/tokenizer.json`; special ids from generation_config.json / config.json."""
+    path = os.fspath(path)
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+      raise FileNotFoundError(f"missing tokenizer file {tok_file}")
+    try:
+      backend = tokenizers.Tokenizer.from_file(tok_file)
+    except Exception as e:  # the library raises a plain Exception on bad JSON
+      raise ValueError(f"cannot parse tokenizer file {tok_file}: {e}") from e
+    merged: dict = {}
+    for name in ("config.json", "generation_config.json"):  # later files win
+      file = os.path.join(path, name)
+      if os.path.isfile(file):
+        with open(file) as f:
+          raw = json.load(f)
+        merged.update({k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                       if raw.get(k) is not None})
+    special = _special_tokens_from_config(path)
+    bos = merged.get("bos_token_id")
+    if bos is None and special.get("bos_token"):
+      bos = backend.token_to_id(special["bos_token"])
+    eos = merged.get("eos_token_id")
+    if eos is None and special.get("eos_token"):
+      eos = backend.token_to_id(special["eos_token"])
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids,
+               pad_token_id=merged.get("pad_token_id"))
+
+
+def _special_tokens_from_config(path: str) -> dict[str, str]:
+  file = os.path.join(path, "tokenizer_config.json")
+  if not os.path.isfile(file):
+    return {}
+  with open(file) as f:
+    raw = json.load(f)
+  out = {}
+  for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+    value = raw.get(key)
+    if isinstance(value, dict):
+      value = value.get("content")
+    if isinstance(value, str):
+      out[key] = value
+  return out
+
+
+def build_word_level_tokenizer(vocab: Sequence[str], *, bos: str, eos: str, pad: str,
+                               unk: str, newline: str = "\n") -> tokenizers.Tokenizer:
+  """A WordLevel tokenizer: words split on spaces/tabs, each newline its own token, a BOS
+  prepended by the post-processor, tokens joined by spaces when decoding."""
+  vocab_map = {token: i for i, token in enumerate(vocab)}
+  if len(vocab_map) != len(vocab):
+    raise ValueError("vocabulary has duplicate tokens")
+  tok = tokenizers.Tokenizer(WordLevel(vocab_map, unk_token=unk))
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+      pre_tokenizers.Split(newline, behavior="isolated"),
+  ])
+  tok.post_processor = processors.TemplateProcessing(
+      single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, vocab_map[bos])])
+  tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+  tok.add_special_tokens([pad, bos, eos, unk])
+  return tok
+
+
+def save_tokenizer_files(tok: tokenizers.Tokenizer, out_dir: str | os.PathLike, *, bos: str,
+                         eos: str, pad: str, unk: str, model_max_length: int) -> None:
+  """Writes tokenizer.json and the tokenizer_config.json that AutoTokenizer needs."""
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  tok.save(os.path.join(out_dir, "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+            "pad_token": pad, "unk_token": unk, "add_bos_token": True,
+            "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+    f.write("\n")
