@@ -194,8 +194,11 @@ def run(size_name: str | None = None, reps: int = 5, seed: int = 0) -> dict:
       med = statistics.median(times)
       rows.append(Row(name, impl, shape, med * 1e3, min(times) * 1e3, nbytes, nbytes / med / 1e9,
                       None if peak is None else nbytes / med / peak))
-  return {"machine": _machine(), "size": size_name, "config": asdict(size), "reps": reps,
-          "hbm_peak_bytes_per_s": peak, "rows": [asdict(r) for r in rows]}
+  impls = {pallas_impl: ("Pallas kernel, interpret mode (CPU correctness path, not a speed path)"
+                         if pallas_impl == "pallas-interpret" else "Pallas kernel, compiled"),
+           "xla-reference": "the kernel's pure-jnp reference, jax.jit-compiled (the xla backend)"}
+  return {"machine": _machine(), "impls": impls, "size": size_name, "config": asdict(size),
+          "reps": reps, "hbm_peak_bytes_per_s": peak, "rows": [asdict(r) for r in rows]}
 
 
 def format_table(result: dict) -> str:

@@ -66,15 +66,17 @@ def _paged_attention_kernel(
                 preferred_element_type=jnp.float32) * sm_scale  # [block_h, tokens_per_step]
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    token_pos = (first_block + local_block) * block_size + jnp.arange(tokens_per_step)
-    valid = (token_pos < length)[None, :]
+    start = (first_block + local_block) * block_size
+    # Masks built in the shape they are used in (no transposes of masks inside Triton).
+    valid = start + lax.broadcasted_iota(jnp.int32, (1, tokens_per_step), 1) < length
+    valid_kv = start + lax.broadcasted_iota(jnp.int32, (tokens_per_step, 1), 0) < length
     s = jnp.where(valid, s, common.MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=-1))
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
     l_next = alpha * l_prev + p.sum(axis=-1)
     # Masked keys may sit in stale or null blocks: zero them so NaN/inf cannot leak.
-    v = jnp.where(valid.T, v, jnp.zeros_like(v))
+    v = jnp.where(valid_kv, v, jnp.zeros_like(v))
     pv = jnp.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
     return m_next, l_next, alpha[:, None] * acc_prev + pv

@@ -31,6 +31,7 @@ from kernels_pallas import backend, common
 DEFAULT_BLOCKS_PER_STEP = 2
 DEFAULT_BLOCK_Q_INTERPRET = 8
 DEFAULT_BLOCK_Q_GPU = 16
+REFERENCE_BLOCK_Q = 16
 
 
 def _ragged_kernel(
@@ -85,7 +86,8 @@ def _ragged_kernel(
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
     l_next = alpha * l_prev + p.sum(axis=-1)
-    key_valid = (key_pos < kv_len).reshape(tokens_per_step, 1)
+    key_valid = local_block * block_size + lax.broadcasted_iota(
+        jnp.int32, (tokens_per_step, 1), 0) < kv_len
     v = jnp.where(key_valid, v, jnp.zeros_like(v))
     pv = jnp.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
@@ -162,7 +164,10 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, *, sm
 
   o = o.reshape(num_tiles, num_kv_heads, block_q, block_h, head_dim).transpose(0, 2, 1, 3, 4)
   o = o.reshape(num_tiles * block_q, num_kv_heads, block_h, head_dim)[token_row, :, :group]
-  return o.reshape(num_tokens, num_q_heads, head_dim)
+  o = o.reshape(num_tokens, num_q_heads, head_dim)
+  # Padding tokens past cu_q_lens[-1] land on invalid rows; zero them explicitly anyway.
+  return jnp.where((jnp.arange(num_tokens) < cu_q_lens[batch])[:, None, None], o, 0).astype(
+      q.dtype)
 
 
 def _check(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window):
@@ -252,7 +257,11 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-  """Pure-jnp reference (the "xla" backend): each token against its sequence's KV."""
+  """Pure-jnp reference (the "xla" backend): masked softmax per query tile.
+
+  Queries are grouped in tiles of REFERENCE_BLOCK_Q tokens of one sequence (as the
+  kernel does), so each sequence's KV is gathered once per tile, not once per token.
+  """
   del interpret
   _check(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window)
   num_tokens, num_q_heads, head_dim = q.shape
@@ -260,29 +269,34 @@ def ragged_paged_attention_reference(
   batch = kv_lengths.shape[0]
   group = num_q_heads // num_kv_heads
   scale = head_dim**-0.5 if sm_scale is None else sm_scale
-  token = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), batch - 1)
-  in_seq = token < cu_q_lens[batch]
-  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-  pos = kv_lengths[seq] - q_len + (token - cu_q_lens[seq])  # [num_tokens]
-  k_seq = k_pages[block_tables].reshape(batch, -1, num_kv_heads, head_dim)
-  v_seq = v_pages[block_tables].reshape(batch, -1, num_kv_heads, head_dim)
-  k = k_seq[seq].astype(jnp.float32)  # [num_tokens, kv_tokens, num_kv_heads, head_dim]
-  v = v_seq[seq].astype(jnp.float32)
-  qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-  s = jnp.einsum("nhgd,nthd->nhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
+  block_q = REFERENCE_BLOCK_Q
+  num_tiles = common.cdiv(num_tokens, block_q) + batch
+  tile_seq, meta, token_row, tile_first = _tile_plan(cu_q_lens, kv_lengths, num_tokens,
+                                                     block_q, num_tiles)
+  q_start, q_len, kv_len = meta[:, 0:1], meta[:, 1:2], meta[:, 2:3]  # [num_tiles, 1]
+  row = q_start + jnp.arange(block_q)[None, :]  # [num_tiles, block_q] index in the sequence
+  pos = kv_len - q_len + row  # KV position of each query
+  src = jnp.clip(tile_first[:, None] + jnp.arange(block_q)[None, :], 0, num_tokens - 1)
+  qt = q[src].reshape(num_tiles, block_q, num_kv_heads, group, head_dim).astype(jnp.float32)
+  k = k_pages[block_tables[tile_seq]].astype(jnp.float32)  # [tiles, blocks, bs, h, d]
+  v = v_pages[block_tables[tile_seq]].astype(jnp.float32)
+  k = k.reshape(num_tiles, -1, num_kv_heads, head_dim)  # [num_tiles, kv_tokens, h, d]
+  v = v.reshape(num_tiles, -1, num_kv_heads, head_dim)
+  s = jnp.einsum("tqhgd,tkhd->thgqk", qt, k, precision=lax.Precision.HIGHEST) * scale
   if soft_cap is not None:
     s = soft_cap * jnp.tanh(s / soft_cap)
-  key = jnp.arange(k.shape[1])[None, :]
-  valid = (key <= pos[:, None]) & (key < kv_lengths[seq][:, None]) & in_seq[:, None]
+  key = jnp.arange(k.shape[1])[None, None, :]
+  valid = (key <= pos[:, :, None]) & (key < kv_len[:, :, None]) & (row < q_len)[:, :, None]
   if sliding_window is not None:
-    valid &= key > pos[:, None] - sliding_window
-  valid4 = valid[:, None, None, :]
-  s = jnp.where(valid4, s, -jnp.inf)
+    valid &= key > pos[:, :, None] - sliding_window
+  valid5 = valid[:, None, None]  # [num_tiles, 1, 1, block_q, kv_tokens]
+  s = jnp.where(valid5, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(valid4, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  p = jnp.where(valid5, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   denom = p.sum(axis=-1, keepdims=True)
   p = p / jnp.where(denom > 0, denom, 1.0)
-  v = jnp.where(valid[:, :, None, None], v, 0.0)
-  o = jnp.einsum("nhgt,nthd->nhgd", p, v, precision=lax.Precision.HIGHEST)
-  return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+  o = jnp.einsum("thgqk,tkhd->tqhgd", p, v, precision=lax.Precision.HIGHEST)
+  o = o.reshape(num_tiles * block_q, num_q_heads, head_dim)[token_row]
+  # Tokens past cu_q_lens[-1] (padding) map to a row of some tile; zero them explicitly.
+  o = jnp.where((jnp.arange(num_tokens) < cu_q_lens[batch])[:, None, None], o, 0.0)
+  return o.astype(q.dtype)
