@@ -43,7 +43,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
-from hisparse_jax.kv_hash import BlockHash, hash_block_tokens, hash_full_blocks
+from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
 
 
 def _ids(values: Sequence[int]) -> np.ndarray:
@@ -96,7 +96,7 @@ class AppendResult:
 class _SeqState:
   token_ids: list[int]
   block_ids: list[int]  # device ids when resident, host ids when swapped out
-  block_hashes: list[BlockHash]  # one per full block (empty when prefix caching is off)
+  block_hashes: list[BlockHash]  # one per full block whose KV is computed (and cached)
   extra_keys: tuple | None
   swapped: bool = False
   num_cached_tokens: int = 0
@@ -244,11 +244,16 @@ class BlockManager:
     return need <= self.device_pool.num_free_blocks
 
   def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
-               extra_keys: tuple | None = None) -> AllocateResult:
+               extra_keys: tuple | None = None, *,
+               num_new_tokens: int | None = None) -> AllocateResult:
     """Device blocks for a new sequence's prompt, reusing cached prefix blocks.
 
     Device hits are shared (ref_cnt += 1); host hits get a new device block and an
-    entry in the returned swap-in plan. Every full block of the prompt is cached.
+    entry in the returned swap-in plan. `num_new_tokens`: prompt tokens after the
+    cached prefix whose KV this step computes (one chunk of a chunked prefill), None
+    for all of them. Only blocks that are full within the cached prefix plus these
+    tokens are cached for prefix hits: a later request must never hit a block whose KV
+    is not computed yet. Call `cache_blocks` as the next chunks are scheduled.
     """
     if seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} already has blocks")
@@ -276,17 +281,42 @@ class BlockManager:
       if kind == "pinned_host":
         host_src.append(hit_id)
         device_dst.append(block_id)
-      if i < len(hashes):
-        self.device_pool.cache_block(block_id, hashes[i])
     self._pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
     num_cached_tokens = len(hits) * self.block_size
-    self._seqs[seq_id] = _SeqState(token_ids, block_ids, hashes, extra_keys,
-                                   num_cached_tokens=num_cached_tokens)
+    seq = _SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens)
+    self._seqs[seq_id] = seq
+    num_computed = len(token_ids) if num_new_tokens is None else num_new_tokens
+    self._cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
     return AllocateResult(
         block_ids=_ids(block_ids),
         num_cached_tokens=num_cached_tokens,
         slot_ids=self.slot_ids(seq_id, num_cached_tokens, len(token_ids)),
         swap_in=SwapInPlan(_ids(host_src), _ids(device_dst)))
+
+  def cache_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+    """Caches the full blocks within the first `num_computed_tokens` tokens.
+
+    Call it when a prefill chunk that ends at `num_computed_tokens` is scheduled (its
+    KV is written in that step's forward, before any later request reads it).
+    Idempotent; blocks cached already stay cached.
+    """
+    self._cache_full_blocks(self._resident(seq_id), num_computed_tokens)
+
+  def _cache_full_blocks(self, seq: _SeqState, num_computed_tokens: int,
+                         hashes: list[BlockHash] | None = None) -> None:
+    if not self.enable_prefix_caching:
+      return
+    num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+    start = len(seq.block_hashes)
+    if num_full <= start:
+      return
+    if hashes is None:
+      hashes = seq.block_hashes + hash_full_blocks(
+          seq.token_ids[start * self.block_size:num_full * self.block_size], self.block_size,
+          seq.extra_keys, seq.block_hashes[-1] if seq.block_hashes else None)
+    for i in range(start, num_full):
+      self.device_pool.cache_block(seq.block_ids[i], hashes[i])
+    seq.block_hashes.extend(hashes[start:num_full])
 
   # --- Decoding ------------------------------------------------------------------
 
@@ -316,11 +346,7 @@ class BlockManager:
       seq.block_ids[-1] = dst_id
       copy = (src_id, dst_id)
     seq.token_ids.append(int(token_id))
-    if self.enable_prefix_caching and len(seq.token_ids) % self.block_size == 0:
-      parent = seq.block_hashes[-1] if seq.block_hashes else None
-      block_hash = hash_block_tokens(parent, seq.token_ids[-self.block_size:], seq.extra_keys)
-      seq.block_hashes.append(block_hash)
-      self.device_pool.cache_block(seq.block_ids[-1], block_hash)
+    self._cache_full_blocks(seq, len(seq.token_ids))
     slot_id = seq.block_ids[-1] * self.block_size + position % self.block_size
     return AppendResult(slot_id=slot_id, copy=copy)
 
@@ -472,7 +498,7 @@ class BlockManager:
       np.add.at(refs["pinned_host" if seq.swapped else "device"], seq.block_ids, 1)
       if self.enable_prefix_caching:
         assert seq.block_hashes == hash_full_blocks(
-            seq.token_ids, self.block_size, seq.extra_keys), seq_id
+            seq.token_ids, self.block_size, seq.extra_keys)[:len(seq.block_hashes)], seq_id
         pool = self.host_pool if seq.swapped else self.device_pool
         for block_id, block_hash in zip(seq.block_ids, seq.block_hashes):
           assert pool.block_hash(block_id) == block_hash, (seq_id, block_id)

@@ -264,3 +264,28 @@ def test_a_copy_source_can_be_a_swap_in_target_of_the_same_step():
   plan = bm.swap_in("s")
   assert (_ids(plan.host_ids), _ids(plan.device_ids)) == ([1], [3])
   bm.check_invariants()
+
+
+def test_chunked_prefill_caches_only_computed_blocks():
+  bm = BlockManager(10, 8, BS)
+  prompt = list(range(12))
+  # a's first chunk computes 5 tokens: only block 1 is full of computed KV.
+  a = bm.allocate("a", prompt, num_new_tokens=5)
+  assert _ids(a.block_ids) == [1, 2, 3]
+  assert [bm.device_pool.block_hash(i) is not None for i in (1, 2, 3)] == [True, False, False]
+  # b shares the prompt but may hit block 1 only: block 2's KV does not exist yet.
+  b = bm.allocate("b", prompt + [50])
+  assert (_ids(b.block_ids), b.num_cached_tokens) == ([1, 4, 5, 6], 4)
+  # a's next chunk (tokens 5..11) is scheduled: blocks 2 and 3 get their hashes, the
+  # same as b's blocks 4 and 5 (duplicates; block tables are never rewritten).
+  bm.cache_blocks("a", 12)
+  assert [bm.device_pool.block_hash(i) for i in (2, 3)] == [
+      bm.device_pool.block_hash(i) for i in (4, 5)]
+  # Lookups return the block cached first: b's.
+  c = bm.allocate("c", prompt + [60])
+  assert (_ids(c.block_ids), c.num_cached_tokens) == ([1, 4, 5, 7], 12)
+  bm.free("b")
+  bm.free("c")
+  bm.device_pool.evict(4)  # Once b's copy of the second block is gone, a's is found.
+  assert bm.allocate("d", prompt + [70]).block_ids[1] == 2
+  bm.check_invariants()

@@ -36,6 +36,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     self.swap_outs, self.swap_ins, self.copies, self.writes = [], [], [], []
     self.dirty = set()  # Sequences given slots this step: not freed/forked/swapped out.
     self.tokens = {}  # seq_id -> expected tokens
+    self.num_computed = {}  # seq_id -> tokens whose KV is written (or written this step)
     self.swapped_shape = {}  # seq_id -> (num_blocks, num_tokens) when swapped out
     self.next_seq_id = 0
 
@@ -45,9 +46,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     self.next_seq_id += 1
     return self.next_seq_id
 
-  def _pick(self, index, resident, allow_dirty=True):
-    choices = sorted(s for s in self.tokens
-                     if self.bm.is_swapped(s) != resident and (allow_dirty or s not in self.dirty))
+  def _pick(self, index, resident, allow_dirty=True, prefilled=None):
+    choices = sorted(
+        s for s in self.tokens
+        if self.bm.is_swapped(s) != resident and (allow_dirty or s not in self.dirty)
+        and (prefilled is None or (self.num_computed[s] == len(self.tokens[s])) == prefilled))
     return choices[index % len(choices)] if choices else None
 
   def _check_data(self):
@@ -56,7 +59,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         kv = self.host_kv[self.bm.host_block_table(seq_id)]
       else:
         kv = self.device_kv[self.bm.block_table(seq_id)]
-      assert kv.reshape(-1)[:len(tokens)].tolist() == tokens, seq_id
+      num_computed = self.num_computed[seq_id]
+      assert kv.reshape(-1)[:num_computed].tolist() == tokens[:num_computed], seq_id
 
   @staticmethod
   def _transfer(plans, src_kv, dst_kv, src_attr, dst_attr):
@@ -69,8 +73,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
   # --- Rules ---------------------------------------------------------------------
 
   @rule(base=st.integers(0, len(BASES) - 1), prefix_len=st.integers(0, 16),
-        suffix=st.lists(st.integers(0, 30), max_size=5))
-  def allocate(self, base, prefix_len, suffix):
+        suffix=st.lists(st.integers(0, 30), max_size=5),
+        chunk=st.one_of(st.none(), st.integers(0, 9)))
+  def allocate(self, base, prefix_len, suffix, chunk=None):
     tokens = BASES[base][:prefix_len] + suffix or [1]
     seq_id = self._new_seq_id()
     if not self.bm.can_allocate(tokens):
@@ -81,18 +86,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
       except ValueError:
         assert self.bm.device_pool.num_free_blocks == free_before
       return
-    result = self.bm.allocate(seq_id, tokens)
+    result = self.bm.allocate(seq_id, tokens, num_new_tokens=chunk)
+    num_cached = result.num_cached_tokens
     assert len(result.block_ids) == -(-len(tokens) // BS)
-    assert result.num_cached_tokens % BS == 0 and result.num_cached_tokens < len(tokens)
-    assert len(result.slot_ids) == len(tokens) - result.num_cached_tokens
+    assert num_cached % BS == 0 and num_cached < len(tokens)
+    assert len(result.slot_ids) == len(tokens) - num_cached
+    num_computed = len(tokens) if chunk is None else min(len(tokens), num_cached + chunk)
     self.swap_ins.append(result.swap_in)
-    self.writes.extend(zip(result.slot_ids.tolist(), tokens[result.num_cached_tokens:]))
+    self.writes.extend(zip(result.slot_ids.tolist(), tokens[num_cached:num_computed]))
     self.tokens[seq_id] = list(tokens)
+    self.num_computed[seq_id] = num_computed
+    self.dirty.add(seq_id)
+
+  @rule(index=st.integers(0, 99), chunk=st.integers(1, 9))
+  def prefill_chunk(self, index, chunk):
+    seq_id = self._pick(index, resident=True, prefilled=False)
+    if seq_id is None:
+      return
+    start = self.num_computed[seq_id]
+    end = min(len(self.tokens[seq_id]), start + chunk)
+    slot_ids = self.bm.slot_ids(seq_id, start, end)
+    self.bm.cache_blocks(seq_id, end)
+    self.writes.extend(zip(slot_ids.tolist(), self.tokens[seq_id][start:end]))
+    self.num_computed[seq_id] = end
     self.dirty.add(seq_id)
 
   @rule(index=st.integers(0, 99), token=st.integers(0, 30))
   def append(self, index, token):
-    seq_id = self._pick(index, resident=True)
+    seq_id = self._pick(index, resident=True, prefilled=True)
     if seq_id is None:
       return
     if not self.bm.can_append(seq_id):
@@ -110,17 +131,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
     assert self.bm.device_pool.ref_cnt(written_block_id) == 1
     self.writes.append((result.slot_id, token))
     self.tokens[seq_id].append(token)
+    self.num_computed[seq_id] += 1
     self.dirty.add(seq_id)
 
   @rule(index=st.integers(0, 99))
   def fork(self, index):
-    parent_id = self._pick(index, resident=True, allow_dirty=False)
+    parent_id = self._pick(index, resident=True, allow_dirty=False, prefilled=True)
     if parent_id is None:
       return
     child_id = self._new_seq_id()
     self.bm.fork(parent_id, child_id)
     assert self.bm.block_table(child_id) == self.bm.block_table(parent_id)
     self.tokens[child_id] = list(self.tokens[parent_id])
+    self.num_computed[child_id] = self.num_computed[parent_id]
 
   @rule(index=st.integers(0, 99), resident=st.booleans())
   def free(self, index, resident):
@@ -128,7 +151,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     if seq_id is None:
       return
     self.bm.free(seq_id)
-    del self.tokens[seq_id]
+    del self.tokens[seq_id], self.num_computed[seq_id]
 
   @rule(index=st.integers(0, 99))
   def swap_out(self, index):
