@@ -32,7 +32,8 @@ again in the same step, so the order of the batched moves matters:
   5. `finish_step()`, which releases the host blocks pinned as sources or targets of
      this step's transfers.
 A sequence that was allocated, appended to or swapped in during a step is neither
-freed, forked nor swapped out before that step's forward has run.
+freed, forked nor swapped out before that step's forward has run; only a sequence
+whose prompt is computed is forked or appended to.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class BlockManager:
     a host block's ref_cnt equals the swapped table entries naming it plus the pins
     of this step's transfers;
   - the null block appears in no table;
-  - a full block's hash is that of the sequence's tokens, so a prefix hit never
-    changes what attention reads.
+  - a block carries a hash only once it is full and its KV is computed (or computed
+    in the step that cached it), and the hash is that of the sequence's tokens up to
+    it, so a prefix hit never changes what attention reads.
   Prefix lookups use the device tier first, then the host tier (so a host query is
   counted only for a device miss); hits stop at the first miss (hashes are chained)
   and never cover the last prompt token, which must be computed to produce logits.
