@@ -23,6 +23,10 @@ Backend choice lives in :mod:`kernels_pallas.backend` alone. The engine calls
 TPU) and the Pallas kernels on GPU; ``"pallas"``/``"xla"`` force one. A kernel's
 own ``interpret=None`` means interpret mode on CPU (tests), compiled (Triton) on
 GPU.
+
+Scripts: ``python -m kernels_pallas.bench --out results/kernel_bench_<platform>.json``
+(each kernel vs its reference, table + JSON) and ``python -m kernels_pallas.selfcheck``
+(compiled kernels vs references on the current device; the GPU verification).
 """
 
 from kernels_pallas.backend import KernelOps, ops, resolve_backend, resolve_interpret

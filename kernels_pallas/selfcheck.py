@@ -1,0 +1,111 @@
+"""Device self-check: every Pallas kernel against its reference on the default backend.
+
+``python -m kernels_pallas.selfcheck`` compiles each kernel for the current platform
+(Triton on GPU; interpret mode on CPU, where the pytest suite is the real check) and
+compares it with the jitted reference over a pairwise grid of GQA ratio, block size,
+head_dim and dtype. It prints one line per case and exits 1 on any mismatch. This is
+the GPU verification the CPU-only test suite cannot do (tests/conftest.py pins CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import backend
+from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
+from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from kernels_pallas.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from kernels_pallas.write_kv import write_kv, write_kv_reference
+
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+# (GQA ratio, block_size, head_dim, dtype): every pair of values of two axes appears.
+GRID = ((1, 8, 64, "float32"), (1, 16, 128, "bfloat16"), (1, 32, 64, "bfloat16"),
+        (4, 8, 128, "bfloat16"), (4, 16, 64, "float32"), (4, 32, 128, "float32"),
+        (8, 8, 64, "bfloat16"), (8, 16, 128, "float32"), (8, 32, 64, "float32"))
+NUM_BLOCKS, MAX_BLOCKS = 64, 24
+
+
+def _err(a, b) -> float:
+  return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def _pool(rng, block_size, num_kv_heads, head_dim, dtype):
+  # Scaled so |v| stays below 2, where one bfloat16 ulp (2**-7) is well inside 2e-2.
+  shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+  return (jnp.asarray(0.5 * rng.standard_normal(shape), dtype),
+          jnp.asarray(0.5 * rng.standard_normal(shape), dtype))
+
+
+def _tables(rng, batch):
+  return jnp.asarray(np.stack([rng.choice(np.arange(1, NUM_BLOCKS), MAX_BLOCKS, replace=False)
+                               for _ in range(batch)]).astype(np.int32))
+
+
+def check_attention(rng, ratio, block_size, head_dim, dtype_name) -> list[tuple[str, float]]:
+  dtype = jnp.dtype(dtype_name)
+  num_kv_heads = 2 if ratio < 8 else 1
+  k_pages, v_pages = _pool(rng, block_size, num_kv_heads, head_dim, dtype)
+  bs, long = block_size, MAX_BLOCKS * block_size
+  lengths = jnp.asarray([0, 1, bs - 1, bs, bs + 1, 5 * bs + 3, long - 1, long], jnp.int32)
+  tables = _tables(rng, lengths.shape[0])
+  q = jnp.asarray(rng.standard_normal((lengths.shape[0], ratio * num_kv_heads, head_dim)), dtype)
+  args = (q, k_pages, v_pages, tables, lengths)
+  out = [("paged", _err(paged_attention(*args), paged_attention_reference(*args))),
+         ("paged+split4", _err(paged_attention(*args, num_splits=4),
+                               paged_attention_reference(*args)))]
+  seqs = [(1, 1), (bs - 1, bs - 1), (1, bs), (3, bs + 1), (0, 5), (bs + 5, 5 * bs + 3),
+          (40, long)]
+  q_lens, kv_lens = zip(*seqs)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+  rq = jnp.asarray(rng.standard_normal((int(cu[-1]) + 3, ratio * num_kv_heads, head_dim)), dtype)
+  rargs = (rq, k_pages, v_pages, _tables(rng, len(seqs)), jnp.asarray(kv_lens, jnp.int32), cu)
+  for kw in ({}, {"sliding_window": bs + 3, "soft_cap": 10.0}):
+    out.append((f"ragged{kw or ''}", _err(ragged_paged_attention(*rargs, **kw),
+                                          ragged_paged_attention_reference(*rargs, **kw))))
+  return out
+
+
+def check_write_and_bounds(rng, block_size, head_dim, dtype_name) -> list[tuple[str, float]]:
+  dtype = jnp.dtype(dtype_name)
+  slots = np.concatenate([rng.choice(NUM_BLOCKS * block_size, 40, replace=False), [-1, -5]])
+  slots = jnp.asarray(slots.astype(np.int32))
+  new = jnp.asarray(rng.standard_normal((slots.shape[0], 2, head_dim)), dtype)
+  pages = _pool(rng, block_size, 2, head_dim, dtype)
+  got = write_kv(pages[0].copy(), pages[1].copy(), new, -new, slots)
+  want = write_kv_reference(pages[0].copy(), pages[1].copy(), new, -new, slots)
+  bounds = jnp.zeros((NUM_BLOCKS, 2, 2, head_dim), jnp.float32)
+  got_b = block_key_bounds(bounds.copy(), want[0], slots)
+  want_b = block_key_bounds_reference(bounds.copy(), want[0], slots)
+  return [("write_kv", max(_err(got[0], want[0]), _err(got[1], want[1]))),
+          ("block_key_bounds", _err(got_b, want_b))]
+
+
+def main() -> int:
+  rng = np.random.default_rng(0)
+  mode = "interpret" if backend.resolve_interpret(None) else "compiled"
+  print(f"platform={backend.platform()} device={jax.devices()[0].device_kind} pallas={mode} "
+        f"jax={jax.__version__}")
+  failures = 0
+  for ratio, block_size, head_dim, dtype in GRID:
+    rows = check_attention(rng, ratio, block_size, head_dim, dtype)
+    rows += check_write_and_bounds(rng, block_size, head_dim, dtype)
+    for name, err in rows:
+      # write_kv and block_key_bounds move bytes: they must match exactly.
+      tol = 0.0 if name in ("write_kv", "block_key_bounds") else TOL[dtype]
+      ok = err <= tol
+      failures += not ok
+      print(f"{'PASS' if ok else 'FAIL'} ratio={ratio} bs={block_size} d={head_dim} {dtype:<8} "
+            f"{name:<45} max_abs_err={err:.2e} (tol {tol:g})")
+  print(f"{failures} failure(s)")
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
