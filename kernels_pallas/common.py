@@ -35,8 +35,13 @@ def next_power_of_2(x: int) -> int:
   return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
-def check_pages(k_pages: jax.Array, v_pages: jax.Array) -> tuple[int, int, int, int]:
-  """Checks the paged KV pair; returns (num_blocks, block_size, num_kv_heads, head_dim)."""
+def check_pages(k_pages: jax.Array, v_pages: jax.Array, *,
+                float_only: bool = True) -> tuple[int, int, int, int]:
+  """Checks the paged KV pair; returns (num_blocks, block_size, num_kv_heads, head_dim).
+
+  `float_only=False` (pure data moves) also admits storage dtypes such as uint16, the
+  bitcast form of bfloat16 that CPU pools use to avoid XLA:CPU's bf16 scatter.
+  """
   if k_pages.ndim != 4:
     raise ValueError(
         "k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], got shape "
@@ -47,7 +52,7 @@ def check_pages(k_pages: jax.Array, v_pages: jax.Array) -> tuple[int, int, int, 
   if k_pages.dtype != v_pages.dtype:
     raise ValueError(
         f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and {v_pages.dtype}")
-  if k_pages.dtype not in SUPPORTED_DTYPES:
+  if float_only and k_pages.dtype not in SUPPORTED_DTYPES:
     raise ValueError(f"KV dtype must be float32, bfloat16 or float16, got {k_pages.dtype}")
   return k_pages.shape
 

@@ -7,7 +7,8 @@ the pool is skipped. The pages are donated and aliased to the outputs
   k_new[t] ---slot_ids[t]=13, block_size=8---> k_pages[1, 5]   (block 1, offset 5)
   k_new[u] ---slot_ids[u]=-1-----------------> (dropped)
 
-Slots must be distinct among the non-negative ones (a duplicate writes either).
+Slots must be distinct among the non-negative ones (a duplicate writes either). Any
+element dtype is moved as is (e.g. uint16 pages holding bitcast bfloat16 on CPU).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _write_kv_call(k_pages, v_pages, k_new, v_new, slot_ids, *, interpret):
 
 
 def _check(k_pages, v_pages, k_new, v_new, slot_ids):
-  _, _, num_kv_heads, head_dim = common.check_pages(k_pages, v_pages)
+  _, _, num_kv_heads, head_dim = common.check_pages(k_pages, v_pages, float_only=False)
   if k_new.ndim != 3 or k_new.shape[1:] != (num_kv_heads, head_dim):
     raise ValueError(
         f"k_new must be [num_tokens, num_kv_heads={num_kv_heads}, head_dim={head_dim}], got "

@@ -45,6 +45,20 @@ def test_write_kv_writes_slots_skips_negative_in_place(rng, impl, dtype):
   assert (got_k != pool.k_np.reshape(want_k.shape)).any(axis=(1, 2)).sum() == 4  # 4 slots
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_write_kv_moves_bitcast_storage_dtype(rng, impl):
+  """CPU pools store bfloat16 as uint16; write_kv moves those bits unchanged."""
+  pool = _pool(rng, jnp.bfloat16)
+  to_u16 = lambda x: jnp.asarray(x).view(jnp.uint16)
+  new = jnp.asarray(rng.standard_normal((2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+  k_pages, v_pages = WRITE[impl](to_u16(pool.k_pages), to_u16(pool.v_pages), to_u16(new),
+                                 to_u16(new), jnp.asarray([5, -1], jnp.int32))
+  assert k_pages.dtype == jnp.uint16
+  np.testing.assert_array_equal(np.asarray(k_pages.view(jnp.bfloat16)[0, 5]), np.asarray(new[0]))
+  np.testing.assert_array_equal(np.asarray(v_pages.view(jnp.bfloat16)[1:]),
+                                np.asarray(pool.v_pages[1:]))
+
+
 def test_write_kv_bad_shapes_raise(rng):
   pool = _pool(rng)
   k_new = jnp.zeros((3, NUM_KV_HEADS, 32), jnp.float32)
