@@ -1,6 +1,7 @@
 """`hisparse-jax capacity` end to end, in a subprocess (absl logs go to stderr)."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tokenizers
+from absl import logging as absl_logging
 
 import models
 
@@ -62,14 +64,32 @@ def tiny_checkpoint(tmp_path_factory):
   return str(path)
 
 
-def test_capacity_lines_of_a_checkpoint(tiny_checkpoint):
+def _main_in_process(*flag_args):
+  """`hisparse-jax capacity FLAGS` in this process: the exit status (the subprocess test
+  below covers the process boundary and stderr)."""
+  from absl import flags  # noqa: PLC0415
+
+  from hisparse_jax import cli  # noqa: PLC0415
+
+  verbosity = absl_logging.get_verbosity()
+  flags.FLAGS(["hisparse-jax", *flag_args])
+  try:
+    return cli._main(["hisparse-jax", "capacity"])
+  finally:
+    flags.FLAGS.unparse_flags()
+    absl_logging.set_verbosity(verbosity)  # the command raises it to INFO
+
+
+def test_capacity_lines_of_a_checkpoint(tiny_checkpoint, caplog):
   # 4 MiB / 4,096 bytes per block = 1,024 device blocks (1,023 usable); 16 MiB = 4,096 host
   # blocks (4,095 usable); 1,024 tokens per request = 64 blocks.
-  result = _run(f"--model={tiny_checkpoint}", "--device_kv_gib=0.00390625",
-                "--host_pool_gib=0.015625", "--max_model_len=1024", "--block_size=16")
-  assert result.returncode == 0, result.stderr
-  lines = [line.split("; ")[0] if "[total]" not in line else line
-           for line in _capacity_lines(result.stderr)]
+  caplog.set_level(logging.INFO, logger="absl")
+  status = _main_in_process(f"--model={tiny_checkpoint}", "--device_kv_gib=0.00390625",
+                            "--host_pool_gib=0.015625", "--max_model_len=1024",
+                            "--block_size=16")
+  assert status == 0
+  lines = [r.getMessage() for r in caplog.records if "KV cache capacity" in r.getMessage()]
+  lines = [line.split("; ")[0] if "[total]" not in line else line for line in lines]
   assert lines == [
       "KV cache capacity [memory_kind=device]: 0.00 GiB = 1,023 blocks x 16 tokens = "
       "16,368 tokens",
@@ -81,17 +101,7 @@ def test_capacity_lines_of_a_checkpoint(tiny_checkpoint):
 
 
 def test_refusal_is_one_line_naming_the_flag(tiny_checkpoint, capsys):
-  # In process (the subprocess tests above and below cover the process boundary).
-  from absl import flags  # noqa: PLC0415
-
-  from hisparse_jax import cli  # noqa: PLC0415
-
-  flags.FLAGS(["hisparse-jax", f"--model={tiny_checkpoint}", "--host_pool_gib=1000000"])
-  try:
-    status = cli._main(["hisparse-jax", "capacity"])
-  finally:
-    flags.FLAGS.unparse_flags()
-  assert status == 2
+  assert _main_in_process(f"--model={tiny_checkpoint}", "--host_pool_gib=1000000") == 2
   err = capsys.readouterr().err.strip()
   assert "\n" not in err
   assert err.startswith("hisparse-jax capacity: error: --host_pool_gib=1000000.0 asks for "
@@ -105,16 +115,26 @@ DEFAULT_CONFIG = os.path.join(models.DEFAULT_MODEL_DIR, "config.json")
                     reason=f"needs the embedded default model: {DEFAULT_CONFIG} is missing "
                            "(models/hisparse_tiny not built yet)")
 def test_capacity_on_the_default_model():
-  result = _run()  # the default flags of hisparse_jax.cli
+  # Default model, dtype, block size and max_model_len; small pools keep the test fast
+  # (the default 1 GiB host pool takes seconds to allocate on a loaded CPU).
+  result = _run("--device_kv_gib=0.0625", "--host_pool_gib=0.125")
   assert result.returncode == 0, result.stderr
-  lines = _capacity_lines(result.stderr)
-  assert [line.split("]")[0] for line in lines] == [
-      "KV cache capacity [memory_kind=device", "KV cache capacity [memory_kind=pinned_host",
-      "KV cache capacity [total"]
   with open(DEFAULT_CONFIG) as f:
     config = json.load(f)
   head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
   bytes_per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
                      * head_dim * 4)  # float32 KV by default
-  assert f"; {bytes_per_token:,} bytes per token" in lines[0]
-  assert "max concurrency for 2,048 tokens per request" in lines[2]
+  device_blocks = 2**26 // (16 * bytes_per_token) - 1  # 64 MiB, less the null block
+  host_blocks = 2**27 // (16 * bytes_per_token) - 1  # 128 MiB
+  lines = _capacity_lines(result.stderr)
+  assert len(lines) == 3
+  assert lines[0].startswith(
+      f"KV cache capacity [memory_kind=device]: 0.06 GiB = {device_blocks:,} blocks x 16 "
+      f"tokens = {device_blocks * 16:,} tokens; {bytes_per_token:,} bytes per token")
+  assert lines[1].startswith(
+      f"KV cache capacity [memory_kind=pinned_host]: 0.12 GiB = {host_blocks:,} blocks x 16 "
+      f"tokens = {host_blocks * 16:,} tokens; {bytes_per_token:,} bytes per token")
+  assert lines[2] == (
+      f"KV cache capacity [total]: {(device_blocks + host_blocks) * 16:,} tokens; max "
+      f"concurrency for 2,048 tokens per request: {(device_blocks + host_blocks) / 128:.2f}x "
+      f"(device only: {device_blocks / 128:.2f}x)")
