@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform as py_platform
@@ -102,12 +103,20 @@ def _machine() -> dict:
       "num_devices": jax.device_count(),
       "cpu_model": cpu_model,
       "cpu_cores": os.cpu_count(),
+      "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # noisy host?
       "jax_version": jax.__version__,
-      "jaxlib_version": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+      "jaxlib_version": _package_version("jaxlib"),
       "python": sys.version.split()[0],
       "hostname": py_platform.node(),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
+
+
+def _package_version(name: str) -> str | None:
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def _hbm_peak() -> float | None:
