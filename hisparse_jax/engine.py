@@ -1,0 +1,281 @@
+"""The engine: requests in, tokens out, one `step()` at a time over the tiered KV cache.
+
+    step():  schedule -> move blocks (d2h swap-outs, copy-on-write, h2d swap-ins)
+             -> run (one jitted forward + sample) -> postprocess (append, stop, free)
+
+`Engine` is the lower-level API for serving stacks (`add_request`, `step`,
+`abort_request`, `has_unfinished_requests`); `hisparse_jax.LLM` wraps it for batch
+generation. Constructing an engine loads the model, plans and allocates both KV pools
+and logs their capacity per memory kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from hisparse_jax import engine_metrics
+from hisparse_jax.block_manager import BlockManager
+from hisparse_jax.capacity import CapacityReport, plan_capacity
+from hisparse_jax.kv_pool import KVCacheSpec
+from hisparse_jax.metrics import MetricsRegistry
+from hisparse_jax.request import Request, RequestOutput, RequestStatus
+from hisparse_jax.runner import ModelRunner
+from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.scheduler import Scheduler, SchedulerOutput
+from hisparse_jax.transfer import TransferEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Everything an engine is built from; validated on construction (fields = CLI flags)."""
+
+  model: str | None = None  # HF checkpoint directory; None = the embedded hisparse-tiny
+  dtype: str = "float32"  # weights and KV cache
+  block_size: int = 16
+  device_kv_gib: float | None = None
+  host_pool_gib: float = 1.0
+  max_model_len: int = 2048
+  max_num_seqs: int = 16
+  max_num_batched_tokens: int = 512
+  enable_chunked_prefill: bool = True
+  enable_prefix_caching: bool = True
+  kernel_backend: str | None = None  # "auto" (None), "pallas" or "xla"
+  seed: int = 0
+  hisparse: Any = None  # HiSparseConfig (the HiSparse issue)
+
+  def __post_init__(self):
+    if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+      raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+    if self.host_pool_gib is not None and self.host_pool_gib < 0:
+      raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
+    if self.device_kv_gib is not None and self.device_kv_gib <= 0:
+      raise ValueError(f"device_kv_gib must be > 0, got {self.device_kv_gib}")
+    if self.hisparse is not None:
+      raise ValueError("hisparse: the sparse path is not available yet in this build")
+
+
+class Engine:
+  """Continuous-batching engine over a device KV pool and a pinned-host KV pool.
+
+  Invariants: every request added is finished exactly once (stop, length, abort or
+  error) and then holds no block; between steps the block manager's invariants hold.
+  """
+
+  def __init__(self, config: EngineConfig | None = None, *, model=None, model_config=None,
+               tokenizer=None):
+    from models.loader import load_pretrained  # heavy import, on use
+
+    self.config = config = config if config is not None else EngineConfig()
+    if model is None:
+      model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype)
+    self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions is not None and config.max_model_len > max_positions:
+      raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                       f"max_position_embeddings={max_positions}")
+    spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size)
+    plan = plan_capacity(spec, max_model_len=config.max_model_len,
+                         host_pool_gib=config.host_pool_gib,
+                         device_kv_gib=config.device_kv_gib)
+    self.device_pool, self.host_pool = plan.allocate()
+    self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
+                                              plan.device_reserved_bytes)
+    self.capacity.log(config.max_model_len)
+    self.metrics_registry = MetricsRegistry()
+    self.capacity.export(self.metrics_registry)
+    self.stats = engine_metrics.EngineMetrics(self.metrics_registry)
+    self.transfer = TransferEngine(self.device_pool, self.host_pool, self.metrics_registry)
+    self.block_manager = BlockManager(self.device_pool.num_blocks, self.host_pool.num_blocks,
+                                      config.block_size,
+                                      enable_prefix_caching=config.enable_prefix_caching)
+    self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens,
+                               enable_chunked_prefill=config.enable_chunked_prefill)
+    self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
+                              max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              kernel_backend=config.kernel_backend)
+    self.requests: dict[str, Request] = {}
+    self._finished_outputs: list[RequestOutput] = []
+    self._seed_rng = np.random.default_rng(config.seed)
+    self._ids = itertools.count()
+    self.num_steps = 0
+
+  # --- Requests ------------------------------------------------------------------
+
+  def add_request(self, request_id: str | None = None, prompt: str | None = None,
+                  sampling_params: SamplingParams | None = None, *,
+                  prompt_token_ids: Sequence[int] | None = None) -> str:
+    """Queues a request; returns its id. Bad input raises ValueError naming the field."""
+    sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+    if request_id is None:
+      request_id = f"req-{next(self._ids)}"
+    request_id = str(request_id)
+    if request_id in self.requests:
+      raise ValueError(f"request_id {request_id!r} is already in use")
+    if (prompt is None) == (prompt_token_ids is None):
+      raise ValueError("give exactly one of prompt and prompt_token_ids")
+    if prompt is not None:
+      if self.tokenizer is None:
+        raise ValueError("prompt: this engine has no tokenizer; pass prompt_token_ids")
+      token_ids = self.tokenizer.encode(prompt)
+    else:
+      token_ids = [int(t) for t in prompt_token_ids]
+    if not token_ids:
+      raise ValueError("prompt is empty")
+    vocab = self.model_config.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {vocab})")
+    if len(token_ids) >= self.config.max_model_len:
+      raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len="
+                       f"{self.config.max_model_len} leaves no room for an output token")
+    seed = sampling_params.seed
+    if seed is None:
+      seed = int(self._seed_rng.integers(0, 2**31 - 1))
+    request = Request(request_id, token_ids, sampling_params, seed=seed)
+    self.requests[request_id] = request
+    self.scheduler.add(request)
+    self.stats.on_add(request)
+    return request_id
+
+  def abort_request(self, request_id: str) -> bool:
+    """Ends a request now (finish_reason "abort") and frees its blocks."""
+    request = self.requests.get(str(request_id))
+    if request is None or request.is_finished:
+      return False
+    self._finish(request, "abort")
+    return True
+
+  def has_unfinished_requests(self) -> bool:
+    return self.scheduler.num_unfinished > 0
+
+  # --- One step ------------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Runs one engine step; returns the outputs of requests that advanced or finished."""
+    self.transfer.poll()
+    out = self.scheduler.schedule()
+    self._move_blocks(out)
+    outputs = {}
+    if not out.is_empty:
+      chunks = out.chunks
+      seq_ids = [c.request.request_id for c in chunks]
+      width = max(len(self.block_manager.block_table(s)) for s in seq_ids)
+      batch = self.runner.build_batch(chunks, self.block_manager.block_tables(seq_ids, width))
+      start = time.perf_counter()
+      try:
+        tokens = self.runner.execute(batch)
+      except Exception as e:  # a failed step ends only the requests it held
+        logging.exception("step failed; aborting its %d requests", len(chunks))
+        self.block_manager.finish_step()
+        for chunk in chunks:
+          self._finish(chunk.request, "error", error=f"{type(e).__name__}: {e}")
+      else:
+        self.block_manager.finish_step()
+        self.stats.on_step(out, time.perf_counter() - start, self.block_manager)
+        for chunk, token in zip(chunks, tokens):
+          self._postprocess(chunk, int(token))
+          outputs[chunk.request.request_id] = chunk.request
+    else:
+      self.block_manager.finish_step()
+    self.num_steps += 1
+    result = [self._output(r) for r in outputs.values() if not r.is_finished]
+    result += self._finished_outputs
+    self._finished_outputs = []
+    self.stats.on_usage(self.block_manager, self.scheduler)
+    return result
+
+  def _move_blocks(self, out: SchedulerOutput) -> None:
+    """Executes the step's block moves in the BlockManager contract's order."""
+    if out.swap_out:
+      self.transfer.swap_out(np.concatenate([p.device_ids for p in out.swap_out]),
+                             np.concatenate([p.host_ids for p in out.swap_out]))
+    self.runner.copy_blocks(out.copies)
+    if out.swap_in:
+      self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]),
+                            np.concatenate([p.device_ids for p in out.swap_in]))
+    self.stats.on_preempt(len(out.preempted) + len(out.recomputed))
+
+  def _postprocess(self, chunk, token: int) -> None:
+    request = chunk.request
+    request.num_computed_tokens = chunk.start + chunk.num_tokens
+    num_blocks = -(-request.num_computed_tokens // self.config.block_size)
+    from_host = min(request.num_swapped_in_blocks, num_blocks)
+    request.num_swapped_in_blocks = 0
+    request.blocks_selected["host"] += from_host
+    request.blocks_selected["device"] += num_blocks - from_host
+    self.stats.on_blocks(device=num_blocks - from_host, host=from_host)
+    if not chunk.samples:
+      return
+    now = time.perf_counter()
+    if request.first_token_time is None:
+      request.first_token_time = now
+      self.stats.on_first_token(now - request.arrival_time)
+    else:
+      self.stats.on_token_gap(now - request.last_token_time)
+    request.last_token_time = now
+    request.output_token_ids.append(token)
+    self.stats.on_generated(1)
+    sp = request.sampling_params
+    eos = self.model_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_ids):
+      self._finish(request, "stop")
+    elif (len(request.output_token_ids) >= sp.max_tokens
+          or request.num_tokens >= self.config.max_model_len):
+      self._finish(request, "length")
+
+  def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+    self.scheduler.remove(request)
+    request.status = RequestStatus.FINISHED
+    request.finish_reason = reason
+    request.error = error
+    self.stats.on_finish(request)
+    self._finished_outputs.append(self._output(request))
+
+  def _output(self, request: Request) -> RequestOutput:
+    new = request.output_token_ids[request.num_output_tokens_reported:]
+    request.num_output_tokens_reported = len(request.output_token_ids)
+    text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
+    ttft = (request.first_token_time - request.arrival_time
+            if request.first_token_time is not None else None)
+    decode_tps = None
+    if request.first_token_time is not None and len(request.output_token_ids) > 1:
+      span = request.last_token_time - request.first_token_time
+      decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
+    return RequestOutput(
+        request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+        token_ids=list(request.output_token_ids), new_token_ids=list(new), text=text,
+        finished=request.is_finished, finish_reason=request.finish_reason,
+        error=request.error, time_to_first_token_s=ttft, decode_tokens_per_s=decode_tps,
+        blocks_selected=dict(request.blocks_selected),
+        num_preemptions=request.num_preemptions)
+
+  # --- Figures -------------------------------------------------------------------
+
+  def metrics(self) -> dict[str, float]:
+    """All metrics as a flat dict (labelled series keyed like `name{label="x"}`)."""
+    self.transfer.poll()
+    self.stats.on_usage(self.block_manager, self.scheduler)
+    return self.metrics_registry.to_dict()
+
+  def check_invariants(self) -> None:
+    """Block-manager invariants plus: no finished request holds blocks."""
+    self.block_manager.check_invariants()
+    for request in self.requests.values():
+      if request.is_finished:
+        assert request.request_id not in self.block_manager, request.request_id

@@ -1,0 +1,113 @@
+"""The engine's runtime metrics: names, help texts, and the hooks the engine calls.
+
+Every series lives in the engine's `MetricsRegistry` (flat dict via `to_dict()`,
+Prometheus via `serve(port)`). Series, with the labels they carry:
+
+  hisparse_kv_capacity_tokens{memory_kind}      gauge   (set at load, CapacityReport)
+  hisparse_kv_usage_ratio{memory_kind}          gauge   owned blocks / usable blocks
+  hisparse_blocks_selected_total{source}        counter blocks attention read: device,
+                                                        hot (HiSparse), host (came back
+                                                        from the host pool)
+  hisparse_transfer_*{direction}                        (TransferEngine: calls, blocks,
+                                                        bytes, seconds)
+  hisparse_prefix_cache_queries_total           counter full-block lookups
+  hisparse_prefix_cache_hits_total{memory_kind} counter full-block hits per tier
+  hisparse_preemptions_total                    counter requests preempted
+  hisparse_thrash_total                         counter blocks loaded again soon after
+                                                        leaving the hot buffer (HiSparse)
+  hisparse_requests_total{finish_reason}        counter finished requests
+  hisparse_prompt_tokens_total, hisparse_generation_tokens_total   counters
+  hisparse_num_requests{state}                  gauge   running, waiting, swapped
+  hisparse_time_to_first_token_seconds, hisparse_inter_token_seconds,
+  hisparse_step_seconds                         histograms (_count, _sum, _p50, _p99)
+"""
+
+from __future__ import annotations
+
+from hisparse_jax.metrics import MetricsRegistry
+
+KV_USAGE_RATIO = "hisparse_kv_usage_ratio"
+BLOCKS_SELECTED_TOTAL = "hisparse_blocks_selected_total"
+PREFIX_CACHE_QUERIES_TOTAL = "hisparse_prefix_cache_queries_total"
+PREFIX_CACHE_HITS_TOTAL = "hisparse_prefix_cache_hits_total"
+PREEMPTIONS_TOTAL = "hisparse_preemptions_total"
+THRASH_TOTAL = "hisparse_thrash_total"
+REQUESTS_TOTAL = "hisparse_requests_total"
+PROMPT_TOKENS_TOTAL = "hisparse_prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "hisparse_generation_tokens_total"
+NUM_REQUESTS = "hisparse_num_requests"
+TTFT_SECONDS = "hisparse_time_to_first_token_seconds"
+INTER_TOKEN_SECONDS = "hisparse_inter_token_seconds"
+STEP_SECONDS = "hisparse_step_seconds"
+
+
+class EngineMetrics:
+  """Hooks that keep the engine's series current; one per engine."""
+
+  def __init__(self, registry: MetricsRegistry):
+    r = registry
+    self.usage = r.gauge(KV_USAGE_RATIO, "Owned KV blocks / usable blocks.", ("memory_kind",))
+    self.blocks_selected = r.counter(BLOCKS_SELECTED_TOTAL,
+                                     "KV blocks attention read, by where they came from.",
+                                     ("source",))
+    self.prefix_queries = r.counter(PREFIX_CACHE_QUERIES_TOTAL,
+                                    "Prefix-cache lookups of full blocks.")
+    self.prefix_hits = r.counter(PREFIX_CACHE_HITS_TOTAL, "Prefix-cache hits (blocks).",
+                                 ("memory_kind",))
+    self.preemptions = r.counter(PREEMPTIONS_TOTAL, "Requests preempted.")
+    self.thrash = r.counter(THRASH_TOTAL, "Blocks reloaded soon after eviction.")
+    self.requests = r.counter(REQUESTS_TOTAL, "Finished requests.", ("finish_reason",))
+    self.prompt_tokens = r.counter(PROMPT_TOKENS_TOTAL, "Prompt tokens received.")
+    self.generation_tokens = r.counter(GENERATION_TOKENS_TOTAL, "Tokens generated.")
+    self.num_requests = r.gauge(NUM_REQUESTS, "Requests by scheduler state.", ("state",))
+    self.ttft = r.histogram(TTFT_SECONDS, "Seconds from arrival to the first token.")
+    self.inter_token = r.histogram(INTER_TOKEN_SECONDS, "Seconds between output tokens.")
+    self.step_seconds = r.histogram(STEP_SECONDS, "Seconds of one jitted step.")
+    for source in ("device", "hot", "host"):
+      self.blocks_selected.inc(0, source=source)
+    for kind in ("device", "pinned_host"):
+      self.prefix_hits.inc(0, memory_kind=kind)
+    self.preemptions.inc(0)
+    self.thrash.inc(0)
+    self._seen_queries = 0
+    self._seen_hits = {"device": 0, "pinned_host": 0}
+
+  def on_add(self, request) -> None:
+    self.prompt_tokens.inc(request.num_prompt_tokens)
+
+  def on_preempt(self, n: int) -> None:
+    if n:
+      self.preemptions.inc(n)
+
+  def on_step(self, out, seconds: float, block_manager) -> None:
+    self.step_seconds.observe(seconds)
+    queries = block_manager.device_pool.prefix_cache_queries
+    self.prefix_queries.inc(queries - self._seen_queries)
+    self._seen_queries = queries
+    for kind, pool in block_manager.pools.items():
+      self.prefix_hits.inc(pool.prefix_cache_hits - self._seen_hits[kind], memory_kind=kind)
+      self._seen_hits[kind] = pool.prefix_cache_hits
+
+  def on_blocks(self, *, device: int = 0, hot: int = 0, host: int = 0) -> None:
+    for source, n in (("device", device), ("hot", hot), ("host", host)):
+      if n:
+        self.blocks_selected.inc(n, source=source)
+
+  def on_first_token(self, seconds: float) -> None:
+    self.ttft.observe(seconds)
+
+  def on_token_gap(self, seconds: float) -> None:
+    self.inter_token.observe(seconds)
+
+  def on_generated(self, n: int) -> None:
+    self.generation_tokens.inc(n)
+
+  def on_finish(self, request) -> None:
+    self.requests.inc(finish_reason=request.finish_reason)
+
+  def on_usage(self, block_manager, scheduler) -> None:
+    for kind, pool in block_manager.pools.items():
+      self.usage.set(pool.usage, memory_kind=kind)
+    self.num_requests.set(len(scheduler.running), state="running")
+    self.num_requests.set(len(scheduler.waiting), state="waiting")
+    self.num_requests.set(len(scheduler.swapped), state="swapped")

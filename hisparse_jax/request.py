@@ -1,0 +1,92 @@
+"""One request's life in the engine, and what the engine hands back for it.
+
+    add_request -> WAITING --admit--> RUNNING <--swap in/out--> SWAPPED
+                                        |  (preempted: blocks moved to the host pool)
+                                        v
+                       FINISHED (stop | length | abort | error)
+
+`num_computed_tokens` counts the tokens whose K/V are in the cache. A running
+request computes its prompt (in chunks), then one token per step: the token sampled
+in step t has its K/V computed in step t + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from hisparse_jax.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  SWAPPED = "swapped"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+  """Engine-side state of one request. Invariant: 0 <= num_computed_tokens <= num_tokens."""
+
+  request_id: str
+  prompt_token_ids: list[int]
+  sampling_params: SamplingParams
+  seed: int
+  arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+  output_token_ids: list[int] = dataclasses.field(default_factory=list)
+  status: RequestStatus = RequestStatus.WAITING
+  num_computed_tokens: int = 0
+  prefill_len: int = 0  # tokens allocated at admission: the prompt, or all (recomputation)
+  finish_reason: str | None = None
+  error: str | None = None
+  first_token_time: float | None = None
+  last_token_time: float | None = None
+  num_preemptions: int = 0
+  blocks_selected: dict[str, int] = dataclasses.field(
+      default_factory=lambda: {"device": 0, "hot": 0, "host": 0})
+  num_swapped_in_blocks: int = 0  # blocks brought back from host, counted once as "host"
+  num_output_tokens_reported: int = 0  # for incremental outputs
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_token_ids)
+
+  @property
+  def all_token_ids(self) -> list[int]:
+    return self.prompt_token_ids + self.output_token_ids
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  @property
+  def is_prefilling(self) -> bool:
+    return self.num_computed_tokens < self.prefill_len
+
+  @property
+  def is_finished(self) -> bool:
+    return self.status == RequestStatus.FINISHED
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What a request produced: the whole output so far, and its figures.
+
+  `new_token_ids` are the tokens added since the previous output of this request
+  (Engine.step streams them); `finished` is set exactly once.
+  """
+
+  request_id: str
+  prompt_token_ids: list[int]
+  token_ids: list[int]
+  new_token_ids: list[int]
+  text: str
+  finished: bool
+  finish_reason: str | None
+  error: str | None
+  time_to_first_token_s: float | None
+  decode_tokens_per_s: float | None
+  blocks_selected: dict[str, int]
+  num_preemptions: int

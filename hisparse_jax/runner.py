@@ -1,0 +1,192 @@
+"""The jitted step: one forward pass over a ragged batch, KV written into the device pool.
+
+    chunks (host)  --build_batch-->  StepBatch (numpy, padded to buckets)
+        |                                  |
+        |        execute: ONE jitted call  v
+        |   embed -> per layer: qkv -> write_kv(slots) -> attend(block tables) -> mlp
+        |   -> logits of each sequence's last token -> sample
+        v
+    sampled token ids (the step's only device -> host sync)
+
+Every scheduled token of every sequence is one row of a flat token axis (batch 1 for
+the model, `seq` = all tokens); `cu_q_lens` cuts it into sequences. Shapes are padded
+to power-of-two buckets (tokens, sequences, block-table width) so a run compiles a
+bounded number of programs; padded tokens have slot -1 (never written) and belong to
+no sequence, padded sequences have length 0.
+
+Attention is `_attend`: the one place where the HiSparse path (a later issue) swaps
+the dense block table for a table of selected blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+import kernels_pallas
+from hisparse_jax.kv_pool import KVPool
+from hisparse_jax.sampling import sample
+from hisparse_jax.scheduler import ScheduledChunk
+
+
+def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
+  """Next power of two >= n (at least `minimum`, at most `maximum` when n fits)."""
+  b = max(minimum, 1 << max(0, n - 1).bit_length())
+  return max(n, min(b, maximum)) if maximum is not None else b
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """Per-step attention inputs (all int32)."""
+
+  slot_ids: jax.Array  # [num_tokens]; -1 = padding, not written
+  block_tables: jax.Array  # [num_seqs, max_blocks]; padded with the null block 0
+  kv_lens: jax.Array  # [num_seqs]: tokens in the cache after this step
+  cu_q_lens: jax.Array  # [num_seqs + 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+  """Host-side arrays of one step, already padded."""
+
+  input_ids: np.ndarray  # int32 [num_tokens]
+  positions: np.ndarray  # int32 [num_tokens]
+  metadata: StepMetadata  # numpy leaves
+  logits_indices: np.ndarray  # int32 [num_seqs]: row of each sequence's last token
+  temperature: np.ndarray  # float32 [num_seqs]
+  top_p: np.ndarray  # float32 [num_seqs]
+  top_k: np.ndarray  # int32 [num_seqs]
+  seeds: np.ndarray  # uint32 [num_seqs]
+  counters: np.ndarray  # int32 [num_seqs]: draws the request made before
+  num_seqs: int  # real sequences (rows past it are padding)
+
+
+class ModelRunner:
+  """Owns the jitted step and the device pool's arrays between steps.
+
+  Invariant: the device pool's arrays are only replaced by arrays the jitted step or
+  `copy_blocks` returned (donated, updated in place).
+  """
+
+  def __init__(self, model: nnx.Module, device_pool: KVPool, *, max_model_len: int,
+               max_num_seqs: int, max_num_batched_tokens: int,
+               kernel_backend: str | None = None):
+    self.config = model.config
+    self.pool = device_pool
+    self.block_size = device_pool.spec.block_size
+    self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+    self.max_num_seqs = max_num_seqs
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.ops = kernels_pallas.ops(kernel_backend)
+    graphdef, self.params = nnx.split(model)
+    self._step = jax.jit(functools.partial(_forward, graphdef, self.ops, device_pool),
+                         donate_argnums=(1,))
+    self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+    self.shapes_compiled: set[tuple[int, int, int]] = set()
+
+  # --- Host side -----------------------------------------------------------------
+
+  def build_batch(self, chunks: Sequence[ScheduledChunk],
+                  block_tables: np.ndarray) -> StepBatch:
+    """Flattens the scheduled chunks into padded step arrays.
+
+    `block_tables` [len(chunks), width] are the device tables of the chunks' requests.
+    """
+    num_tokens = sum(c.num_tokens for c in chunks)
+    t_pad = bucket(num_tokens, 16, self.max_num_batched_tokens)
+    b_pad = bucket(len(chunks), 4, self.max_num_seqs)
+    w_pad = bucket(block_tables.shape[1], 4, self.max_blocks_per_seq)
+    input_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_ids = np.full(t_pad, -1, np.int32)
+    tables = np.zeros((b_pad, w_pad), np.int32)
+    tables[:len(chunks), :block_tables.shape[1]] = block_tables
+    kv_lens = np.zeros(b_pad, np.int32)
+    cu_q_lens = np.full(b_pad + 1, num_tokens, np.int32)
+    logits_indices = np.zeros(b_pad, np.int32)
+    temperature = np.zeros(b_pad, np.float32)
+    top_p = np.ones(b_pad, np.float32)
+    top_k = np.zeros(b_pad, np.int32)
+    seeds = np.zeros(b_pad, np.uint32)
+    counters = np.zeros(b_pad, np.int32)
+    offset = 0
+    for i, chunk in enumerate(chunks):
+      request, n = chunk.request, chunk.num_tokens
+      tokens = request.all_token_ids[chunk.start:chunk.start + n]
+      input_ids[offset:offset + n] = tokens
+      positions[offset:offset + n] = np.arange(chunk.start, chunk.start + n)
+      slot_ids[offset:offset + n] = chunk.slot_ids
+      cu_q_lens[i] = offset
+      kv_lens[i] = chunk.start + n
+      logits_indices[i] = offset + n - 1
+      sp = request.sampling_params
+      temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
+      seeds[i] = request.seed
+      counters[i] = len(request.output_token_ids)
+      offset += n
+    cu_q_lens[len(chunks)] = offset
+    meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens)
+    return StepBatch(input_ids, positions, meta, logits_indices, temperature, top_p, top_k,
+                     seeds, counters, len(chunks))
+
+  # --- Device side ---------------------------------------------------------------
+
+  def execute(self, batch: StepBatch) -> np.ndarray:
+    """Runs the step; returns int32 [batch.num_seqs] sampled tokens (one host sync)."""
+    self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
+                              batch.metadata.block_tables.shape[1]))
+    tokens, arrays = self._step(
+        self.params, self.pool.arrays(), batch.input_ids, batch.positions, batch.metadata,
+        batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
+        batch.counters)
+    self.pool.set_arrays(arrays)
+    return np.asarray(tokens)[:batch.num_seqs]
+
+  def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+    """Copy-on-write: device block src -> dst, every layer, one jitted call."""
+    if not copies:
+      return
+    n = bucket(len(copies), 4)
+    src = np.zeros(n, np.int32)
+    dst = np.full(n, self.pool.num_blocks, np.int32)  # padding: out of range, dropped
+    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+    self.pool.set_arrays(self._copy(self.pool.arrays(), src, dst))
+
+
+def _copy_blocks(arrays, src, dst):
+  return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
+
+
+def _forward(graphdef, ops, pool: KVPool, params, kv_arrays, input_ids, positions,
+             metadata: StepMetadata, logits_indices, temperature, top_p, top_k, seeds,
+             counters):
+  model = nnx.merge(graphdef, params)
+  num_layers = len(kv_arrays) // 2
+  kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i]) for i in range(num_layers)]
+  attn_fn = functools.partial(_attend, ops, pool)
+  hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
+                                          kv_caches=kv_caches, attn_metadata=metadata)
+  logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+  tokens = sample(logits, temperature, top_p, top_k, keys)
+  new_arrays = tuple(k for k, _ in kv_caches) + tuple(v for _, v in kv_caches)
+  return tokens, new_arrays
+
+
+def _attend(ops: kernels_pallas.KernelOps, pool: KVPool, q, k, v, *, layer_idx, kv_cache,
+            metadata: StepMetadata, config):
+  """Writes this step's K/V into the pages, then attends over each sequence's blocks."""
+  del layer_idx
+  k_pages, v_pages = kv_cache
+  k_pages, v_pages = ops.write_kv(k_pages, v_pages, pool.to_storage(k[0]),
+                                  pool.to_storage(v[0]), metadata.slot_ids)
+  out = ops.ragged_paged_attention(
+      q[0], pool.from_storage(k_pages), pool.from_storage(v_pages), metadata.block_tables,
+      metadata.kv_lens, metadata.cu_q_lens, sliding_window=config.sliding_window)
+  return out[None], (k_pages, v_pages)

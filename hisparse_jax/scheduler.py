@@ -1,0 +1,245 @@
+"""Continuous batching over the tiered KV cache: who runs in the next step, and on which blocks.
+
+Each `schedule()` call makes one step's plan, in this order (FCFS throughout):
+
+  1. RUNNING requests, oldest first: a prefilling request gets its next prompt chunk
+     (chunked prefill, within the `max_num_batched_tokens` budget); a decoding request
+     gets one token. When the device pool has no block for it, the NEWEST running
+     request is preempted by swap-out to the host pool (its blocks are copied there,
+     never recomputed), until the block is found or the request itself is the newest.
+  2. SWAPPED requests, oldest first, when no request was preempted in this step: they
+     come back (swap-in plan) if the device has their blocks, and run in this step.
+  3. WAITING requests, oldest first, while nobody is left swapped: admitted when the
+     device pool holds their prompt blocks plus one spare block per running request
+     (so admission does not force an immediate preemption). A prompt whose leading full
+     blocks are in the prefix cache starts after them (device hits shared, host hits
+     swapped in).
+
+Admission counts both tiers: a request occupies device blocks only while it runs;
+when the device is short, running requests move to the host pool and come back later,
+so the engine holds as many requests as device plus host blocks allow. Only when the
+host pool cannot take a victim's blocks does preemption fall back to recomputation.
+
+The scheduler owns host bookkeeping only (STYLE point 9); the engine executes the
+plans (transfers, copy-on-write copies, the jitted step) in the order the
+`BlockManager` contract gives.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from hisparse_jax.block_manager import BlockManager, SwapInPlan, SwapOutPlan
+from hisparse_jax.request import Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+  """Tokens [start, start + num_tokens) of `request` are computed in this step."""
+
+  request: Request
+  start: int
+  num_tokens: int
+  slot_ids: np.ndarray  # int32 [num_tokens]
+
+  @property
+  def samples(self) -> bool:
+    """Whether this chunk ends at the request's last token, so its logits are sampled."""
+    return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+  chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+  swap_out: list[SwapOutPlan] = dataclasses.field(default_factory=list)
+  swap_in: list[SwapInPlan] = dataclasses.field(default_factory=list)
+  copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  preempted: list[Request] = dataclasses.field(default_factory=list)
+  recomputed: list[Request] = dataclasses.field(default_factory=list)
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(c.num_tokens for c in self.chunks)
+
+  @property
+  def is_empty(self) -> bool:
+    return not self.chunks
+
+
+class Scheduler:
+  """FCFS continuous batching with chunked prefill and swap-based preemption.
+
+  Invariants: a request is in exactly one of `waiting`, `running`, `swapped` until it
+  finishes; a running request is resident in the block manager, a swapped one is
+  swapped out there; len(running) <= max_num_seqs; one step schedules at most
+  `max_num_batched_tokens` tokens.
+  """
+
+  def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+               max_num_batched_tokens: int, enable_chunked_prefill: bool = True):
+    if max_num_seqs < 1:
+      raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_num_batched_tokens < 1:
+      raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    self.bm = block_manager
+    self.max_num_seqs = max_num_seqs
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.enable_chunked_prefill = enable_chunked_prefill
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.swapped: collections.deque[Request] = collections.deque()
+
+  # --- Queues --------------------------------------------------------------------
+
+  def add(self, request: Request) -> None:
+    request.status = RequestStatus.WAITING
+    self.waiting.append(request)
+
+  @property
+  def num_unfinished(self) -> int:
+    return len(self.waiting) + len(self.running) + len(self.swapped)
+
+  def remove(self, request: Request) -> None:
+    """Takes a request out of whichever queue holds it and frees its blocks."""
+    if request in self.running:
+      self.running.remove(request)
+    elif request in self.swapped:
+      self.swapped.remove(request)
+    elif request in self.waiting:
+      self.waiting.remove(request)
+    if request.request_id in self.bm:
+      self.bm.free(request.request_id)
+
+  # --- One step ------------------------------------------------------------------
+
+  def schedule(self) -> SchedulerOutput:
+    out = SchedulerOutput()
+    budget = self.max_num_batched_tokens
+    budget = self._schedule_running(out, budget)
+    if not out.preempted and not out.recomputed:
+      budget = self._schedule_swapped(out, budget)
+    if not self.swapped:
+      self._schedule_waiting(out, budget)
+    return out
+
+  def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+    """The next prefill chunk of a resident request within `budget` tokens."""
+    start = request.num_computed_tokens
+    remaining = request.prefill_len - start
+    if not self.enable_chunked_prefill and remaining > budget:
+      return None
+    n = min(remaining, budget)
+    if n <= 0:
+      return None
+    # Full blocks of this chunk become prefix-cache hits now: the forward writes their
+    # KV (every layer writes before it attends) before any later step can read them.
+    self.bm.cache_blocks(request.request_id, start + n)
+    return ScheduledChunk(request, start, n, self.bm.slot_ids(request.request_id, start,
+                                                              start + n))
+
+  def _decode(self, request: Request, out: SchedulerOutput) -> ScheduledChunk:
+    result = self.bm.append_slot(request.request_id, request.output_token_ids[-1])
+    if result.copy is not None:
+      out.copies.append(result.copy)
+    return ScheduledChunk(request, request.num_tokens - 1, 1,
+                          np.array([result.slot_id], np.int32))
+
+  def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    victim.num_preemptions += 1
+    if self.bm.can_swap_out(victim.request_id):
+      out.swap_out.append(self.bm.swap_out(victim.request_id))
+      victim.status = RequestStatus.SWAPPED
+      self._insert_swapped(victim)
+      out.preempted.append(victim)
+    else:  # The host pool is full too: drop the blocks and compute them again later.
+      self.bm.free(victim.request_id)
+      victim.num_computed_tokens = 0
+      victim.status = RequestStatus.WAITING
+      self.waiting.appendleft(victim)
+      out.recomputed.append(victim)
+
+  def _insert_swapped(self, request: Request) -> None:
+    """Keeps `swapped` in arrival order, so the oldest preempted request returns first."""
+    for i, other in enumerate(self.swapped):
+      if request.arrival_time < other.arrival_time:
+        self.swapped.insert(i, request)
+        return
+    self.swapped.append(request)
+
+  def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    queue = list(self.running)
+    kept: list[Request] = []
+    while queue:
+      request = queue.pop(0)
+      if budget <= 0:
+        kept.append(request)
+        continue
+      if request.is_prefilling:
+        chunk = self._chunk(request, budget)
+        kept.append(request)
+        if chunk is not None:
+          out.chunks.append(chunk)
+          budget -= chunk.num_tokens
+        continue
+      while not self.bm.can_append(request.request_id):
+        victim = queue.pop() if queue else None
+        if victim is None:  # Nobody newer left: this request gives its blocks up.
+          self._preempt(request, out)
+          break
+        self._preempt(victim, out)
+      else:
+        out.chunks.append(self._decode(request, out))
+        kept.append(request)
+        budget -= 1
+    self.running = kept
+    return budget
+
+  def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+    while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+      request = self.swapped[0]
+      if not self.bm.can_swap_in(request.request_id):
+        break
+      self.swapped.popleft()
+      plan = self.bm.swap_in(request.request_id)
+      out.swap_in.append(plan)
+      request.num_swapped_in_blocks += plan.num_blocks
+      request.status = RequestStatus.RUNNING
+      self.running.append(request)
+      if request.is_prefilling:
+        chunk = self._chunk(request, budget)
+      elif self.bm.can_append(request.request_id):
+        chunk = self._decode(request, out)
+      else:
+        chunk = None
+      if chunk is not None:
+        out.chunks.append(chunk)
+        budget -= chunk.num_tokens
+    return budget
+
+  def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+      request = self.waiting[0]
+      tokens = request.all_token_ids  # a recomputed request re-reads its outputs too
+      spare = len(self.running)
+      if not self.bm.can_allocate(tokens):
+        break
+      needed = -(-len(tokens) // self.bm.block_size)
+      if self.running and self.bm.device_pool.num_free_blocks < needed + spare:
+        break
+      if not self.enable_chunked_prefill and len(tokens) > budget:
+        break
+      self.waiting.popleft()
+      result = self.bm.allocate(request.request_id, tokens, num_new_tokens=0)
+      request.prefill_len = len(tokens)
+      if result.swap_in.num_blocks:
+        out.swap_in.append(result.swap_in)
+      request.num_computed_tokens = result.num_cached_tokens
+      request.status = RequestStatus.RUNNING
+      self.running.append(request)
+      chunk = self._chunk(request, budget)
+      if chunk is not None:
+        out.chunks.append(chunk)
+        budget -= chunk.num_tokens
