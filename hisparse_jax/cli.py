@@ -33,7 +33,7 @@ flags.DEFINE_string(
     "model", None,
     "Path of a Hugging Face-format checkpoint directory (config.json, model.safetensors, "
     "tokenizer.json). Default: the embedded hisparse-tiny model.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "Dtype of the weights and of the KV cache.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block (a power of two).")
 flags.DEFINE_float(
