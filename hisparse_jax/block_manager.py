@@ -43,54 +43,15 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from hisparse_jax.block_plans import (  # noqa: F401 (re-exported)
+    AllocateResult,
+    AppendResult,
+    SwapInPlan,
+    SwapOutPlan,
+    as_block_ids,
+)
 from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
 from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
-
-
-def _ids(values: Sequence[int]) -> np.ndarray:
-  return np.asarray(values, dtype=np.int32).reshape(-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapOutPlan:
-  """One batched device -> host copy: device block i goes to host block i."""
-
-  device_ids: np.ndarray  # [num_blocks] int32
-  host_ids: np.ndarray  # [num_blocks] int32
-
-  @property
-  def num_blocks(self) -> int:
-    return int(self.device_ids.shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapInPlan:
-  """One batched host -> device copy: host block i goes to device block i."""
-
-  host_ids: np.ndarray  # [num_blocks] int32
-  device_ids: np.ndarray  # [num_blocks] int32
-
-  @property
-  def num_blocks(self) -> int:
-    return int(self.host_ids.shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class AllocateResult:
-  """Blocks of a new sequence: its table, what the prefix cache covered, what to compute."""
-
-  block_ids: np.ndarray  # [num_blocks] int32, device block table in attention order
-  num_cached_tokens: int  # prompt tokens whose KV exists (device hit) or is swapped in
-  slot_ids: np.ndarray  # [num_tokens - num_cached_tokens] int32, slots of tokens to compute
-  swap_in: SwapInPlan  # host-tier prefix hits to bring into the device blocks
-
-
-@dataclasses.dataclass(frozen=True)
-class AppendResult:
-  """Where a sequence's new token goes, and the copy-on-write copy to do first."""
-
-  slot_id: int  # block_id * block_size + offset
-  copy: tuple[int, int] | None  # (src_device_id, dst_device_id) when the last block was shared
 
 
 @dataclasses.dataclass
@@ -290,10 +251,10 @@ class BlockManager:
     num_computed = len(token_ids) if num_new_tokens is None else num_new_tokens
     self._cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
     return AllocateResult(
-        block_ids=_ids(block_ids),
+        block_ids=as_block_ids(block_ids),
         num_cached_tokens=num_cached_tokens,
         slot_ids=self.slot_ids(seq_id, num_cached_tokens, len(token_ids)),
-        swap_in=SwapInPlan(_ids(host_src), _ids(device_dst)))
+        swap_in=SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst)))
 
   def cache_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> None:
     """Caches the full blocks within the first `num_computed_tokens` tokens.
@@ -438,7 +399,7 @@ class BlockManager:
     self.device_pool.free(reversed(seq.block_ids))
     seq.block_ids = host_ids
     seq.swapped = True
-    return SwapOutPlan(_ids(device_src), _ids(host_dst))
+    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
 
   def can_swap_in(self, seq_id: Hashable) -> bool:
     """Whether the device tier has the blocks to bring the sequence back now."""
@@ -461,7 +422,7 @@ class BlockManager:
     self._pin_host_blocks(seq.block_ids[::-1], touch=False)  # Its refs become pins.
     seq.block_ids = device_ids
     seq.swapped = False
-    return SwapInPlan(_ids(host_src), _ids(device_dst))
+    return SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst))
 
   def spill_cold_blocks(self, max_num_blocks: int) -> SwapOutPlan:
     """Writes back up to `max_num_blocks` CACHED device blocks, coldest first.
@@ -482,7 +443,7 @@ class BlockManager:
       device_src.append(device_id)
       host_dst.append(host_id)
     self._pin_host_blocks(host_dst, touch=False)  # Coldest first already.
-    return SwapOutPlan(_ids(device_src), _ids(host_dst))
+    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
 
   # --- Checks --------------------------------------------------------------------
 
