@@ -15,8 +15,9 @@ Retrieval text (one pair a line; keys unique within a prompt; the query ends on 
   ? fusa:          -> expected answer "lodu"
 Training sequences continue after "?" with more "key: value" lines that re-list pairs of the
 context in random order; each of their values is supervised. Copy sequences are
-`<bos> t1 ... tn | t1 ... tn`, every copied token supervised. Copy content comes from the same
-words and keys, so the induction circuit that copying forms is the one retrieval reuses.
+`<bos> t1 ... tn | t1 ... tn \\n ...` (random n), copied tokens supervised. Copy content comes
+from the same words and keys, so the induction circuit that copying forms is the one
+retrieval reuses.
 """
 
 from __future__ import annotations
@@ -127,25 +128,43 @@ def retrieval_sequence(rng: np.random.Generator, seq_len: int) -> tuple[np.ndarr
   return tokens, mask
 
 
-def copy_sequence(rng: np.random.Generator, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """(tokens [seq_len + 1], loss_mask [seq_len]): `<bos> t1..tn | t1..tn`, copies supervised."""
-  n = seq_len // 2
-  content = rng.choice(CONTENT_IDS, size=n, replace=False).astype(np.int32)
-  tokens = np.concatenate([[BOS_ID], content, [COPY_SEP_ID], content]).astype(np.int32)
-  tokens = tokens[: seq_len + 1]
-  tokens = np.pad(tokens, (0, seq_len + 1 - len(tokens)), constant_values=PAD_ID)
+def copy_sequence(rng: np.random.Generator, seq_len: int, num_content: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens [seq_len + 1], loss_mask [seq_len]): `<bos>` then copy episodes
+  `t1 .. tn | t1 .. tn \n` of random lengths n (so no fixed offset solves the task and the
+  model must learn content-based induction), every copied token supervised.
+
+  num_content: draw content from the first num_content words and keys only (a small vocabulary
+  shortens the plateau before induction heads form); None = all of them.
+  """
+  pool = CONTENT_IDS if num_content is None else np.concatenate(
+      [WORD_IDS[: num_content // 2], KEY_IDS[: num_content - num_content // 2]])
+  tokens, supervised = [BOS_ID], []
+  while len(tokens) < seq_len + 1:
+    n = int(rng.integers(max(4, seq_len // 16), min(max(5, seq_len // 2), len(pool) + 1)))
+    content = rng.choice(pool, size=n, replace=False).astype(np.int32).tolist()
+    tokens += content + [COPY_SEP_ID]
+    # Inputs c1..c(n-1) of the copy predict c2..cn: pure induction. The first copied token
+    # (predicted at "|") would need the episode start, a positional cue, so it is left out.
+    supervised += range(len(tokens), len(tokens) + n - 1)
+    tokens += content + [NEWLINE_ID]
+  tokens = np.asarray(tokens[: seq_len + 1], np.int32)
   mask = np.zeros(seq_len, bool)
-  mask[n + 1: 2 * n + 1] = True  # inputs from "|" on predict the copied tokens
+  supervised = np.asarray(supervised, np.int64)
+  mask[supervised[supervised < seq_len]] = True
   return tokens, mask
 
 
 def make_batch(rng: np.random.Generator, batch_size: int, seq_len: int,
-               copy_fraction: float) -> dict[str, np.ndarray]:
+               copy_fraction: float, num_content: int | None = None) -> dict[str, np.ndarray]:
   """A training batch: inputs/targets int32 [batch, seq_len], loss_mask, is_copy [batch]."""
   rows, masks, is_copy = [], [], []
   for _ in range(batch_size):
     copy = bool(rng.random() < copy_fraction)
-    tokens, mask = (copy_sequence if copy else retrieval_sequence)(rng, seq_len)
+    if copy:
+      tokens, mask = copy_sequence(rng, seq_len, num_content)
+    else:
+      tokens, mask = retrieval_sequence(rng, seq_len)
     rows.append(tokens)
     masks.append(mask)
     is_copy.append(copy)

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import AttnFn, DenseAttentionMetadata, reference_attn_fn
@@ -22,14 +23,31 @@ from models.config import ModelConfig
 _INIT_STD = 0.02
 
 
+class ParamInit:
+  """Draws initial parameter values: normal(0, std) from a numpy Generator (no XLA compile
+  per shape, which matters on CPU), or zeros when seed is None (for `nnx.eval_shape`, where
+  the loader only needs shapes and no memory should be touched)."""
+
+  def __init__(self, seed: int | None, dtype: Any):
+    self.rng = None if seed is None else np.random.default_rng(seed)
+    self.dtype = dtype
+
+  def normal(self, shape: tuple[int, ...], std: float = _INIT_STD) -> jax.Array:
+    if self.rng is None:
+      return jnp.zeros(shape, self.dtype)
+    return jnp.asarray(self.rng.standard_normal(shape, np.float32) * std, self.dtype)
+
+  def constant(self, shape: tuple[int, ...], value: float) -> jax.Array:
+    return jnp.full(shape, value, self.dtype)
+
+
 class Linear(nnx.Module):
   """y = x @ kernel (+ bias); kernel [in_features, out_features]."""
 
-  def __init__(self, in_features: int, out_features: int, *, use_bias: bool,
-               dtype: jnp.dtype, rngs: nnx.Rngs, std: float = _INIT_STD):
-    init = jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32) * std
-    self.kernel = nnx.Param(init.astype(dtype))
-    self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool, init: ParamInit,
+               std: float = _INIT_STD):
+    self.kernel = nnx.Param(init.normal((in_features, out_features), std))
+    self.bias = nnx.Param(init.constant((out_features,), 0.0)) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jnp.einsum("...i,io->...o", x, self.kernel[...])
@@ -41,8 +59,8 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
   """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale by weight."""
 
-  def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+  def __init__(self, dim: int, eps: float, init: ParamInit):
+    self.weight = nnx.Param(init.constant((dim,), 1.0))
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -82,19 +100,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 class Attention(nnx.Module):
   """Projections + RoPE around an `AttnFn`; q/k/v biases for Qwen2 or attention_bias."""
 
-  def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, init: ParamInit):
     d, h = config.hidden_size, config.head_dim
     qkv_bias = config.attention_bias
     o_bias = config.attention_bias and config.model_type != "qwen2"
-    self.q_proj = Linear(d, config.num_attention_heads * h, use_bias=qkv_bias, dtype=dtype,
-                         rngs=rngs)
-    self.k_proj = Linear(d, config.num_key_value_heads * h, use_bias=qkv_bias, dtype=dtype,
-                         rngs=rngs)
-    self.v_proj = Linear(d, config.num_key_value_heads * h, use_bias=qkv_bias, dtype=dtype,
-                         rngs=rngs)
+    self.q_proj = Linear(d, config.num_attention_heads * h, use_bias=qkv_bias, init=init)
+    self.k_proj = Linear(d, config.num_key_value_heads * h, use_bias=qkv_bias, init=init)
+    self.v_proj = Linear(d, config.num_key_value_heads * h, use_bias=qkv_bias, init=init)
     out_std = _INIT_STD / math.sqrt(2 * config.num_hidden_layers)
-    self.o_proj = Linear(config.num_attention_heads * h, d, use_bias=o_bias, dtype=dtype,
-                         rngs=rngs, std=out_std)
+    self.o_proj = Linear(config.num_attention_heads * h, d, use_bias=o_bias, init=init,
+                         std=out_std)
 
   def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, *,
                layer_idx: int, attn_fn: AttnFn, kv_cache: Any, metadata: Any,
@@ -113,11 +128,11 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, init: ParamInit):
     d, f, b = config.hidden_size, config.intermediate_size, config.mlp_bias
-    self.gate_proj = Linear(d, f, use_bias=b, dtype=dtype, rngs=rngs)
-    self.up_proj = Linear(d, f, use_bias=b, dtype=dtype, rngs=rngs)
-    self.down_proj = Linear(f, d, use_bias=b, dtype=dtype, rngs=rngs,
+    self.gate_proj = Linear(d, f, use_bias=b, init=init)
+    self.up_proj = Linear(d, f, use_bias=b, init=init)
+    self.down_proj = Linear(f, d, use_bias=b, init=init,
                             std=_INIT_STD / math.sqrt(2 * config.num_hidden_layers))
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -127,11 +142,11 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-    self.self_attn = Attention(config, dtype, rngs)
-    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-    self.mlp = MLP(config, dtype, rngs)
+  def __init__(self, config: ModelConfig, init: ParamInit):
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, init)
+    self.self_attn = Attention(config, init)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, init)
+    self.mlp = MLP(config, init)
 
   def __call__(self, x, positions, inv_freq, **attn_kwargs):
     attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq,
@@ -146,19 +161,16 @@ class LlamaForCausalLM(nnx.Module):
   output projection is embed_tokens.embedding transposed.
   """
 
-  def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32,
-               rngs: nnx.Rngs | None = None):
-    rngs = rngs if rngs is not None else nnx.Rngs(0)
+  def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32, seed: int | None = 0):
+    """seed: numpy seed of the random init; None gives zeros (for `nnx.eval_shape`)."""
+    init = ParamInit(seed, dtype)
     self.config = config
-    self.embed_tokens = nnx.Param(
-        (jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size),
-                           jnp.float32) * _INIT_STD).astype(dtype))
-    self.layers = nnx.List([DecoderLayer(config, dtype, rngs)
+    self.embed_tokens = nnx.Param(init.normal((config.vocab_size, config.hidden_size)))
+    self.layers = nnx.List([DecoderLayer(config, init)
                             for _ in range(config.num_hidden_layers)])
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, init)
     self.lm_head = (None if config.tie_word_embeddings else
-                    Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
-                           rngs=rngs))
+                    Linear(config.hidden_size, config.vocab_size, use_bias=False, init=init))
 
   def hidden_states(self, input_ids: jax.Array, positions: jax.Array, *,
                     attn_fn: AttnFn | None = None, kv_caches: Any = None,
@@ -201,3 +213,4 @@ class LlamaForCausalLM(nnx.Module):
     hidden, kv_caches = self.hidden_states(input_ids, positions, attn_fn=attn_fn,
                                            kv_caches=kv_caches, attn_metadata=attn_metadata)
     return self.compute_logits(hidden), kv_caches
+

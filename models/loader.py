@@ -151,7 +151,7 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
   if extra:
     raise CheckpointError(f"unexpected tensor {extra[0]!r} in {name_to_file[extra[0]]} "
                           f"({len(extra)} unexpected in all)")
-  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jdtype, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jdtype, seed=None))
   by_file: dict[str, list[str]] = {}
   for name in expected:
     by_file.setdefault(name_to_file[name], []).append(name)
@@ -174,8 +174,15 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
           raise CheckpointError(f"tensor {name!r} in {file} cannot be read (truncated or "
                                 f"corrupt file): {e}") from e
         tensor = jnp.asarray(tensor).astype(jdtype)
-        var.value = tensor.T if transposed else tensor
-  return model, config, Tokenizer.from_dir(path)
+        var.set_value(tensor.T if transposed else tensor)
+  return model, config, _load_tokenizer(path)
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+  try:
+    return Tokenizer.from_dir(path)
+  except (FileNotFoundError, ValueError) as e:
+    raise CheckpointError(str(e)) from e
 
 
 def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
