@@ -1,3 +1,45 @@
-"""hisparse_jax: LLM decoding in JAX with a KV cache tiered over device and pinned host memory."""
+"""hisparse_jax: LLM decoding in JAX with a KV cache tiered over device and pinned host memory.
+
+Public API (imported on first use, so `import hisparse_jax` and the CLI's `--help` stay
+fast; everything but `__version__` imports jax):
+
+  LLM                    batch generation: LLM(...).generate(prompts, SamplingParams(...))
+  Engine, EngineConfig   the lower-level engine: add_request / step / abort_request
+  SamplingParams         temperature, top_p, top_k, max_tokens, seed, stop_token_ids
+  RequestOutput          text, token_ids, finish_reason and per-request figures
+  CapacityReport, plan_capacity, KVCacheSpec, KVPool   the KV memory tiers
+  TransferEngine         batched block moves between the device and host pools
+  MetricsRegistry        counters, gauges, histograms; JSON and Prometheus read-outs
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "hisparse_jax.llm",
+    "Engine": "hisparse_jax.engine",
+    "EngineConfig": "hisparse_jax.engine",
+    "SamplingParams": "hisparse_jax.sampling",
+    "RequestOutput": "hisparse_jax.request",
+    "CapacityReport": "hisparse_jax.capacity",
+    "plan_capacity": "hisparse_jax.capacity",
+    "KVCacheSpec": "hisparse_jax.kv_pool",
+    "KVPool": "hisparse_jax.kv_pool",
+    "TransferEngine": "hisparse_jax.transfer",
+    "MetricsRegistry": "hisparse_jax.metrics",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'hisparse_jax' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value  # later lookups skip this function
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

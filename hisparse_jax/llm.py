@@ -1,0 +1,184 @@
+"""`LLM`: batch generation over the engine, the library API familiar to vLLM users.
+
+    llm = LLM(device_kv_gib=0.01, host_pool_gib=0.1, max_model_len=1152)  # logs capacity
+    outputs = llm.generate(["kabe: moti\\n? kabe:"], SamplingParams(max_tokens=4))
+    outputs[0].text, outputs[0].finish_reason, llm.metrics()
+
+Owns the loop a batch call needs on top of `Engine` (add every prompt, step until each
+of them finished, hand the outputs back in input order) and what a user watches during
+it: a tqdm progress bar on stderr and the periodic status line (`hisparse_jax.status`).
+Serving stacks that need streaming use `llm.engine` (the lower-level `Engine`) directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from hisparse_jax.capacity import CapacityReport
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.request import RequestOutput
+from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.status import StatusLogger
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# Steps in a row without any output before `generate` gives up on a stuck engine (a
+# step that schedules anything returns an output, so a healthy run never gets close).
+MAX_IDLE_STEPS = 1000
+
+
+class PromptError(ValueError):
+  """A prompt of a `generate` call was refused; `index` is its position in the call."""
+
+  def __init__(self, index: int, message: str):
+    super().__init__(f"prompt {index}: {message}")
+    self.index = index
+    self.reason = message
+
+
+def _prompt_kwargs(item: Any) -> dict[str, Any]:
+  """`add_request` keyword arguments of one prompt item: text or {"prompt_token_ids"}."""
+  if isinstance(item, str):
+    return {"prompt": item}
+  if isinstance(item, dict) and set(item) == {"prompt_token_ids"}:
+    return {"prompt_token_ids": item["prompt_token_ids"]}
+  raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {item!r:.80}")
+
+
+class LLM:
+  """An engine plus the batch `generate` loop.
+
+  Invariant: when `generate` returns or raises, none of the requests it added is still
+  in the engine (each finished, or was aborted on the way out).
+  """
+
+  def __init__(self, model: str | None = None, *, dtype: str = _DEFAULTS["dtype"],
+               block_size: int = _DEFAULTS["block_size"],
+               device_kv_gib: float | None = _DEFAULTS["device_kv_gib"],
+               host_pool_gib: float = _DEFAULTS["host_pool_gib"],
+               max_model_len: int = _DEFAULTS["max_model_len"],
+               max_num_seqs: int = _DEFAULTS["max_num_seqs"],
+               hisparse: Any = None, log_every_steps: int = 0, **engine_kwargs: Any):
+    """Loads the model, allocates both KV pools and logs their capacity.
+
+    Args:
+      model: an HF-layout checkpoint directory; None is the embedded hisparse-tiny.
+      hisparse: a HiSparse config (the sparse path; refused by this build).
+      log_every_steps: log a status line every this many engine steps (0: never).
+      **engine_kwargs: any other `EngineConfig` field (max_num_batched_tokens, seed,
+        enable_chunked_prefill, enable_prefix_caching, kernel_backend).
+    """
+    unknown = sorted(set(engine_kwargs) - set(_DEFAULTS))
+    if unknown:
+      raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+    if log_every_steps < 0:
+      raise ValueError(f"log_every_steps must be >= 0, got {log_every_steps}")
+    self.config = EngineConfig(model=model, dtype=dtype, block_size=block_size,
+                               device_kv_gib=device_kv_gib, host_pool_gib=host_pool_gib,
+                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               hisparse=hisparse, **engine_kwargs)
+    self.engine = Engine(self.config)
+    self.log_every_steps = log_every_steps
+    self._request_ids = itertools.count()
+
+  @property
+  def capacity(self) -> CapacityReport:
+    """KV capacity per memory kind, measured on the allocated pools."""
+    return self.engine.capacity
+
+  @property
+  def tokenizer(self):
+    return self.engine.tokenizer
+
+  def metrics(self) -> dict[str, float]:
+    """All engine metrics as a flat dict (`name{label="x"}` keys, histogram p50/p99)."""
+    return self.engine.metrics()
+
+  def generate(self, prompts: str | Sequence[str] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+               use_tqdm: bool = True) -> list[RequestOutput]:
+    """Generates for every prompt; returns their final outputs in input order.
+
+    Give `prompts` (text; an item may also be `{"prompt_token_ids": [...]}`, as in
+    vLLM) or `prompt_token_ids` (one list of ids, or a list of them).
+    `sampling_params` is one `SamplingParams` for all prompts or one per prompt (None:
+    the defaults, greedy). A bad prompt raises `PromptError` (a ValueError) naming its
+    index; nothing of that call stays queued.
+    """
+    if (prompts is None) == (prompt_token_ids is None):
+      raise ValueError("give exactly one of prompts and prompt_token_ids")
+    if prompts is not None:
+      items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    else:
+      ids = list(prompt_token_ids)
+      if ids and isinstance(ids[0], (int, np.integer)):  # one prompt: a list of ids
+        ids = [ids]
+      items = [{"prompt_token_ids": x} for x in ids]
+    params = self._params_per_prompt(sampling_params, len(items))
+    request_ids: list[str] = []
+    try:
+      for i, (item, sp) in enumerate(zip(items, params)):
+        request_id = f"llm-{next(self._request_ids)}"
+        try:
+          self.engine.add_request(request_id, sampling_params=sp, **_prompt_kwargs(item))
+        except ValueError as e:
+          raise PromptError(i, str(e)) from e
+        request_ids.append(request_id)
+      results = self._run(request_ids, use_tqdm)
+    finally:  # an error (or Ctrl-C) leaves nothing of this call in the engine
+      for request_id in request_ids:
+        self.engine.abort_request(request_id)
+    return [results[r] for r in request_ids]
+
+  @staticmethod
+  def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+      sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+      return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+      raise ValueError(f"sampling_params: {len(params)} given for {num_prompts} prompts")
+    for i, sp in enumerate(params):
+      if not isinstance(sp, SamplingParams):
+        raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}, "
+                         "not a SamplingParams")
+    return params
+
+  def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+    """Steps the engine until every request of `request_ids` finished."""
+    pending = set(request_ids)
+    results: dict[str, RequestOutput] = {}
+    status = StatusLogger(self.engine, self.log_every_steps)
+    num_generated, start, idle = 0, time.perf_counter(), 0
+    # disable=None: tqdm turns itself off when stderr is not a terminal.
+    with tqdm(total=len(request_ids), desc="Generating", unit="req", file=sys.stderr,
+              disable=None if use_tqdm else True, dynamic_ncols=True) as bar:
+      while pending:
+        outputs = self.engine.step()
+        idle = 0 if outputs else idle + 1
+        if idle > MAX_IDLE_STEPS:
+          raise RuntimeError(f"the engine made no progress in {MAX_IDLE_STEPS} steps with "
+                             f"{len(pending)} requests unfinished")
+        for out in outputs:
+          if out.request_id not in pending:
+            continue
+          num_generated += len(out.new_token_ids)
+          if out.finished:
+            pending.discard(out.request_id)
+            results[out.request_id] = out
+            bar.update(1)
+        status.maybe_log()
+        elapsed = time.perf_counter() - start
+        if not bar.disable and elapsed > 0:
+          bar.set_postfix_str(f"{num_generated / elapsed:.1f} generated tokens/s",
+                              refresh=False)
+    return results

@@ -1,0 +1,235 @@
+"""`hisparse_jax.LLM`: batch generation, per-prompt sampling, figures; the status line."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hisparse_jax
+from hisparse_jax.llm import LLM, PromptError
+from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.status import StatusLogger, status_line
+from models import data
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+from models.loader import load_pretrained, save_pretrained
+from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
+
+BLOCK_SIZE = 16
+
+
+def save_tiny_checkpoint(out_dir) -> str:
+  """A random 2-layer Llama over the default model's vocabulary, in HF layout: 2 layers x 1
+  KV head x 16 dims, so 256 KV bytes per float32 token."""
+  config = ModelConfig(model_type="llama", vocab_size=len(data.VOCAB), hidden_size=32,
+                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                       bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID,
+                       pad_token_id=data.PAD_ID)
+  save_pretrained(LlamaForCausalLM(config, seed=3), out_dir)
+  tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
+                                   unk=data.UNK)
+  save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD, unk=data.UNK,
+                       model_max_length=512)
+  return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llm"))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+  # 256 B/token * 16 tokens = 4 KiB blocks: 64 device blocks, 128 host blocks. Few
+  # compiled shapes: block tables 4 wide (64 tokens), steps of 16 or 32 tokens, 4 seqs.
+  return LLM(checkpoint, block_size=BLOCK_SIZE, device_kv_gib=65 * 4096 / 2**30,
+             host_pool_gib=129 * 4096 / 2**30, max_model_len=64, max_num_seqs=4,
+             max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def reference_greedy(checkpoint):
+  """Greedy tokens by re-running the full dense forward (no KV cache) for every token."""
+  model, _, _ = load_pretrained(checkpoint)
+
+  @jax.jit
+  def next_token(ids, length):  # ids [1, 64]; causal, so what follows `length` is ignored
+    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    logits, _ = model(ids, positions)
+    return jnp.argmax(logits[0, length - 1])
+
+  def greedy(prompt, num_tokens):
+    ids = np.zeros((1, 64), np.int32)
+    ids[0, :len(prompt)] = prompt
+    out = []
+    for i in range(num_tokens):
+      token = int(next_token(jnp.asarray(ids), len(prompt) + i))
+      ids[0, len(prompt) + i] = token
+      out.append(token)
+    return out
+  return greedy
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [[data.BOS_ID] + rng.choice(data.CONTENT_IDS, n - 1).tolist() for n in lengths]
+
+
+def test_token_prompts_give_reference_greedy_tokens_in_input_order(llm, reference_greedy):
+  prompts = _prompts([50, 5, 37])  # the longest first (prefill in chunks of <= 32)
+  outputs = llm.generate(prompt_token_ids=prompts,
+                         sampling_params=SamplingParams(max_tokens=6, ignore_eos=True))
+  assert [o.prompt_token_ids for o in outputs] == prompts
+  for prompt, out in zip(prompts, outputs):
+    assert out.token_ids == reference_greedy(prompt, 6)
+    assert out.finished and out.finish_reason == "length"
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    # Attention read every block of the sequence in each of its steps, all on the device.
+    assert out.blocks_selected["device"] > 0 and out.blocks_selected["host"] == 0
+    assert out.time_to_first_token_s > 0 and out.decode_tokens_per_s > 0
+  assert not llm.engine.has_unfinished_requests()
+
+
+def test_one_token_prompt_as_a_flat_list(llm, reference_greedy):
+  prompt = _prompts([9], seed=1)[0]
+  (out,) = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+      max_tokens=3, ignore_eos=True))
+  assert out.prompt_token_ids == prompt
+  assert out.token_ids == reference_greedy(prompt, 3)
+
+
+def test_text_prompts_tokenize_like_their_ids(llm):
+  text = "kabe: moti\nfusa: lodu\n? fusa:"
+  ids = llm.tokenizer.encode(text)
+  assert ids[0] == data.BOS_ID and len(ids) == 1 + 3 + 3 + 2
+  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  by_text, by_dict = llm.generate([text, {"prompt_token_ids": ids}], sp)
+  (by_ids,) = llm.generate(prompt_token_ids=[ids], sampling_params=sp)
+  assert by_text.prompt_token_ids == ids
+  assert by_text.token_ids == by_ids.token_ids == by_dict.token_ids
+
+
+def test_sampling_params_per_prompt(llm, reference_greedy):
+  prompts = _prompts([20, 20, 33], seed=2)
+  first = reference_greedy(prompts[2], 1)[0]
+  outputs = llm.generate(prompt_token_ids=prompts, sampling_params=[
+      SamplingParams(max_tokens=1, ignore_eos=True),
+      SamplingParams(max_tokens=5, ignore_eos=True),
+      SamplingParams(max_tokens=9, stop_token_ids=[first], ignore_eos=True)])
+  assert [len(o.token_ids) for o in outputs] == [1, 5, 1]
+  assert [o.finish_reason for o in outputs] == ["length", "length", "stop"]
+  assert outputs[2].token_ids == [first]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+  prompts = _prompts([12, 40], seed=3)
+  sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=8, seed=7,
+                      ignore_eos=True)
+  a = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+  b = llm.generate(prompt_token_ids=prompts[::-1], sampling_params=sp)  # other batch order
+  c = llm.generate(prompt_token_ids=prompts,
+                   sampling_params=dataclasses.replace(sp, seed=8))
+  assert [o.token_ids for o in a] == [o.token_ids for o in b[::-1]]
+  assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_metrics_count_what_generate_did(llm):
+  before = llm.metrics()
+  prompts = _prompts([17, 50, 3], seed=4)
+  outputs = llm.generate(prompt_token_ids=prompts,
+                         sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+  after = llm.metrics()
+  delta = lambda key: after[key] - before.get(key, 0.0)
+  assert delta("hisparse_generation_tokens_total") == 12
+  assert delta("hisparse_prompt_tokens_total") == 70
+  assert delta('hisparse_requests_total{finish_reason="length"}') == 3
+  assert delta('hisparse_blocks_selected_total{source="device"}') == sum(
+      o.blocks_selected["device"] for o in outputs)
+  assert delta('hisparse_blocks_selected_total{source="host"}') == 0
+  assert after['hisparse_kv_capacity_tokens{memory_kind="device"}'] == 64 * BLOCK_SIZE
+  assert after['hisparse_kv_capacity_tokens{memory_kind="pinned_host"}'] == 128 * BLOCK_SIZE
+  assert llm.capacity["device"].num_tokens == 64 * BLOCK_SIZE
+  assert after['hisparse_kv_usage_ratio{memory_kind="device"}'] == 0.0  # all freed again
+  assert after['hisparse_num_requests{state="running"}'] == 0
+  assert after["hisparse_time_to_first_token_seconds_count"] >= 3
+  for key in ('hisparse_blocks_selected_total{source="hot"}', "hisparse_preemptions_total",
+              "hisparse_thrash_total", "hisparse_prefix_cache_queries_total",
+              'hisparse_prefix_cache_hits_total{memory_kind="pinned_host"}'):
+    assert key in after
+
+
+def test_bad_input_names_the_prompt_and_leaves_nothing_queued(llm):
+  good, vocab = _prompts([8], seed=5)[0], len(data.VOCAB)
+  with pytest.raises(PromptError, match=r"prompt 1: .*token id 1031 is outside") as e:
+    llm.generate(prompt_token_ids=[good, [1, vocab], good])
+  assert e.value.index == 1
+  assert not llm.engine.has_unfinished_requests()
+  with pytest.raises(ValueError, match="exactly one of prompts and prompt_token_ids"):
+    llm.generate()
+  with pytest.raises(ValueError, match="sampling_params: 1 given for 2 prompts"):
+    llm.generate(prompt_token_ids=[good, good], sampling_params=[SamplingParams()])
+  with pytest.raises(PromptError, match="prompt 0: a prompt is a string"):
+    llm.generate([{"ids": good}])
+  assert llm.generate(prompt_token_ids=[]) == []
+
+
+def test_constructor_refuses_bad_arguments_before_loading():
+  with pytest.raises(ValueError, match="hisparse: the sparse path is not available"):
+    LLM("/nonexistent", hisparse=object())
+  with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'"):
+    LLM("/nonexistent", max_num_seq=3)
+
+
+def test_public_exports():
+  for name in ("LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput",
+               "CapacityReport", "KVCacheSpec", "KVPool", "plan_capacity", "TransferEngine",
+               "MetricsRegistry"):
+    assert getattr(hisparse_jax, name).__name__ == name
+  assert hisparse_jax.__version__ == "0.1.0"
+  assert set(hisparse_jax.__all__) >= {"LLM", "Engine", "__version__"}
+
+
+class _FakeEngine:
+  def __init__(self):
+    self.num_steps = 0
+    self.snapshot = {}
+
+  def metrics(self):
+    return dict(self.snapshot)
+
+
+def test_status_line_rates_cover_the_interval():
+  engine, clock = _FakeEngine(), iter([10.0, 12.0, 14.0]).__next__
+  logger = StatusLogger(engine, every_steps=2, clock=clock)
+  engine.num_steps = 1
+  assert logger.maybe_log() is None
+  engine.num_steps = 2
+  engine.snapshot = {
+      'hisparse_num_requests{state="running"}': 3, 'hisparse_num_requests{state="swapped"}': 2,
+      'hisparse_num_requests{state="waiting"}': 1,
+      'hisparse_kv_usage_ratio{memory_kind="device"}': 0.9375,
+      'hisparse_kv_usage_ratio{memory_kind="pinned_host"}': 0.0125,
+      "hisparse_prefix_cache_queries_total": 8,
+      'hisparse_prefix_cache_hits_total{memory_kind="device"}': 1,
+      'hisparse_prefix_cache_hits_total{memory_kind="pinned_host"}': 1,
+      'hisparse_transfer_bytes_total{direction="h2d"}': 1e9,
+      'hisparse_transfer_bytes_total{direction="d2h"}': 3e9,
+      "hisparse_generation_tokens_total": 100, "hisparse_preemptions_total": 5}
+  assert logger.maybe_log() == (
+      "step 2: running 3, swapped 2, waiting 1 reqs; KV usage device 93.8%, host 1.2%; "
+      "prefix-cache hit rate 25.0%, hot-buffer hit rate -; h2d 0.50 GB/s, d2h 1.50 GB/s; "
+      "generation 50.0 tokens/s; preemptions 5")
+  engine.num_steps = 4
+  engine.snapshot["hisparse_generation_tokens_total"] = 140
+  line = logger.maybe_log()
+  assert "h2d 0.00 GB/s" in line and "generation 20.0 tokens/s" in line
+
+
+def test_status_line_hot_buffer_rate():
+  now = {'hisparse_blocks_selected_total{source="hot"}': 30,
+         'hisparse_blocks_selected_total{source="host"}': 10}
+  assert "hot-buffer hit rate 75.0%" in status_line(7, now, {}, 1.0)
+  assert "prefix-cache hit rate -" in status_line(7, now, {}, 1.0)
