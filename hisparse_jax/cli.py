@@ -24,6 +24,10 @@ def register(name: str, module: str, help_text: str) -> None:
 
 register("capacity", "hisparse_jax.capacity_cmd",
          "Load the model, allocate the KV pools, log the KV capacity of each memory kind.")
+register("generate", "hisparse_jax.generate_cmd",
+         "Generate for --prompt / --prompts_file prompts; mark expected answers RIGHT/WRONG.")
+register("demo", "hisparse_jax.demo_cmd",
+         "Long retrieval prompts on the default model with a small device KV budget.")
 
 
 FLAGS = flags.FLAGS
@@ -43,6 +47,36 @@ flags.DEFINE_float(
 flags.DEFINE_float("host_pool_gib", 1.0,
                    "Pinned-host KV pool in GiB (refused above 95% of available RAM).")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output) in tokens.")
+
+# Engine, sampling and output flags (generate, demo).
+flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts.")
+flags.DEFINE_string(
+    "prompts_file", None,
+    'JSONL file of prompts, one JSON object a line: {"prompt": "..."} or '
+    '{"prompt_token_ids": [...]}, with an optional "expected" answer (compared with the first '
+    'line of the output) and an optional "max_tokens".')
+flags.DEFINE_integer("max_num_seqs", 16, "Most requests running in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 512,
+                     "Most tokens (prefill chunks + decodes) computed in one step.")
+flags.DEFINE_integer("max_new_tokens", 16,
+                     "Tokens to generate per prompt (a prompts_file line's max_tokens wins).")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set of tokens with this "
+                   "much probability mass, in (0, 1].")
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 disables it.")
+flags.DEFINE_integer("seed", 0, "Seed of the engine: each request's sampling seed is drawn "
+                     "from it, so a run is reproducible.")
+flags.DEFINE_string("metrics_json", None, "Write the engine metrics (a flat JSON object) here.")
+flags.DEFINE_integer("prometheus_port", None,
+                     "Serve the metrics for Prometheus on 127.0.0.1:PORT while running.")
+flags.DEFINE_integer("log_every_steps", 100,
+                     "Log a status line (requests, KV usage, hit rates, transfer GB/s, "
+                     "tokens/s) every this many engine steps; 0 disables it.")
+flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
+flags.DEFINE_integer("demo_context_len", 1040,
+                     "demo: tokens each retrieval prompt fills (at most; whole lines).")
+flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the retrieval prompts (the trainer "
+                     "and models.eval_retrieval use other seeds).")
 
 
 class UsageError(ValueError):

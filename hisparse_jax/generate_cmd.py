@@ -1,0 +1,269 @@
+"""`hisparse-jax generate`: prompts in, answers and a metrics summary out.
+
+Usage::
+
+  hisparse-jax generate --prompt="kabe: moti\\n? kabe:" [--prompt=...] [--prompts_file=F]
+      [--model=DIR] [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
+      [--max_num_seqs=N] [--max_num_batched_tokens=N] [--max_new_tokens=N]
+      [--temperature=T] [--top_p=P] [--top_k=K] [--seed=S] [--metrics_json=F]
+      [--prometheus_port=P] [--log_every_steps=N]
+
+`--prompts_file` is JSONL, one object a line (blank lines skipped)::
+
+  {"prompt": "kabe: moti\\n? kabe:", "expected": "moti", "max_tokens": 4}
+  {"prompt_token_ids": [1, 520, 13, 4, 5, 520]}
+
+Prints (stdout) one line per prompt in input order: the output text, or, when an
+expected answer is given, RIGHT/WRONG for the first line of the output against it; then
+"N/M right" and a metrics summary. The capacity lines, the status line and the progress
+bar go to stderr. Bad input (a bad JSONL line, a file that is not UTF-8, a bad flag
+value) exits 2 with one line naming the flag, or the file and line. `hisparse-jax demo`
+runs its prompts through `run` below, the same path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from absl import flags, logging
+
+FLAGS = flags.FLAGS
+_FIELDS = ("prompt", "prompt_token_ids", "expected", "max_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+  """One prompt and what it is checked against. Invariant: exactly one of `prompt` and
+  `prompt_token_ids` is set; `source` says where it came from, for error messages."""
+
+  source: str
+  prompt: str | None = None
+  prompt_token_ids: tuple[int, ...] | None = None
+  expected: str | None = None
+  max_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What `run` produced: the outputs in input order and the figures it printed."""
+
+  outputs: list[Any]  # RequestOutput, one per prompt
+  metrics: dict[str, float]
+  num_right: int
+  num_expected: int
+  wall_s: float
+
+
+def _spec_from_json(obj: Any, where: str) -> PromptSpec:
+  if not isinstance(obj, dict):
+    raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+  unknown = sorted(set(obj) - set(_FIELDS))
+  if unknown:
+    raise ValueError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(_FIELDS)})")
+  if ("prompt" in obj) == ("prompt_token_ids" in obj):
+    raise ValueError(f"{where}: give exactly one of \"prompt\" and \"prompt_token_ids\"")
+  prompt, ids = obj.get("prompt"), obj.get("prompt_token_ids")
+  if prompt is not None and not isinstance(prompt, str):
+    raise ValueError(f"{where}: \"prompt\" must be a string")
+  if ids is not None:
+    if not (isinstance(ids, list) and ids
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+      raise ValueError(f"{where}: \"prompt_token_ids\" must be a non-empty list of integers")
+    ids = tuple(ids)
+  expected = obj.get("expected")
+  if expected is not None and not isinstance(expected, str):
+    raise ValueError(f"{where}: \"expected\" must be a string")
+  max_tokens = obj.get("max_tokens")
+  if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                 or max_tokens < 1):
+    raise ValueError(f"{where}: \"max_tokens\" must be an integer >= 1, got {max_tokens!r}")
+  return PromptSpec(source=where, prompt=prompt, prompt_token_ids=ids, expected=expected,
+                    max_tokens=max_tokens)
+
+
+def read_prompts_file(path: str) -> list[PromptSpec]:
+  """The prompts of a JSONL file; ValueError naming the file and line on bad input."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().splitlines()
+  except FileNotFoundError:
+    raise ValueError(f"--prompts_file={path}: no such file") from None
+  except UnicodeDecodeError as e:
+    line = e.object[:e.start].count(b"\n") + 1
+    raise ValueError(f"--prompts_file={path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                     f"on line {line})") from None
+  except OSError as e:
+    raise ValueError(f"--prompts_file={path}: {e.strerror}") from None
+  specs = []
+  for lineno, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    where = f"{path} line {lineno}"
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    specs.append(_spec_from_json(obj, where))
+  if not specs:
+    raise ValueError(f"--prompts_file={path}: no prompts in the file")
+  return specs
+
+
+def prompts_from_flags() -> list[PromptSpec]:
+  specs = [PromptSpec(source=f"--prompt #{i + 1}", prompt=p) for i, p in enumerate(FLAGS.prompt)]
+  if FLAGS.prompts_file:
+    specs += read_prompts_file(FLAGS.prompts_file)
+  if not specs:
+    raise ValueError("no prompts: give --prompt (repeatable) or --prompts_file")
+  return specs
+
+
+def answer_of(text: str) -> str:
+  """The answer a generation gives: its first line, without surrounding spaces."""
+  return text.split("\n", 1)[0].strip()
+
+
+def engine_kwargs_from_flags() -> dict[str, Any]:
+  """The `LLM` arguments the shared and engine flags give."""
+  return dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+              device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
+              max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+              max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed)
+
+
+def sampling_from_flags():
+  from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415 (imports jax)
+
+  try:
+    return SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
+                          max_tokens=FLAGS.max_new_tokens)
+  except ValueError as e:  # name the flag: max_tokens comes from --max_new_tokens
+    raise ValueError(f"--{str(e).replace('max_tokens', 'max_new_tokens')}") from None
+
+
+def _fmt_seconds(x: float) -> str:
+  return "-" if not math.isfinite(x) else (f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s")
+
+
+def _key(name: str, label: str, value: str) -> str:
+  return f'{name}{{{label}="{value}"}}'
+
+
+def metrics_summary(metrics: dict[str, float], wall_s: float) -> list[str]:
+  """A few key lines of the metrics: throughput, TTFT, preemptions, blocks, transfers."""
+  g = lambda key: float(metrics.get(key, 0.0))
+  prompt_tokens = g("hisparse_prompt_tokens_total")
+  generated = g("hisparse_generation_tokens_total")
+  per_s = lambda n: n / wall_s if wall_s > 0 else 0.0
+  finished = {k.split('"')[1]: int(v) for k, v in metrics.items()
+              if k.startswith("hisparse_requests_total{")}
+  reasons = ", ".join(f"{k} {v}" for k, v in sorted(finished.items())) or "none"
+  queries = g("hisparse_prefix_cache_queries_total")
+  hits = sum(g(_key("hisparse_prefix_cache_hits_total", "memory_kind", kind))
+             for kind in ("device", "pinned_host"))
+  blocks = ", ".join(f"{s} {g(_key('hisparse_blocks_selected_total', 'source', s)):,.0f}"
+                     for s in ("device", "hot", "host"))
+  mib = {d: g(_key("hisparse_transfer_bytes_total", "direction", d)) / 2**20
+         for d in ("h2d", "d2h")}
+  ttft = lambda q: _fmt_seconds(metrics.get(f"hisparse_time_to_first_token_seconds_{q}",
+                                            math.nan))
+  itl = _fmt_seconds(metrics.get("hisparse_inter_token_seconds_p50", math.nan))
+  return [
+      f"requests: {sum(finished.values())} finished ({reasons})",
+      f"tokens: {prompt_tokens:,.0f} prompt, {generated:,.0f} generated in {wall_s:.2f} s: "
+      f"{per_s(generated):.1f} generated tokens/s, {per_s(prompt_tokens + generated):.1f} "
+      "tokens/s in all",
+      f"time to first token: p50 {ttft('p50')}, p99 {ttft('p99')}; inter-token p50 {itl}",
+      f"preemptions (swap-out to the host pool): {g('hisparse_preemptions_total'):.0f}",
+      f"blocks selected: {blocks}",
+      f"transfers: h2d {mib['h2d']:.2f} MiB, d2h {mib['d2h']:.2f} MiB",
+      f"prefix cache: {hits:,.0f} hits / {queries:,.0f} block lookups",
+  ]
+
+
+def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None]:
+  """The printed line of one prompt, and whether it was right (None: no expected answer)."""
+  figures = (f"{len(output.prompt_token_ids)} prompt tokens, {len(output.token_ids)} "
+             f"generated, finish {output.finish_reason}")
+  if output.num_preemptions:
+    figures += f", preempted {output.num_preemptions}x"
+  if output.finish_reason == "error":
+    return f"[{index}] ERROR {output.error} ({figures})", False if spec.expected else None
+  if spec.expected is None:
+    return f"[{index}] {json.dumps(output.text, ensure_ascii=False)} ({figures})", None
+  answer = answer_of(output.text)
+  right = answer == spec.expected.strip()
+  return (f"[{index}] {'RIGHT' if right else 'WRONG'} {answer!r} (expected "
+          f"{spec.expected.strip()!r}; {figures})", right)
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
+  """Strict JSON has no NaN: an undefined figure (no observation yet) is written as null."""
+  return {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+
+
+def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params, *,
+        log_every_steps: int = 0, metrics_json: str | None = None,
+        prometheus_port: int | None = None, out: TextIO | None = None) -> RunResult:
+  """Builds an `LLM`, generates for `specs`, prints each answer and the summaries."""
+  from hisparse_jax.llm import LLM, PromptError  # noqa: PLC0415 (imports jax)
+
+  out = out if out is not None else sys.stdout
+  params = [dataclasses.replace(sampling_params, max_tokens=s.max_tokens)
+            if s.max_tokens is not None else sampling_params for s in specs]
+  llm = LLM(log_every_steps=log_every_steps, **llm_kwargs)
+  registry = llm.engine.metrics_registry
+  if prometheus_port is not None:
+    try:
+      registry.serve(prometheus_port, addr="127.0.0.1")  # loopback only
+    except OSError as e:
+      raise ValueError(f"--prometheus_port={prometheus_port}: {e.strerror or e}") from None
+    logging.info("serving Prometheus metrics on http://127.0.0.1:%d/metrics", prometheus_port)
+  prompts = [s.prompt if s.prompt is not None else {"prompt_token_ids": s.prompt_token_ids}
+             for s in specs]
+  try:
+    start = time.perf_counter()
+    try:
+      outputs = llm.generate(prompts, params)
+    except PromptError as e:
+      raise ValueError(f"{specs[e.index].source}: {e.reason}") from None
+    wall_s = time.perf_counter() - start
+    metrics = llm.metrics()
+  finally:
+    registry.close()
+  num_right = num_expected = 0
+  for i, (spec, output) in enumerate(zip(specs, outputs)):
+    line, right = _output_line(i, spec, output)
+    print(line, file=out)
+    if right is not None:
+      num_expected += 1
+      num_right += int(right)
+  if num_expected:
+    print(f"{num_right}/{num_expected} right", file=out)
+  print("metrics:", file=out)
+  for line in metrics_summary(metrics, wall_s):
+    print(f"  {line}", file=out)
+  if metrics_json:
+    with open(metrics_json, "w") as f:
+      json.dump(_finite(metrics), f, indent=2, sort_keys=True)
+      f.write("\n")
+  return RunResult(outputs=outputs, metrics=metrics, num_right=num_right,
+                   num_expected=num_expected, wall_s=wall_s)
+
+
+def main(argv: list[str]) -> int:
+  del argv  # all input comes from flags
+  specs = prompts_from_flags()  # bad input fails here, before the model loads
+  sampling_params = sampling_from_flags()
+  if logging.get_verbosity() < logging.INFO:
+    logging.set_verbosity(logging.INFO)  # capacity lines and status lines
+  run(specs, engine_kwargs_from_flags(), sampling_params,
+      log_every_steps=FLAGS.log_every_steps, metrics_json=FLAGS.metrics_json,
+      prometheus_port=FLAGS.prometheus_port)
+  return 0

@@ -1,0 +1,154 @@
+"""`hisparse-jax generate` end to end, in subprocesses (stdout: answers; stderr: absl logs)."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from models import data
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+from models.loader import save_pretrained
+from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 2 layers x 1 KV head x 16 dims x 4 bytes x (K, V) = 256 bytes per token.
+SMALL_POOLS = ("--device_kv_gib=0.0005", "--host_pool_gib=0.001", "--max_model_len=64",
+               "--max_num_batched_tokens=32", "--max_num_seqs=4")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """A random 2-layer Llama over the default model's vocabulary, in HF layout."""
+  out_dir = tmp_path_factory.mktemp("tiny_cli")
+  config = ModelConfig(model_type="llama", vocab_size=len(data.VOCAB), hidden_size=32,
+                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                       bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID,
+                       pad_token_id=data.PAD_ID)
+  save_pretrained(LlamaForCausalLM(config, seed=5), out_dir)
+  tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
+                                   unk=data.UNK)
+  save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD, unk=data.UNK,
+                       model_max_length=512)
+  return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """A persistent JAX compilation cache shared by this module's runs (halves the second)."""
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _generate(*args, cache_dir=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if cache_dir:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return subprocess.run([sys.executable, "-m", "hisparse_jax", "generate", *args], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=180)
+
+
+def _one_error_line(r) -> str:
+  assert r.returncode == 2, r.stderr
+  lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+  assert len(lines) == 1, r.stderr
+  assert "Traceback" not in r.stderr
+  return lines[0]
+
+
+def test_prompt_flags_then_prompts_file_with_expected_answers(checkpoint, compile_cache,
+                                                               tmp_path):
+  # 1. Two --prompt flags: one line per prompt, in order, with the output text as JSON.
+  r = _generate(f"--model={checkpoint}", *SMALL_POOLS, "--max_new_tokens=3",
+                "--prompt=kabe: moti\nfusa: lodu\n? fusa:", "--prompt=lodu:",
+                cache_dir=compile_cache)
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  m0 = re.fullmatch(r'\[0\] (".*") \(9 prompt tokens, (\d) generated, finish (\w+)\)', lines[0])
+  m1 = re.fullmatch(r'\[1\] (".*") \(2 prompt tokens, (\d) generated, finish (\w+)\)', lines[1])
+  assert m0 and m1, r.stdout
+  assert "KV cache capacity [memory_kind=pinned_host]" in r.stderr
+  assert lines[2] == "metrics:"
+  answer = json.loads(m0.group(1)).split("\n")[0].strip()
+
+  # 2. The same prompt from a file, expected = that answer (RIGHT) and a wrong one; a
+  # token-id prompt with its own max_tokens; a blank line is skipped.
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("\n".join([
+      json.dumps({"prompt": "kabe: moti\nfusa: lodu\n? fusa:", "expected": answer}),
+      json.dumps({"prompt": "kabe: moti\nfusa: lodu\n? fusa:", "expected": "zzz"}),
+      "",
+      json.dumps({"prompt_token_ids": [data.BOS_ID, 600, 601, 4], "max_tokens": 2}),
+  ]) + "\n")
+  metrics_json = tmp_path / "metrics.json"
+  r = _generate(f"--model={checkpoint}", *SMALL_POOLS, "--max_new_tokens=3",
+                f"--prompts_file={prompts}", f"--metrics_json={metrics_json}",
+                "--log_every_steps=1", cache_dir=compile_cache)
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  assert lines[0].startswith(f"[0] RIGHT {answer!r} (expected {answer!r}; 9 prompt tokens")
+  assert lines[1].startswith(f"[1] WRONG {answer!r} (expected 'zzz'; 9 prompt tokens")
+  assert re.match(r'\[2\] ".*" \(4 prompt tokens, 2 generated, finish length\)', lines[2])
+  assert lines[3] == "1/2 right"
+  summary = "\n".join(lines[4:])
+  for needle in ("requests: 3 finished", "generated tokens/s", "time to first token: p50",
+                 "preemptions (swap-out to the host pool): 0", "blocks selected: device",
+                 "transfers: h2d 0.00 MiB, d2h 0.00 MiB"):
+    assert needle in summary
+  assert re.search(r"step 1: running \d, swapped 0, waiting \d reqs; KV usage device", r.stderr)
+  metrics = json.loads(metrics_json.read_text())
+  generated = sum(int(re.search(r"(\d) generated", ln).group(1)) for ln in lines[:3])
+  assert metrics["hisparse_generation_tokens_total"] == generated
+  assert metrics["hisparse_prompt_tokens_total"] == 9 + 9 + 4
+  assert metrics['hisparse_kv_capacity_tokens{memory_kind="device"}'] > 0
+  assert metrics['hisparse_blocks_selected_total{source="device"}'] > 0
+  assert metrics['hisparse_blocks_selected_total{source="host"}'] == 0
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b'{"prompt": "kabe:"}\n{"prompt": "kabe:",}\n', r"prompts.jsonl line 2: not valid JSON"),
+    (b'{"prompt": "kabe:"}\n\n{"promt": "x"}\n', r"prompts.jsonl line 3: unknown field 'promt'"),
+    (b'{"prompt_token_ids": [1, "a"]}\n', r"line 1: \"prompt_token_ids\" must be a non-empty"),
+    (b'{"prompt": "kabe:", "max_tokens": 0}\n', r"line 1: \"max_tokens\" must be an integer"),
+    (b'{"prompt": "kabe:"}\n{"prompt": "\xff"}\n', r"not UTF-8 text \(byte 0xff on line 2\)"),
+])
+def test_bad_prompts_file_exits_2_naming_the_line(tmp_path, content, needle):
+  path = tmp_path / "prompts.jsonl"
+  path.write_bytes(content)
+  line = _one_error_line(_generate(f"--prompts_file={path}"))
+  assert line.startswith("hisparse-jax generate: error: ")
+  assert re.search(needle, line), line
+
+
+def test_no_prompts_and_bad_sampling_flag_exit_2():
+  assert "no prompts: give --prompt" in _one_error_line(_generate())
+  line = _one_error_line(_generate("--prompt=kabe:", "--max_new_tokens=0"))
+  assert "--max_new_tokens must be >= 1, got 0" in line
+
+
+def test_busy_prometheus_port_is_refused_naming_the_flag(checkpoint):
+  from hisparse_jax import generate_cmd  # noqa: PLC0415
+  from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
+
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    spec = generate_cmd.PromptSpec(source="test", prompt="kabe:")
+    kwargs = dict(model=checkpoint, device_kv_gib=0.0005, host_pool_gib=0.001,
+                  max_model_len=64)
+    with pytest.raises(ValueError, match=f"--prometheus_port={port}: .*in use"):
+      generate_cmd.run([spec], kwargs, SamplingParams(), prometheus_port=port)
+
+
+def test_answer_is_the_first_line():
+  from hisparse_jax.generate_cmd import answer_of  # noqa: PLC0415
+
+  assert answer_of(" lodu \n kabe: moti") == "lodu"
+  assert answer_of("lodu") == "lodu"
+  assert answer_of("\nlodu") == ""
