@@ -1,0 +1,117 @@
+"""`hisparse-jax demo` (what `make demo` runs): long retrieval prompts, tiered KV cache.
+
+Usage::
+
+  hisparse-jax demo [--demo_num_prompts=8] [--demo_context_len=1040] [--demo_seed=4242]
+      [any generate flag: --device_kv_gib, --max_new_tokens, --max_num_seqs, ...]
+
+Builds `--demo_num_prompts` key-value retrieval prompts of the embedded default model
+(`models.data.make_retrieval_prompts`, a seed the trainer and the evaluator never use)
+and runs them through `generate_cmd.run`, the path of `hisparse-jax generate`, with a
+device KV pool that holds only `DEVICE_POOL_PROMPTS` prompts: the requests admitted
+together outgrow it while they decode, so the scheduler preempts them by
+swap-out to the host pool and swaps them back in later. It prints the setup, each
+answer RIGHT/WRONG (the first line of the output against the expected value), the
+"N/M right" count, the metrics summary and whether the host pool was used; the
+capacity lines go to stderr (absl). A flag given explicitly overrides the demo's
+choice for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from absl import flags, logging
+
+from hisparse_jax import generate_cmd
+
+FLAGS = flags.FLAGS
+GIB = 2**30
+# The device pool holds the prompts of this many requests plus one block each: the
+# scheduler admits them (it keeps one spare block per running request), and once they
+# decode past their spare block they no longer fit, so the newest are preempted by
+# swap-out to the host pool and come back later.
+DEVICE_POOL_PROMPTS = 3
+# Output tokens per request (at least): the answer line, and more, so that every request
+# needs two new blocks while it decodes (the answer is the first line of the output).
+DEMO_MAX_NEW_TOKENS = 24
+DEMO_MAX_NUM_SEQS = 8
+
+
+def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_prompts: int,
+                  max_new_tokens: int | None = None) -> dict[str, float | int]:
+  """The engine sizes of the demo: max_new_tokens (None: chosen here), max_model_len,
+  device and host budgets (GiB).
+
+  The device pool gets DEVICE_POOL_PROMPTS * (prompt blocks + 1) usable blocks; a
+  request needs prompt blocks + >= 2 while it decodes (DEMO_MAX_NEW_TOKENS), so the
+  requests admitted together outgrow the pool.
+  """
+  prompt_blocks = math.ceil(prompt_len / block_size)
+  # The K/V of output token t (1-based) sits at position prompt_len + t - 1; two blocks
+  # past the prompt's are reached at t = (prompt_blocks + 1) * block_size - prompt_len + 1,
+  # written in the step that samples the next token.
+  two_new_blocks = (prompt_blocks + 1) * block_size - prompt_len + 2
+  if max_new_tokens is None:
+    max_new_tokens = max(DEMO_MAX_NEW_TOKENS, two_new_blocks)
+  max_model_len = block_size * math.ceil((prompt_len + max_new_tokens) / block_size)
+  blocks_per_request = max_model_len // block_size
+  bytes_per_block = bytes_per_token * block_size
+  # +1: the null block; +0.5: so that int(gib * GIB) never rounds a block away.
+  device_blocks = max(DEVICE_POOL_PROMPTS * (prompt_blocks + 1), blocks_per_request) + 1.5
+  host_blocks = 2 * num_prompts * blocks_per_request + 1.5
+  return dict(max_new_tokens=max_new_tokens, max_model_len=max_model_len,
+              device_kv_gib=device_blocks * bytes_per_block / GIB,
+              host_pool_gib=host_blocks * bytes_per_block / GIB,
+              max_num_seqs=DEMO_MAX_NUM_SEQS)
+
+
+def main(argv: list[str]) -> int:
+  del argv
+  from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415 (imports jax)
+  from models.data import make_retrieval_prompts  # noqa: PLC0415
+  from models.loader import load_config  # noqa: PLC0415
+
+  if FLAGS.demo_num_prompts < 1:
+    raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
+  if logging.get_verbosity() < logging.INFO:
+    logging.set_verbosity(logging.INFO)  # capacity lines and status lines
+  try:
+    prompts = make_retrieval_prompts(FLAGS.demo_num_prompts, FLAGS.demo_context_len,
+                                     seed=FLAGS.demo_seed)
+  except ValueError as e:
+    raise ValueError(f"--demo_context_len={FLAGS.demo_context_len}: {e}") from None
+  spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), FLAGS.dtype,
+                                       FLAGS.block_size)
+  prompt_len = max(len(p.token_ids) for p in prompts)
+  chosen = demo_settings(prompt_len, spec.bytes_per_token, spec.block_size, len(prompts),
+                         FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else None)
+  llm_kwargs = generate_cmd.engine_kwargs_from_flags()
+  for name in ("max_model_len", "device_kv_gib", "host_pool_gib", "max_num_seqs"):
+    if not FLAGS[name].present:
+      llm_kwargs[name] = chosen[name]
+  sampling_params = generate_cmd.sampling_from_flags()
+  if not FLAGS["max_new_tokens"].present:
+    sampling_params = dataclasses.replace(sampling_params, max_tokens=chosen["max_new_tokens"])
+  device_tokens = int(llm_kwargs["device_kv_gib"] * GIB) // spec.bytes_per_block
+  device_tokens = (device_tokens - 1) * spec.block_size
+  print(f"demo: {len(prompts)} key-value retrieval prompts of {prompt_len:,} tokens "
+        f"(seed {FLAGS.demo_seed}), {sampling_params.max_tokens} output tokens each, up to "
+        f"{llm_kwargs['max_num_seqs']} at once; device KV pool {device_tokens:,} tokens "
+        f"({device_tokens / prompt_len:.1f} prompts), so requests are swapped out to the "
+        f"host pool and back", flush=True)
+  specs = [generate_cmd.PromptSpec(source=f"demo prompt {i}", prompt=p.text, expected=p.answer)
+           for i, p in enumerate(prompts)]
+  result = generate_cmd.run(specs, llm_kwargs, sampling_params,
+                            log_every_steps=FLAGS.log_every_steps,
+                            metrics_json=FLAGS.metrics_json,
+                            prometheus_port=FLAGS.prometheus_port)
+  m = result.metrics
+  preemptions = m.get("hisparse_preemptions_total", 0.0)
+  host_blocks = m.get('hisparse_blocks_selected_total{source="host"}', 0.0)
+  used = "used" if host_blocks > 0 else "NOT used"
+  print(f"host pool {used}: {preemptions:.0f} preemptions by swap-out, {host_blocks:,.0f} "
+        f"blocks read after coming back from the host pool; {result.num_right}/"
+        f"{result.num_expected} answers right", flush=True)
+  return 0
