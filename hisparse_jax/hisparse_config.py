@@ -1,0 +1,134 @@
+"""HiSparseConfig: the knobs of top-k sparse decoding over the hierarchical KV cache.
+
+Owns the validated settings and their conversion from tokens (what users set) to
+blocks (what the indexer and resolver work in). Budget rule, decided here: **sink
+and local blocks are part of the top-k budget**, not added to it, so a step attends
+at most `top_k_blocks` blocks per sequence (and per KV head), whatever the sink and
+local settings; the indexer's scores pick the remaining
+`top_k_blocks - sink_blocks - local_blocks`. This keeps the attention cost and the
+hot-buffer demand of a step bounded by the one number users tune (as DSA's
+top-k of 2048 tokens is the whole budget in SGLang's HiSparse).
+
+  logical blocks of one sequence:  [S S . x . . x . . x . L L]
+                                    ^sink        ^scored  ^local (newest, partly filled, last)
+  selected = sink + top scored + local  (= min(top_k_blocks, valid blocks))
+
+The newest block (which holds the token being decoded) is always selected: the local
+window is at least one block even with `local_tokens=0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+INDEXERS = ("block_bounds", "lightning")
+SELECTIONS = ("shared", "per_kv_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseBlocks:
+  """The token settings of a HiSparseConfig in blocks of `block_size` tokens.
+
+  Invariant: `1 <= local_blocks`, `sink_blocks + local_blocks <= top_k_blocks <=
+  hot_buffer_blocks` (so a step's misses always find a hot-buffer slot not used by
+  that step), `sparse_threshold_blocks` = blocks of the longest dense sequence.
+  """
+
+  block_size: int
+  top_k_blocks: int
+  hot_buffer_blocks: int
+  sink_blocks: int
+  local_blocks: int
+  sparse_threshold_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseConfig:
+  """Top-k sparse decoding settings, in tokens.
+
+  Invariants (checked in `__post_init__`, ValueError naming the field):
+  `top_k_tokens > 0`; `hot_buffer_tokens >= top_k_tokens` (default 2 x top_k, as
+  SGLang's `device_buffer_size`); `sink_tokens, local_tokens >= 0` and
+  `sink_tokens + local_tokens <= top_k_tokens` (they are part of the budget);
+  `sparse_threshold_tokens > 0` (default: `hot_buffer_tokens`; sequences up to this
+  length take the dense path, exact and without host traffic); `indexer ==
+  "block_bounds"` ("lightning" is reserved for models with a learned indexer);
+  `selection` in ("shared", "per_kv_head"); `thrash_window_steps >= 0`.
+  """
+
+  top_k_tokens: int = 2048
+  hot_buffer_tokens: int | None = None
+  sink_tokens: int = 64
+  local_tokens: int = 256
+  sparse_threshold_tokens: int | None = None
+  indexer: str = "block_bounds"
+  selection: str = "shared"
+  thrash_window_steps: int = 8
+
+  def __post_init__(self):
+    if self.hot_buffer_tokens is None:
+      _set_default(self, "hot_buffer_tokens", 2 * _int(self, "top_k_tokens"))
+    if self.sparse_threshold_tokens is None:
+      _set_default(self, "sparse_threshold_tokens", _int(self, "hot_buffer_tokens"))
+    for name in ("top_k_tokens", "hot_buffer_tokens", "sparse_threshold_tokens"):
+      if _int(self, name) <= 0:
+        raise ValueError(f"HiSparseConfig.{name} must be positive, got {getattr(self, name)}")
+    for name in ("sink_tokens", "local_tokens", "thrash_window_steps"):
+      if _int(self, name) < 0:
+        raise ValueError(f"HiSparseConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if self.hot_buffer_tokens < self.top_k_tokens:
+      raise ValueError(
+          f"HiSparseConfig.hot_buffer_tokens ({self.hot_buffer_tokens}) must be >= "
+          f"top_k_tokens ({self.top_k_tokens}): a step's selected blocks must fit the "
+          "hot buffer at once")
+    if self.sink_tokens + self.local_tokens > self.top_k_tokens:
+      raise ValueError(
+          f"HiSparseConfig.sink_tokens + local_tokens ({self.sink_tokens} + "
+          f"{self.local_tokens}) must be <= top_k_tokens ({self.top_k_tokens}): sink and "
+          "local blocks are part of the top-k budget")
+    if self.indexer == "lightning":
+      raise ValueError(
+          "HiSparseConfig.indexer='lightning' needs a model with a learned (lightning) "
+          "indexer, which no supported model has; use indexer='block_bounds'")
+    if self.indexer not in INDEXERS:
+      raise ValueError(f"HiSparseConfig.indexer must be one of {INDEXERS}, got "
+                       f"{self.indexer!r}")
+    if self.selection not in SELECTIONS:
+      raise ValueError(f"HiSparseConfig.selection must be one of {SELECTIONS}, got "
+                       f"{self.selection!r}")
+
+  def blocks(self, block_size: int) -> HiSparseBlocks:
+    """The settings in blocks: each token figure rounded up to whole blocks, the local
+    window at least one block. ValueError if the rounding breaks the budget rule."""
+    if not isinstance(block_size, int) or block_size <= 0:
+      raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    out = HiSparseBlocks(
+        block_size=block_size,
+        top_k_blocks=math.ceil(self.top_k_tokens / block_size),
+        hot_buffer_blocks=math.ceil(self.hot_buffer_tokens / block_size),
+        sink_blocks=math.ceil(self.sink_tokens / block_size),
+        local_blocks=max(1, math.ceil(self.local_tokens / block_size)),
+        sparse_threshold_blocks=math.ceil(self.sparse_threshold_tokens / block_size))
+    if out.sink_blocks + out.local_blocks > out.top_k_blocks:
+      raise ValueError(
+          f"HiSparseConfig: with block_size {block_size}, sink_tokens {self.sink_tokens} "
+          f"and local_tokens {self.local_tokens} round to {out.sink_blocks} + "
+          f"{out.local_blocks} blocks, more than top_k_tokens {self.top_k_tokens} = "
+          f"{out.top_k_blocks} blocks; raise top_k_tokens or lower sink/local")
+    return out
+
+  def is_sparse(self, seq_len: int) -> bool:
+    """Whether a sequence of `seq_len` tokens takes the sparse path."""
+    return seq_len > self.sparse_threshold_tokens
+
+
+def _int(config: HiSparseConfig, name: str) -> int:
+  value = getattr(config, name)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ValueError(f"HiSparseConfig.{name} must be an integer, got {value!r}")
+  return value
+
+
+def _set_default(config: HiSparseConfig, name: str, value: int) -> None:
+  object.__setattr__(config, name, value)
