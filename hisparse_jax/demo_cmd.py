@@ -69,9 +69,11 @@ def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_pr
 
 def main(argv: list[str]) -> int:
   del argv
+  import models  # noqa: PLC0415
   from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415 (imports jax)
   from models.data import make_retrieval_prompts  # noqa: PLC0415
   from models.loader import load_config  # noqa: PLC0415
+  from models.tokenizer import Tokenizer  # noqa: PLC0415
 
   if FLAGS.demo_num_prompts < 1:
     raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
@@ -82,6 +84,10 @@ def main(argv: list[str]) -> int:
                                      seed=FLAGS.demo_seed)
   except ValueError as e:
     raise ValueError(f"--demo_context_len={FLAGS.demo_context_len}: {e}") from None
+  tokenizer = Tokenizer.from_dir(FLAGS.model or models.DEFAULT_MODEL_DIR)
+  if tokenizer.encode(prompts[0].text) != list(prompts[0].token_ids):
+    raise ValueError("--model: the demo's retrieval prompts need a tokenizer with the default "
+                     "model's vocabulary (models.data.VOCAB)")
   spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), FLAGS.dtype,
                                        FLAGS.block_size)
   prompt_len = max(len(p.token_ids) for p in prompts)
