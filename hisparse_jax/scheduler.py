@@ -8,7 +8,8 @@ Each `schedule()` call makes one step's plan, in this order (FCFS throughout):
      request is preempted by swap-out to the host pool (its blocks are copied there,
      never recomputed), until the block is found or the request itself is the newest.
   2. SWAPPED requests, oldest first, when no request was preempted in this step: they
-     come back (swap-in plan) if the device has their blocks, and run in this step.
+     come back (swap-in plan) if the device has their blocks plus the block their next
+     token may need, and run in this step.
   3. WAITING requests, oldest first, while nobody is left swapped: admitted when the
      device pool holds their prompt blocks plus one spare block per running request
      (so admission does not force an immediate preemption). A prompt whose leading full
@@ -44,11 +45,13 @@ class ScheduledChunk:
   start: int
   num_tokens: int
   slot_ids: np.ndarray  # int32 [num_tokens]
+  # Whether the chunk ends at the request's last token, so its logits are sampled. Fixed
+  # when scheduled: appending the sampled token must not change what this step did.
+  samples: bool = dataclasses.field(init=False)
 
-  @property
-  def samples(self) -> bool:
-    """Whether this chunk ends at the request's last token, so its logits are sampled."""
-    return self.start + self.num_tokens == self.request.num_tokens
+  def __post_init__(self):
+    object.__setattr__(self, "samples",
+                       self.start + self.num_tokens == self.request.num_tokens)
 
 
 @dataclasses.dataclass
@@ -57,7 +60,8 @@ class SchedulerOutput:
   swap_out: list[SwapOutPlan] = dataclasses.field(default_factory=list)
   swap_in: list[SwapInPlan] = dataclasses.field(default_factory=list)
   copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-  preempted: list[Request] = dataclasses.field(default_factory=list)
+  preempted: list[Request] = dataclasses.field(default_factory=list)  # swapped out
+  swapped_in: list[Request] = dataclasses.field(default_factory=list)  # incl. host prefix hits
   recomputed: list[Request] = dataclasses.field(default_factory=list)
 
   @property
@@ -163,11 +167,12 @@ class Scheduler:
 
   def _insert_swapped(self, request: Request) -> None:
     """Keeps `swapped` in arrival order, so the oldest preempted request returns first."""
-    for i, other in enumerate(self.swapped):
-      if request.arrival_time < other.arrival_time:
-        self.swapped.insert(i, request)
-        return
-    self.swapped.append(request)
+    _insert_by_arrival(self.swapped, request)
+
+  def _insert_running(self, request: Request) -> None:
+    """Keeps `running` in arrival order, so the newest running request is preempted first
+    (a request that comes back from the host pool is older than those admitted since)."""
+    _insert_by_arrival(self.running, request)
 
   def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
     queue = list(self.running)
@@ -200,14 +205,21 @@ class Scheduler:
   def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
     while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
       request = self.swapped[0]
-      if not self.bm.can_swap_in(request.request_id):
+      # Only when it can also run now: the device must hold its blocks AND the block its
+      # next token may open (counted without device prefix hits, conservatively). A
+      # request swapped in without room to decode would swap itself out again at once,
+      # a round trip per step with no progress.
+      needed = -(-request.num_tokens // self.bm.block_size)
+      if (not self.bm.can_swap_in(request.request_id)
+          or self.bm.device_pool.num_free_blocks < needed):
         break
       self.swapped.popleft()
       plan = self.bm.swap_in(request.request_id)
       out.swap_in.append(plan)
+      out.swapped_in.append(request)
       request.num_swapped_in_blocks += plan.num_blocks
       request.status = RequestStatus.RUNNING
-      self.running.append(request)
+      self._insert_running(request)
       if request.is_prefilling:
         chunk = self._chunk(request, budget)
       elif self.bm.can_append(request.request_id):
@@ -236,10 +248,20 @@ class Scheduler:
       request.prefill_len = len(tokens)
       if result.swap_in.num_blocks:
         out.swap_in.append(result.swap_in)
+        out.swapped_in.append(request)
+        request.num_swapped_in_blocks += result.swap_in.num_blocks
       request.num_computed_tokens = result.num_cached_tokens
       request.status = RequestStatus.RUNNING
-      self.running.append(request)
+      self._insert_running(request)
       chunk = self._chunk(request, budget)
       if chunk is not None:
         out.chunks.append(chunk)
         budget -= chunk.num_tokens
+
+
+def _insert_by_arrival(queue, request: Request) -> None:
+  for i, other in enumerate(queue):
+    if request.arrival_time < other.arrival_time:
+      queue.insert(i, request)
+      return
+  queue.append(request)
