@@ -73,8 +73,10 @@ flags.DEFINE_integer("log_every_steps", 100,
                      "Log a status line (requests, KV usage, hit rates, transfer GB/s, "
                      "tokens/s) every this many engine steps; 0 disables it.")
 flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
-flags.DEFINE_integer("demo_context_len", 1040,
-                     "demo: tokens each retrieval prompt fills (at most; whole lines).")
+flags.DEFINE_integer("demo_context_len", 1026,
+                     "demo: tokens each retrieval prompt fills (at most; whole lines). 1026 is "
+                     "the shortest prompt >= 1024 tokens, the context hisparse-tiny was trained "
+                     "on.")
 flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the retrieval prompts (the trainer "
                      "and models.eval_retrieval use other seeds).")
 

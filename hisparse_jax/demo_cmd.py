@@ -2,7 +2,7 @@
 
 Usage::
 
-  hisparse-jax demo [--demo_num_prompts=8] [--demo_context_len=1040] [--demo_seed=4242]
+  hisparse-jax demo [--demo_num_prompts=8] [--demo_context_len=1026] [--demo_seed=4242]
       [any generate flag: --device_kv_gib, --max_new_tokens, --max_num_seqs, ...]
 
 Builds `--demo_num_prompts` key-value retrieval prompts of the embedded default model

@@ -35,6 +35,7 @@ from absl import flags, logging
 
 FLAGS = flags.FLAGS
 _FIELDS = ("prompt", "prompt_token_ids", "expected", "max_tokens")
+MAX_ANSWER_CHARS = 80  # a longer (wrong) answer line is shown cut, with "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +200,8 @@ def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None
     return f"[{index}] {json.dumps(output.text, ensure_ascii=False)} ({figures})", None
   answer = answer_of(output.text)
   right = answer == spec.expected.strip()
-  return (f"[{index}] {'RIGHT' if right else 'WRONG'} {answer!r} (expected "
+  shown = answer if len(answer) <= MAX_ANSWER_CHARS else answer[:MAX_ANSWER_CHARS] + "..."
+  return (f"[{index}] {'RIGHT' if right else 'WRONG'} {shown!r} (expected "
           f"{spec.expected.strip()!r}; {figures})", right)
 
 
