@@ -2,15 +2,16 @@
 
 Usage::
 
-  hisparse-jax generate --prompt="kabe: moti\\n? kabe:" [--prompt=...] [--prompts_file=F]
+  hisparse-jax generate --prompt=$'bafu: bapo\\n? bafu:' [--prompt=...] [--prompts_file=F]
       [--model=DIR] [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
       [--max_num_seqs=N] [--max_num_batched_tokens=N] [--max_new_tokens=N]
       [--temperature=T] [--top_p=P] [--top_k=K] [--seed=S] [--metrics_json=F]
       [--prometheus_port=P] [--log_every_steps=N]
 
-`--prompts_file` is JSONL, one object a line (blank lines skipped)::
+(`$'...'` is bash quoting that turns `\\n` into a newline; absl passes a flag's text as
+is.) `--prompts_file` is JSONL, one object a line (blank lines skipped)::
 
-  {"prompt": "kabe: moti\\n? kabe:", "expected": "moti", "max_tokens": 4}
+  {"prompt": "bafu: bapo\\n? bafu:", "expected": "bapo", "max_tokens": 4}
   {"prompt_token_ids": [1, 520, 13, 4, 5, 520]}
 
 Prints (stdout) one line per prompt in input order: the output text, or, when an

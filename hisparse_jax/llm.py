@@ -1,7 +1,7 @@
 """`LLM`: batch generation over the engine, the library API familiar to vLLM users.
 
     llm = LLM(device_kv_gib=0.01, host_pool_gib=0.1, max_model_len=1152)  # logs capacity
-    outputs = llm.generate(["kabe: moti\\n? kabe:"], SamplingParams(max_tokens=4))
+    outputs = llm.generate(["bafu: bapo\\n? bafu:"], SamplingParams(max_tokens=4))
     outputs[0].text, outputs[0].finish_reason, llm.metrics()
 
 Owns the loop a batch call needs on top of `Engine` (add every prompt, step until each

@@ -65,7 +65,7 @@ def test_prompt_flags_then_prompts_file_with_expected_answers(checkpoint, compil
                                                                tmp_path):
   # 1. Two --prompt flags: one line per prompt, in order, with the output text as JSON.
   r = _generate(f"--model={checkpoint}", *SMALL_POOLS, "--max_new_tokens=3",
-                "--prompt=kabe: moti\nfusa: lodu\n? fusa:", "--prompt=lodu:",
+                "--prompt=bafu: bapo\nbaki: bare\n? baki:", "--prompt=baki:",
                 cache_dir=compile_cache)
   assert r.returncode == 0, r.stderr
   lines = r.stdout.splitlines()
@@ -80,8 +80,8 @@ def test_prompt_flags_then_prompts_file_with_expected_answers(checkpoint, compil
   # token-id prompt with its own max_tokens; a blank line is skipped.
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("\n".join([
-      json.dumps({"prompt": "kabe: moti\nfusa: lodu\n? fusa:", "expected": answer}),
-      json.dumps({"prompt": "kabe: moti\nfusa: lodu\n? fusa:", "expected": "zzz"}),
+      json.dumps({"prompt": "bafu: bapo\nbaki: bare\n? baki:", "expected": answer}),
+      json.dumps({"prompt": "bafu: bapo\nbaki: bare\n? baki:", "expected": "zzz"}),
       "",
       json.dumps({"prompt_token_ids": [data.BOS_ID, 600, 601, 4], "max_tokens": 2}),
   ]) + "\n")
@@ -111,11 +111,11 @@ def test_prompt_flags_then_prompts_file_with_expected_answers(checkpoint, compil
 
 
 @pytest.mark.parametrize("content,needle", [
-    (b'{"prompt": "kabe:"}\n{"prompt": "kabe:",}\n', r"prompts.jsonl line 2: not valid JSON"),
-    (b'{"prompt": "kabe:"}\n\n{"promt": "x"}\n', r"prompts.jsonl line 3: unknown field 'promt'"),
+    (b'{"prompt": "bafu:"}\n{"prompt": "bafu:",}\n', r"prompts.jsonl line 2: not valid JSON"),
+    (b'{"prompt": "bafu:"}\n\n{"promt": "x"}\n', r"prompts.jsonl line 3: unknown field 'promt'"),
     (b'{"prompt_token_ids": [1, "a"]}\n', r"line 1: \"prompt_token_ids\" must be a non-empty"),
-    (b'{"prompt": "kabe:", "max_tokens": 0}\n', r"line 1: \"max_tokens\" must be an integer"),
-    (b'{"prompt": "kabe:"}\n{"prompt": "\xff"}\n', r"not UTF-8 text \(byte 0xff on line 2\)"),
+    (b'{"prompt": "bafu:", "max_tokens": 0}\n', r"line 1: \"max_tokens\" must be an integer"),
+    (b'{"prompt": "bafu:"}\n{"prompt": "\xff"}\n', r"not UTF-8 text \(byte 0xff on line 2\)"),
 ])
 def test_bad_prompts_file_exits_2_naming_the_line(tmp_path, content, needle):
   path = tmp_path / "prompts.jsonl"
@@ -127,7 +127,7 @@ def test_bad_prompts_file_exits_2_naming_the_line(tmp_path, content, needle):
 
 def test_no_prompts_and_bad_sampling_flag_exit_2():
   assert "no prompts: give --prompt" in _one_error_line(_generate())
-  line = _one_error_line(_generate("--prompt=kabe:", "--max_new_tokens=0"))
+  line = _one_error_line(_generate("--prompt=bafu:", "--max_new_tokens=0"))
   assert "--max_new_tokens must be >= 1, got 0" in line
 
 
@@ -139,7 +139,7 @@ def test_busy_prometheus_port_is_refused_naming_the_flag(checkpoint):
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     port = sock.getsockname()[1]
-    spec = generate_cmd.PromptSpec(source="test", prompt="kabe:")
+    spec = generate_cmd.PromptSpec(source="test", prompt="bafu:")
     kwargs = dict(model=checkpoint, device_kv_gib=0.0005, host_pool_gib=0.001,
                   max_model_len=64)
     with pytest.raises(ValueError, match=f"--prometheus_port={port}: .*in use"):
@@ -149,6 +149,6 @@ def test_busy_prometheus_port_is_refused_naming_the_flag(checkpoint):
 def test_answer_is_the_first_line():
   from hisparse_jax.generate_cmd import answer_of  # noqa: PLC0415
 
-  assert answer_of(" lodu \n kabe: moti") == "lodu"
+  assert answer_of(" lodu \n bafu: moti") == "lodu"
   assert answer_of("lodu") == "lodu"
   assert answer_of("\nlodu") == ""

@@ -102,9 +102,10 @@ def test_one_token_prompt_as_a_flat_list(llm, reference_greedy):
 
 
 def test_text_prompts_tokenize_like_their_ids(llm):
-  text = "kabe: moti\nfusa: lodu\n? fusa:"
+  text = "bafu: bapo\nbaki: bare\n? baki:"
   ids = llm.tokenizer.encode(text)
   assert ids[0] == data.BOS_ID and len(ids) == 1 + 3 + 3 + 2
+  assert data.TOKEN_TO_ID[data.UNK] not in ids
   sp = SamplingParams(max_tokens=4, ignore_eos=True)
   by_text, by_dict = llm.generate([text, {"prompt_token_ids": ids}], sp)
   (by_ids,) = llm.generate(prompt_token_ids=[ids], sampling_params=sp)
