@@ -259,7 +259,7 @@ class MetricsRegistry:
     """The Prometheus exposition text of this registry (what the HTTP server serves)."""
     return prometheus_client.generate_latest(self.prometheus_registry).decode()
 
-  def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+  def serve(self, port: int, addr: str = "127.0.0.1") -> None:
     """Serves this registry over HTTP on `port` (prometheus-client's server thread)."""
     if self._server is not None:
       raise ValueError("metrics server already started for this registry")
