@@ -41,6 +41,10 @@ How the engine plugs this in:
   read-only) beside the device pool arrays (donated) to the jitted step; `_attend`
   calls select -> resolve -> load_blocks -> paged_attention instead of the dense table,
   and the step returns the new state and the counts for the metrics.
+- selection="per_kv_head": flatten the [B, num_kv_heads, k] selection to one row per
+  sequence for `resolve` (a block chosen by several heads resolves and loads once; the
+  hot buffer needs num_kv_heads * k slots), reshape the table back, and attend per KV
+  head (paged_attention on the pages' head slice with its own table and lengths).
 - Write-through: the newest (partly filled) block is always resident (it receives this
   step's K/V). When a block of a sparse sequence fills, the engine swaps it out to its
   host block after the step (TransferEngine.swap_out, batched with the others), so the
