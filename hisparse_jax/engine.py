@@ -62,6 +62,10 @@ class EngineConfig:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:
       raise ValueError(f"device_kv_gib must be > 0, got {self.device_kv_gib}")
+    if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+      # A recomputed request prefills up to max_model_len tokens in one step.
+      raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                       f"max_model_len={self.max_model_len} without chunked prefill")
     if self.hisparse is not None:
       raise ValueError("hisparse: the sparse path is not available yet in this build")
 
@@ -97,6 +101,7 @@ class Engine:
     self.capacity.export(self.metrics_registry)
     self.stats = engine_metrics.EngineMetrics(self.metrics_registry)
     self.transfer = TransferEngine(self.device_pool, self.host_pool, self.metrics_registry)
+    self.stats.zero_transfer_series()
     self.block_manager = BlockManager(self.device_pool.num_blocks, self.host_pool.num_blocks,
                                       config.block_size,
                                       enable_prefix_caching=config.enable_prefix_caching)
@@ -169,35 +174,54 @@ class Engine:
     """Runs one engine step; returns the outputs of requests that advanced or finished."""
     self.transfer.poll()
     out = self.scheduler.schedule()
-    self._move_blocks(out)
     outputs = {}
-    if not out.is_empty:
-      chunks = out.chunks
-      seq_ids = [c.request.request_id for c in chunks]
-      width = max(len(self.block_manager.block_table(s)) for s in seq_ids)
-      batch = self.runner.build_batch(chunks, self.block_manager.block_tables(seq_ids, width))
-      start = time.perf_counter()
-      try:
+    tokens, moved, start = None, False, 0.0
+    try:
+      self._move_blocks(out)
+      moved = True
+      if not out.is_empty:
+        seq_ids = [c.request.request_id for c in out.chunks]
+        width = max(len(self.block_manager.block_table(s)) for s in seq_ids)
+        batch = self.runner.build_batch(out.chunks,
+                                        self.block_manager.block_tables(seq_ids, width))
+        start = time.perf_counter()
         tokens = self.runner.execute(batch)
-      except Exception as e:  # a failed step ends only the requests it held
-        logging.exception("step failed; aborting its %d requests", len(chunks))
-        self.block_manager.finish_step()
-        for chunk in chunks:
-          self._finish(chunk.request, "error", error=f"{type(e).__name__}: {e}")
-      else:
-        self.block_manager.finish_step()
-        self.stats.on_step(out, time.perf_counter() - start, self.block_manager)
-        for chunk, token in zip(chunks, tokens):
-          self._postprocess(chunk, int(token))
-          outputs[chunk.request.request_id] = chunk.request
+    except Exception as e:  # a failed step ends only the requests it held
+      self.block_manager.finish_step()
+      self._fail_step(out, moved, e)
     else:
       self.block_manager.finish_step()
+      if tokens is not None:
+        self.stats.on_step(out, time.perf_counter() - start, self.block_manager)
+        for chunk, token in zip(out.chunks, tokens):
+          self._postprocess(chunk, int(token))
+          outputs[chunk.request.request_id] = chunk.request
     self.num_steps += 1
     result = [self._output(r) for r in outputs.values() if not r.is_finished]
     result += self._finished_outputs
     self._finished_outputs = []
     self.stats.on_usage(self.block_manager, self.scheduler)
     return result
+
+  def _fail_step(self, out: SchedulerOutput, moved: bool, error: Exception) -> None:
+    """Finishes (reason "error") the requests whose KV the failed step may have spoiled.
+
+    Always the scheduled ones; when the block moves themselves failed, also the requests
+    swapped out or in by this step. Others go on. When the jitted step failed after
+    consuming the donated device pool, no resident KV survives: that is fatal.
+    """
+    requests = [c.request for c in out.chunks]
+    if not moved:
+      requests += out.preempted + out.swapped_in
+    logging.error("step failed (%s: %s); finishing its %d requests",
+                  type(error).__name__, error, len(requests))
+    message = f"{type(error).__name__}: {error}"
+    for request in requests:
+      if not request.is_finished:  # (also skips a request listed twice)
+        self._finish(request, "error", error=message)
+    if any(a.is_deleted() for a in self.device_pool.arrays()):
+      raise RuntimeError("the device KV pool was consumed by a failed step; this engine "
+                         "cannot continue") from error
 
   def _move_blocks(self, out: SchedulerOutput) -> None:
     """Executes the step's block moves in the BlockManager contract's order."""

@@ -24,6 +24,7 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
 
 from __future__ import annotations
 
+from hisparse_jax import metrics as m
 from hisparse_jax.metrics import MetricsRegistry
 
 KV_USAGE_RATIO = "hisparse_kv_usage_ratio"
@@ -45,7 +46,7 @@ class EngineMetrics:
   """Hooks that keep the engine's series current; one per engine."""
 
   def __init__(self, registry: MetricsRegistry):
-    r = registry
+    r = self._registry = registry
     self.usage = r.gauge(KV_USAGE_RATIO, "Owned KV blocks / usable blocks.", ("memory_kind",))
     self.blocks_selected = r.counter(BLOCKS_SELECTED_TOTAL,
                                      "KV blocks attention read, by where they came from.",
@@ -71,6 +72,13 @@ class EngineMetrics:
     self.thrash.inc(0)
     self._seen_queries = 0
     self._seen_hits = {"device": 0, "pinned_host": 0}
+
+  def zero_transfer_series(self) -> None:
+    """Shows the transfer counters of both directions at 0 before any transfer (call
+    after the TransferEngine registered them), so `metrics()` always has their keys."""
+    for name in (m.TRANSFERS_TOTAL, m.TRANSFER_BLOCKS_TOTAL, m.TRANSFER_BYTES_TOTAL):
+      for direction in (m.DIRECTION_H2D, m.DIRECTION_D2H):
+        self._registry.get(name).inc(0, direction=direction)
 
   def on_add(self, request) -> None:
     self.prompt_tokens.inc(request.num_prompt_tokens)

@@ -25,6 +25,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -85,10 +86,11 @@ class ModelRunner:
     self.max_num_batched_tokens = max_num_batched_tokens
     self.ops = kernels_pallas.ops(kernel_backend)
     graphdef, self.params = nnx.split(model)
-    self._step = jax.jit(functools.partial(_forward, graphdef, self.ops, device_pool),
-                         donate_argnums=(1,))
-    self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-    self.shapes_compiled: set[tuple[int, int, int]] = set()
+    self._step = _step_program(graphdef, self.ops, device_pool.spec.dtype,
+                               device_pool.storage_dtype)
+    self._copy = _copy_program()
+    # (tokens, sequences, block-table width, greedy only) of every step run so far.
+    self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
 
   # --- Host side -----------------------------------------------------------------
 
@@ -138,13 +140,18 @@ class ModelRunner:
   # --- Device side ---------------------------------------------------------------
 
   def execute(self, batch: StepBatch) -> np.ndarray:
-    """Runs the step; returns int32 [batch.num_seqs] sampled tokens (one host sync)."""
+    """Runs the step; returns int32 [batch.num_seqs] sampled tokens (one host sync).
+
+    A batch of greedy requests only runs a program without the random draws (argmax):
+    the threefry draws cost as much compile time as the whole tiny forward.
+    """
+    greedy_only = not np.any(batch.temperature > 0)
     self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
-                              batch.metadata.block_tables.shape[1]))
+                              batch.metadata.block_tables.shape[1], greedy_only))
     tokens, arrays = self._step(
         self.params, self.pool.arrays(), batch.input_ids, batch.positions, batch.metadata,
         batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
-        batch.counters)
+        batch.counters, greedy_only=greedy_only)
     self.pool.set_arrays(arrays)
     return np.asarray(tokens)[:batch.num_seqs]
 
@@ -159,34 +166,61 @@ class ModelRunner:
     self.pool.set_arrays(self._copy(self.pool.arrays(), src, dst))
 
 
+@functools.cache  # one jitted program per model structure, shared by engines of a process
+def _step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype):
+  forward = functools.partial(_forward, graphdef, ops, jnp.dtype(kv_dtype),
+                              jnp.dtype(storage_dtype))
+  return jax.jit(forward, donate_argnums=(1,), static_argnames=("greedy_only",))
+
+
+@functools.cache
+def _copy_program():
+  return jax.jit(_copy_blocks, donate_argnums=(0,))
+
+
 def _copy_blocks(arrays, src, dst):
   return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
 
 
-def _forward(graphdef, ops, pool: KVPool, params, kv_arrays, input_ids, positions,
+def _forward(graphdef, ops, kv_dtype, storage_dtype, params, kv_arrays, input_ids, positions,
              metadata: StepMetadata, logits_indices, temperature, top_p, top_k, seeds,
-             counters):
+             counters, *, greedy_only: bool):
   model = nnx.merge(graphdef, params)
   num_layers = len(kv_arrays) // 2
   kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i]) for i in range(num_layers)]
-  attn_fn = functools.partial(_attend, ops, pool)
+  attn_fn = functools.partial(_attend, ops, kv_dtype, storage_dtype)
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
-  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-  tokens = sample(logits, temperature, top_p, top_k, keys)
+  if greedy_only:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    tokens = sample(logits, temperature, top_p, top_k, keys)
   new_arrays = tuple(k for k, _ in kv_caches) + tuple(v for _, v in kv_caches)
   return tokens, new_arrays
 
 
-def _attend(ops: kernels_pallas.KernelOps, pool: KVPool, q, k, v, *, layer_idx, kv_cache,
-            metadata: StepMetadata, config):
+def _to_storage(x, kv_dtype, storage_dtype):
+  """Logical -> storage dtype (a bitcast for bfloat16 stored as uint16 on CPU; KVPool)."""
+  if x.dtype == storage_dtype:
+    return x
+  return jax.lax.bitcast_convert_type(x.astype(kv_dtype), storage_dtype)
+
+
+def _from_storage(x, kv_dtype):
+  return x if x.dtype == kv_dtype else jax.lax.bitcast_convert_type(x, kv_dtype)
+
+
+def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype, q, k, v, *, layer_idx,
+            kv_cache, metadata: StepMetadata, config):
   """Writes this step's K/V into the pages, then attends over each sequence's blocks."""
   del layer_idx
   k_pages, v_pages = kv_cache
-  k_pages, v_pages = ops.write_kv(k_pages, v_pages, pool.to_storage(k[0]),
-                                  pool.to_storage(v[0]), metadata.slot_ids)
+  k_pages, v_pages = ops.write_kv(k_pages, v_pages, _to_storage(k[0], kv_dtype, storage_dtype),
+                                  _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
   out = ops.ragged_paged_attention(
-      q[0], pool.from_storage(k_pages), pool.from_storage(v_pages), metadata.block_tables,
-      metadata.kv_lens, metadata.cu_q_lens, sliding_window=config.sliding_window)
+      q[0], _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype),
+      metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
+      sliding_window=config.sliding_window)
   return out[None], (k_pages, v_pages)
