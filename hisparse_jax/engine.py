@@ -85,6 +85,14 @@ class Engine:
     if model is None:
       model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype)
     self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
+    # Ends of generation: the model config's eos ids and the tokenizer's, which come from
+    # generation_config.json (what transformers' generate stops at; instruction-tuned
+    # checkpoints often list more ids there than in config.json).
+    eos = model_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    if tokenizer is not None:
+      eos_ids |= set(tokenizer.eos_token_ids)
+    self.eos_token_ids = frozenset(int(t) for t in eos_ids)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if max_positions is not None and config.max_model_len > max_positions:
       raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
@@ -255,9 +263,7 @@ class Engine:
     request.output_token_ids.append(token)
     self.stats.on_generated(1)
     sp = request.sampling_params
-    eos = self.model_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-    if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_ids):
+    if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
       self._finish(request, "stop")
     elif (len(request.output_token_ids) >= sp.max_tokens
           or request.num_tokens >= self.config.max_model_len):

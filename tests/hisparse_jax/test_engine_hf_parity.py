@@ -7,7 +7,9 @@ The shipped default model is checked the same way on retrieval prompts, through 
 engine's embedded-default path (`EngineConfig(model=None)`) and its tokenizer.
 """
 
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -25,13 +27,24 @@ from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
 NUM_NEW = 16
 
 
-def _hf_greedy(model, prompt, num_tokens: int, eos_token_id=None) -> list[int]:
+def _hf_greedy(model, prompt, num_tokens: int, eos: bool = False) -> list[int]:
+  """transformers' greedy tokens; with `eos`, it stops where its generation config says."""
+  kwargs = {} if eos else dict(eos_token_id=None, min_new_tokens=num_tokens)
   with torch.no_grad():
     out = model.generate(torch.as_tensor([prompt], dtype=torch.long), do_sample=False,
-                         max_new_tokens=num_tokens, pad_token_id=0,
-                         eos_token_id=eos_token_id,
-                         min_new_tokens=num_tokens if eos_token_id is None else 0)
+                         max_new_tokens=num_tokens, pad_token_id=0, **kwargs)
   return out[0, len(prompt):].tolist()
+
+
+def _tiny_engine(path):
+  model, config, tokenizer = load_pretrained(path)
+  # 8 usable device blocks of 8 tokens (one 64-token request), a 16-token step budget:
+  # chunked prefill and swap-outs both happen on the way.
+  return Engine(EngineConfig(block_size=8, max_model_len=64, max_num_seqs=4,
+                             max_num_batched_tokens=16,
+                             device_kv_gib=gib_for_blocks(config, 9),
+                             host_pool_gib=gib_for_blocks(config, 33)),
+                model=model, model_config=config, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +69,9 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 def test_engine_matches_transformers_on_a_tiny_llama(tiny_hf_dir):
-  model, config, tokenizer = load_pretrained(tiny_hf_dir)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 23, 40, 12)]
-  # 8 usable device blocks of 8 tokens (one 64-token request), a 16-token step budget:
-  # chunked prefill and swap-outs both happen on the way.
-  engine = Engine(EngineConfig(block_size=8, max_model_len=64, max_num_seqs=4,
-                               max_num_batched_tokens=16,
-                               device_kv_gib=gib_for_blocks(config, 9),
-                               host_pool_gib=gib_for_blocks(config, 33)),
-                  model=model, model_config=config, tokenizer=tokenizer)
+  engine = _tiny_engine(tiny_hf_dir)
   params = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
   for i, p in enumerate(prompts):
     engine.add_request(f"r{i}", prompt_token_ids=p, sampling_params=params)
@@ -75,6 +81,28 @@ def test_engine_matches_transformers_on_a_tiny_llama(tiny_hf_dir):
                                                          dtype=torch.float32).eval()
   for i, p in enumerate(prompts):
     assert outputs[f"r{i}"].token_ids == _hf_greedy(hf, p, NUM_NEW), i
+
+
+def test_engine_stops_at_the_generation_config_eos_as_transformers_does(tiny_hf_dir, tmp_path):
+  # config.json says eos 2; generation_config.json adds a second eos id, as instruction-
+  # tuned checkpoints do (Llama 3: <|eot_id|>). transformers stops at either; so must we.
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dir,
+                                                         dtype=torch.float32).eval()
+  prompt = np.random.default_rng(1).integers(3, 97, size=9).tolist()
+  free_run = _hf_greedy(hf, prompt, NUM_NEW)
+  stop = next(t for t in free_run[4:] if t != 2)
+  path = shutil.copytree(tiny_hf_dir, tmp_path / "eos")
+  with open(path / "generation_config.json", "w") as f:
+    json.dump({"bos_token_id": 1, "eos_token_id": [2, stop], "pad_token_id": 0}, f)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  expected = _hf_greedy(hf, prompt, NUM_NEW, eos=True)
+  assert expected[-1] == stop and len(expected) < NUM_NEW
+  engine = _tiny_engine(path)
+  assert load_config(path).eos_token_id == 2 and stop in engine.eos_token_ids
+  engine.add_request("r", prompt_token_ids=prompt,
+                     sampling_params=SamplingParams(max_tokens=NUM_NEW))
+  out = run(engine)["r"]
+  assert (out.token_ids, out.finish_reason) == (expected, "stop")
 
 
 def test_engine_matches_transformers_on_the_default_model():
@@ -95,7 +123,6 @@ def test_engine_matches_transformers_on_the_default_model():
   for i, p in enumerate(prompts):
     out = outputs[f"r{i}"]
     assert out.prompt_token_ids == list(p.token_ids)
-    assert out.token_ids == _hf_greedy(hf, list(p.token_ids), NUM_NEW,
-                                       eos_token_id=config.eos_token_id), i
+    assert out.token_ids == _hf_greedy(hf, list(p.token_ids), NUM_NEW, eos=True), i
     assert out.finish_reason == ("stop" if out.token_ids[-1] == config.eos_token_id
                                  else "length")
