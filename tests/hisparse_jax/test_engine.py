@@ -8,6 +8,7 @@ max_model_len 64, 4 sequences and 64 tokens per step, 12 usable device blocks (9
 
 import dataclasses
 
+import chex
 import numpy as np
 import pytest
 from engine_fixtures import (
@@ -337,4 +338,47 @@ def test_a_failed_swap_in_ends_the_requests_of_that_step_only(reference):
   for i in range(len(PROMPTS)):
     if f"r{i}" not in failed:
       assert outputs[f"r{i}"].token_ids == reference[i]
+  assert_all_blocks_free(engine)
+
+
+def test_step_arrays_are_padded_to_buckets():
+  engine = make_engine()
+  engine.add_request("a", prompt_token_ids=[5, 6, 7], sampling_params=GREEDY)
+  engine.add_request("b", prompt_token_ids=list(range(10, 30)),
+                     sampling_params=SamplingParams(temperature=0.5, top_k=3, seed=9))
+  out = engine.scheduler.schedule()
+  tables = engine.block_manager.block_tables(["a", "b"], 3)
+  assert tables.tolist() == [[1, 0, 0], [2, 3, 4]]
+  batch = engine.runner.build_batch(out.chunks, tables)
+  engine.block_manager.finish_step()
+  # 23 tokens -> 32 rows, 2 sequences -> 4, width 3 -> 4 blocks.
+  chex.assert_shape([batch.input_ids, batch.positions, batch.metadata.slot_ids], (32,))
+  chex.assert_shape(batch.metadata.block_tables, (4, 4))
+  chex.assert_shape([batch.metadata.kv_lens, batch.logits_indices, batch.seeds], (4,))
+  chex.assert_shape(batch.metadata.cu_q_lens, (5,))
+  assert batch.input_ids[:23].tolist() == [5, 6, 7] + list(range(10, 30))
+  assert batch.positions[:23].tolist() == [0, 1, 2] + list(range(20))
+  assert batch.metadata.slot_ids.tolist() == [8, 9, 10] + list(range(16, 36)) + [-1] * 9
+  assert batch.metadata.cu_q_lens.tolist() == [0, 3, 23, 23, 23]
+  assert batch.metadata.kv_lens.tolist() == [3, 20, 0, 0]
+  assert batch.logits_indices.tolist()[:2] == [2, 22]
+  assert batch.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]
+  assert batch.top_k.tolist() == [0, 3, 0, 0] and batch.seeds[1] == 9
+  # Engines over one model structure share the jitted step (and its compiled programs).
+  assert make_engine().runner._step is engine.runner._step
+
+
+def test_a_host_prefix_hit_is_swapped_in_and_gives_the_same_tokens(reference):
+  engine = make_engine()
+  add_all(engine, PROMPTS, GREEDY)
+  run(engine)  # r2 is swapped out on the way: its full blocks stay cached on the host
+  assert engine.block_manager.host_pool.num_cached_blocks > 0
+  add_all(engine, random_prompts((44, 44), seed=9), GREEDY, prefix="f")
+  run(engine)  # these evict r2's cached device blocks
+  engine.add_request("again", prompt_token_ids=PROMPTS[2], sampling_params=GREEDY)
+  out = run(engine)["again"]
+  m = engine.metrics()
+  assert m['hisparse_prefix_cache_hits_total{memory_kind="pinned_host"}'] > 0
+  assert out.blocks_selected["host"] > 0
+  assert out.token_ids == reference[2]
   assert_all_blocks_free(engine)
