@@ -221,8 +221,8 @@ class Engine:
     requests = [c.request for c in out.chunks]
     if not moved:
       requests += out.preempted + out.swapped_in
-    logging.error("step failed (%s: %s); finishing its %d requests",
-                  type(error).__name__, error, len(requests))
+    logging.exception("step failed (%s: %s); finishing its %d requests",
+                      type(error).__name__, error, len(requests))
     message = f"{type(error).__name__}: {error}"
     for request in requests:
       if not request.is_finished:  # (also skips a request listed twice)
@@ -233,6 +233,7 @@ class Engine:
 
   def _move_blocks(self, out: SchedulerOutput) -> None:
     """Executes the step's block moves in the BlockManager contract's order."""
+    self.stats.on_preempt(len(out.preempted) + len(out.recomputed))
     if out.swap_out:
       self.transfer.swap_out(np.concatenate([p.device_ids for p in out.swap_out]),
                              np.concatenate([p.host_ids for p in out.swap_out]))
@@ -240,7 +241,6 @@ class Engine:
     if out.swap_in:
       self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]),
                             np.concatenate([p.device_ids for p in out.swap_in]))
-    self.stats.on_preempt(len(out.preempted) + len(out.recomputed))
 
   def _postprocess(self, chunk, token: int) -> None:
     request = chunk.request

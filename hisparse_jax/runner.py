@@ -11,7 +11,9 @@
 Every scheduled token of every sequence is one row of a flat token axis (batch 1 for
 the model, `seq` = all tokens); `cu_q_lens` cuts it into sequences. Shapes are padded
 to power-of-two buckets (tokens, sequences, block-table width) so a run compiles a
-bounded number of programs; padded tokens have slot -1 (never written) and belong to
+bounded number of programs (each in two variants: with the random draws, and argmax
+only for all-greedy batches), shared by every engine over the same model structure and
+pool dtype (`_step_program`); padded tokens have slot -1 (never written) and belong to
 no sequence, padded sequences have length 0.
 
 Attention is `_attend`: the one place where the HiSparse path (a later issue) swaps

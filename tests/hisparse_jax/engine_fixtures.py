@@ -54,12 +54,11 @@ def make_engine(model=None, model_config=None, *, num_device_blocks: int = NUM_D
                 num_host_blocks: int = NUM_HOST_BLOCKS, tokenizer=None, **overrides) -> Engine:
   model = model if model is not None else tiny_model()
   model_config = model_config if model_config is not None else model.config
+  geometry = (overrides.get("block_size", BLOCK_SIZE), overrides.get("dtype", "float32"))
   fields = dict(block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                 max_num_batched_tokens=64,
-                device_kv_gib=gib_for_blocks(model_config, num_device_blocks,
-                                             overrides.get("block_size", BLOCK_SIZE)),
-                host_pool_gib=gib_for_blocks(model_config, num_host_blocks,
-                                             overrides.get("block_size", BLOCK_SIZE)))
+                device_kv_gib=gib_for_blocks(model_config, num_device_blocks, *geometry),
+                host_pool_gib=gib_for_blocks(model_config, num_host_blocks, *geometry))
   engine = Engine(EngineConfig(**{**fields, **overrides}), model=model,
                   model_config=model_config, tokenizer=tokenizer)
   assert engine.device_pool.num_blocks == num_device_blocks

@@ -9,6 +9,7 @@ max_model_len 64, 4 sequences and 64 tokens per step, 12 usable device blocks (9
 import dataclasses
 
 import chex
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_fixtures import (
@@ -25,6 +26,7 @@ from engine_fixtures import (
 
 from hisparse_jax.engine import EngineConfig
 from hisparse_jax.sampling import SamplingParams
+from models.llama import LlamaForCausalLM
 
 PROMPTS = random_prompts((5, 17, 40, 33, 9, 3), seed=0)
 NUM_TOKENS = 20
@@ -382,3 +384,13 @@ def test_a_host_prefix_hit_is_swapped_in_and_gives_the_same_tokens(reference):
   assert out.blocks_selected["host"] > 0
   assert out.token_ids == reference[2]
   assert_all_blocks_free(engine)
+
+
+def test_bfloat16_cache_stored_as_uint16_matches_a_bfloat16_reference():
+  model = LlamaForCausalLM(tiny_model().config, dtype=jnp.bfloat16, seed=0)
+  engine = make_engine(model, dtype="bfloat16")
+  assert engine.device_pool.storage_dtype == np.uint16  # CPU: bit-for-bit bf16 (KVPool)
+  prompts = random_prompts((5, 30, 17), seed=0)
+  add_all(engine, prompts, SamplingParams(max_tokens=10))
+  outputs = run(engine)
+  assert _tokens(outputs) == reference_greedy(model, prompts, 10)
