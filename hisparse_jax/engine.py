@@ -120,7 +120,7 @@ class Engine:
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               kernel_backend=config.kernel_backend)
-    self.requests: dict[str, Request] = {}
+    self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
     self._finished_outputs: list[RequestOutput] = []
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
@@ -271,6 +271,7 @@ class Engine:
 
   def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
     self.scheduler.remove(request)
+    del self.requests[request.request_id]  # its id may be used again from now on
     request.status = RequestStatus.FINISHED
     request.finish_reason = reason
     request.error = error
@@ -304,8 +305,15 @@ class Engine:
     return self.metrics_registry.to_dict()
 
   def check_invariants(self) -> None:
-    """Block-manager invariants plus: no finished request holds blocks."""
+    """Block-manager invariants plus: the engine holds exactly the unfinished requests,
+    each in one scheduler queue, and only they hold blocks."""
     self.block_manager.check_invariants()
-    for request in self.requests.values():
-      if request.is_finished:
-        assert request.request_id not in self.block_manager, request.request_id
+    sched = self.scheduler
+    queued = [r.request_id for r in [*sched.waiting, *sched.running, *sched.swapped]]
+    assert sorted(queued) == sorted(self.requests), (queued, sorted(self.requests))
+    assert all(not r.is_finished for r in self.requests.values())
+    assert set(self.block_manager.seq_ids) <= set(self.requests), self.block_manager.seq_ids
+    for request in sched.running:
+      assert request.status == RequestStatus.RUNNING and request.request_id in self.block_manager
+    for request in sched.swapped:
+      assert request.status == RequestStatus.SWAPPED and request.request_id in self.block_manager

@@ -190,6 +190,12 @@ def test_abort_frees_blocks_and_the_others_go_on(reference):
       assert outputs[f"r{i}"].finish_reason == "length"
   assert engine.metrics()['hisparse_requests_total{finish_reason="abort"}'] == 2
   assert_all_blocks_free(engine)
+  # Finished requests are forgotten (a long-running server keeps no history); an id can
+  # be used again.
+  assert engine.requests == {}
+  i = int(running[1:])
+  engine.add_request(running, prompt_token_ids=PROMPTS[i], sampling_params=GREEDY)
+  assert run(engine)[running].token_ids == reference[i]
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions():
