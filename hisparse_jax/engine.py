@@ -133,6 +133,9 @@ class Engine:
                   prompt_token_ids: Sequence[int] | None = None) -> str:
     """Queues a request; returns its id. Bad input raises ValueError naming the field."""
     sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+    if not isinstance(sampling_params, SamplingParams):
+      raise ValueError(f"sampling_params must be a SamplingParams, got "
+                       f"{type(sampling_params).__name__}")
     if request_id is None:
       request_id = f"req-{next(self._ids)}"
     request_id = str(request_id)

@@ -262,6 +262,7 @@ def test_max_model_len_ends_a_request_with_length():
     (dict(prompt_token_ids=[1] * MAX_MODEL_LEN), "max_model_len"),
     (dict(prompt="hello"), "tokenizer"),
     (dict(), "prompt"),
+    (dict(prompt_token_ids=[1], sampling_params={"max_tokens": 3}), "sampling_params"),
 ])
 def test_bad_requests_raise_value_error_naming_the_field(kwargs, field):
   engine = make_engine()
