@@ -128,41 +128,75 @@ def retrieval_sequence(rng: np.random.Generator, seq_len: int) -> tuple[np.ndarr
   return tokens, mask
 
 
-def copy_sequence(rng: np.random.Generator, seq_len: int, num_content: int | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def copy_sequence(rng: np.random.Generator, seq_len: int, num_content: int | None = None,
+                  episode_len: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [seq_len + 1], loss_mask [seq_len]): `<bos>` then copy episodes
   `t1 .. tn | t1 .. tn \n` of random lengths n (so no fixed offset solves the task and the
   model must learn content-based induction), every copied token supervised.
 
-  num_content: draw content from the first num_content words and keys only (a small vocabulary
-  shortens the plateau before induction heads form); None = all of them.
+  num_content: draw content from the first num_content words and keys only; None = all.
+  episode_len: (lo, hi) bounds of n. A narrow range first lets a positional head narrow the
+  candidates to a few, so matching by content gets a strong gradient; widening the range
+  then leaves content matching alone. None = [seq_len // 16, seq_len // 2).
   """
   pool = CONTENT_IDS if num_content is None else np.concatenate(
       [WORD_IDS[: num_content // 2], KEY_IDS[: num_content - num_content // 2]])
+  # Tokens are unique within a row (across episodes too): a repeated token would give the
+  # induction head several equally good matches and blur the signal it learns from.
+  fresh = rng.permutation(pool).astype(np.int32).tolist()
   tokens, supervised = [BOS_ID], []
-  while len(tokens) < seq_len + 1:
-    n = int(rng.integers(max(4, seq_len // 16), min(max(5, seq_len // 2), len(pool) + 1)))
-    content = rng.choice(pool, size=n, replace=False).astype(np.int32).tolist()
+  while len(tokens) < seq_len + 1 and len(fresh) >= 4:
+    if episode_len is None:
+      n = int(rng.integers(max(4, seq_len // 16), max(5, seq_len // 2)))
+    else:
+      n = int(rng.integers(episode_len[0], episode_len[1] + 1))
+    n = min(n, len(fresh))
+    content, fresh = fresh[:n], fresh[n:]
     tokens += content + [COPY_SEP_ID]
     # Inputs c1..c(n-1) of the copy predict c2..cn: pure induction. The first copied token
     # (predicted at "|") would need the episode start, a positional cue, so it is left out.
     supervised += range(len(tokens), len(tokens) + n - 1)
     tokens += content + [NEWLINE_ID]
   tokens = np.asarray(tokens[: seq_len + 1], np.int32)
+  tokens = np.pad(tokens, (0, seq_len + 1 - len(tokens)), constant_values=PAD_ID)
   mask = np.zeros(seq_len, bool)
   supervised = np.asarray(supervised, np.int64)
   mask[supervised[supervised < seq_len]] = True
   return tokens, mask
 
 
+def doubled_sequence(rng: np.random.Generator, seq_len: int, num_content: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens [seq_len + 1], loss_mask [seq_len]): `<bos> x1 y1 x1 x2 y2 x2 ...`; at each y the
+  model predicts the token before it. Solved only by a previous-token head with an identity
+  OV circuit: the half of an induction circuit that has to exist before copying by content
+  can be learned."""
+  pool = CONTENT_IDS if num_content is None else np.concatenate(
+      [WORD_IDS[: num_content // 2], KEY_IDS[: num_content - num_content // 2]])
+  num_triples = seq_len // 3 + 1
+  xy = rng.choice(pool, size=(num_triples, 2)).astype(np.int32)
+  triples = np.stack([xy[:, 0], xy[:, 1], xy[:, 0]], axis=1).reshape(-1)
+  tokens = np.concatenate([[BOS_ID], triples])[: seq_len + 1].astype(np.int32)
+  mask = np.zeros(seq_len, bool)
+  mask[2::3] = True  # input y at 3i + 2 predicts x at 3i + 3
+  return tokens, mask
+
+
 def make_batch(rng: np.random.Generator, batch_size: int, seq_len: int,
-               copy_fraction: float, num_content: int | None = None) -> dict[str, np.ndarray]:
-  """A training batch: inputs/targets int32 [batch, seq_len], loss_mask, is_copy [batch]."""
+               copy_fraction: float, num_content: int | None = None,
+               doubled_fraction: float = 0.0, episode_len: tuple[int, int] | None = None
+               ) -> dict[str, np.ndarray]:
+  """A training batch: inputs/targets int32 [batch, seq_len], loss_mask, is_copy [batch].
+
+  Rows are retrieval, copy or (a `doubled_fraction` of the copy rows) doubled sequences.
+  """
   rows, masks, is_copy = [], [], []
   for _ in range(batch_size):
     copy = bool(rng.random() < copy_fraction)
-    if copy:
-      tokens, mask = copy_sequence(rng, seq_len, num_content)
+    if copy and rng.random() < doubled_fraction:
+      tokens, mask = doubled_sequence(rng, seq_len, num_content)
+    elif copy:
+      tokens, mask = copy_sequence(rng, seq_len, num_content, episode_len)
     else:
       tokens, mask = retrieval_sequence(rng, seq_len)
     rows.append(tokens)

@@ -28,7 +28,7 @@ from flax import nnx
 from models import data
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
-from models.loader import param_count, save_pretrained
+from models.loader import load_pretrained, param_count, save_pretrained
 from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
 
 _OUT = flags.DEFINE_string("out", "models/hisparse_tiny", "Output checkpoint directory.")
@@ -37,6 +37,9 @@ _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 1800.0,
                                     "Wall-clock budget; the last phase stops early to fit.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "A few steps per phase, to test the script.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between log lines.")
+_INIT_FROM = flags.DEFINE_string("init_from", None,
+                                 "Resume: start from this checkpoint's weights (fresh AdamW).")
+_START_PHASE = flags.DEFINE_integer("start_phase", 0, "Resume: index of the first phase run.")
 
 
 def tiny_config() -> ModelConfig:
@@ -64,6 +67,8 @@ class Phase:
   max_seconds: float
   final_lr_fraction: float = 0.3
   num_content: int | None = None  # copy vocabulary (None = all words and keys)
+  doubled_fraction: float = 0.0  # share of copy rows that are `a a b b ...` sequences
+  episode_len: tuple[int, int] | None = None  # copy episode length range (None = wide)
 
   def lr(self, step: int) -> float:
     if step < self.warmup_steps:
@@ -73,13 +78,15 @@ class Phase:
     return self.peak_lr * (self.final_lr_fraction + (1 - self.final_lr_fraction) * cos)
 
 
-# Sized for a shared 2-core CPU (measured ~0.8 s/step at 256x8, ~5 s/step at 1024x4).
+# Sized for a shared 2-core CPU (measured ~0.45-0.8 s/step at 128x16 and 256x8, ~5 s/step
+# at 1024x4). Doubled rows (`x y x`) form previous-token heads, which content-based copying
+# (induction) and then retrieval build on.
 PHASES = (
-    Phase("copy-128-small-vocab", 128, 16, 500, 1.0, 3e-3, 30, max_seconds=300,
-          num_content=64),
-    Phase("copy-256", 256, 8, 300, 1.0, 2e-3, 20, max_seconds=240),
-    Phase("mix-256", 256, 8, 300, 0.3, 1.5e-3, 20, max_seconds=300),
-    Phase("mix-512", 512, 8, 250, 0.25, 1e-3, 20, max_seconds=420),
+    Phase("copy-128-small-vocab", 128, 16, 900, 1.0, 3e-3, 30, max_seconds=360,
+          num_content=128, doubled_fraction=0.3),
+    Phase("copy-256", 256, 8, 300, 1.0, 2e-3, 20, max_seconds=180, doubled_fraction=0.1),
+    Phase("mix-256", 256, 8, 300, 0.3, 1.5e-3, 20, max_seconds=240, doubled_fraction=0.1),
+    Phase("mix-512", 512, 8, 250, 0.25, 1e-3, 20, max_seconds=300),
     Phase("mix-1024", 1024, 4, 600, 0.2, 6e-4, 20, max_seconds=1e9, final_lr_fraction=0.1),
 )
 
@@ -138,20 +145,26 @@ def write_checkpoint(model: LlamaForCausalLM, out_dir: str, train_info: dict) ->
     f.write("\n")
 
 
-def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool) -> None:
+def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool,
+          init_from: str | None = None, start_phase: int = 0) -> None:
   t_start = time.time()
-  phases = PHASES
+  phases = PHASES[start_phase:]
   if smoke:
     phases = tuple(dataclasses.replace(p, num_steps=3, warmup_steps=1,
                                        seq_len=min(p.seq_len, 128)) for p in phases)
   config = tiny_config()
   model = LlamaForCausalLM(config, seed=seed)
+  if init_from is not None:
+    model, loaded_config, _ = load_pretrained(init_from)
+    if loaded_config != config:
+      raise ValueError(f"{init_from} holds a different architecture: {loaded_config}")
+    logging.info("resuming from %s at phase %s", init_from, phases[0].name)
   logging.info("hisparse-tiny: %d parameters", param_count(model))
   graphdef, params = nnx.split(model, nnx.Param)
   optimizer = make_optimizer()
   opt_state = optimizer.init(params)
   train_step = make_train_step(graphdef, optimizer)
-  rng = np.random.default_rng(seed)
+  rng = np.random.default_rng(seed + start_phase)
   history = []
   for phase in phases:
     sums: dict[str, float] = {}
@@ -164,7 +177,7 @@ def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool) -> None:
         logging.info("time limit reached at step %d of %s", step, phase.name)
         break
       batch = data.make_batch(rng, phase.batch_size, phase.seq_len, phase.copy_fraction,
-                              phase.num_content)
+                              phase.num_content, phase.doubled_fraction, phase.episode_len)
       params, opt_state, metrics = train_step(params, opt_state, batch,
                                               jnp.float32(phase.lr(step)))
       for k, v in metrics.items():
@@ -194,7 +207,8 @@ def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool) -> None:
 
 def main(argv):
   del argv
-  train(_OUT.value, _SEED.value, _TIME_BUDGET_S.value, _SMOKE.value)
+  train(_OUT.value, _SEED.value, _TIME_BUDGET_S.value, _SMOKE.value, _INIT_FROM.value,
+        _START_PHASE.value)
 
 
 if __name__ == "__main__":

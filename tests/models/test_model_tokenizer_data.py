@@ -71,7 +71,11 @@ def test_training_sequences_supervise_the_right_tokens():
     assert t > query_start and context[int(tokens[t])] == int(tokens[t + 1])
   tokens, mask = data.copy_sequence(rng, 256, num_content=64)
   assert set(tokens[1:].tolist()) <= set(data.CONTENT_IDS[:32].tolist()) | set(
-      data.KEY_IDS[:32].tolist()) | {data.COPY_SEP_ID, data.NEWLINE_ID}
+      data.KEY_IDS[:32].tolist()) | {data.COPY_SEP_ID, data.NEWLINE_ID, data.PAD_ID}
   for t in np.nonzero(mask)[0]:  # each supervised target follows an earlier copy of its input
     earlier = np.nonzero(tokens[:t] == tokens[t])[0]
     assert earlier.size and tokens[earlier[-1] + 1] == tokens[t + 1]
+  tokens, mask = data.doubled_sequence(rng, 64)
+  sup = np.nonzero(mask)[0]
+  np.testing.assert_array_equal(tokens[sup - 1], tokens[sup + 1])  # the token before y
+  assert mask.sum() == 21
