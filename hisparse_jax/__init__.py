@@ -5,6 +5,7 @@ fast; everything but `__version__` imports jax):
 
   LLM                    batch generation: LLM(...).generate(prompts, SamplingParams(...))
   Engine, EngineConfig   the lower-level engine: add_request / step / abort_request
+  HiSparseConfig         top-k sparse decoding settings: LLM(hisparse=HiSparseConfig(...))
   SamplingParams         temperature, top_p, top_k, max_tokens, seed, stop_token_ids
   RequestOutput          text, token_ids, finish_reason and per-request figures
   CapacityReport, plan_capacity, KVCacheSpec, KVPool   the KV memory tiers
@@ -20,6 +21,7 @@ _EXPORTS = {
     "LLM": "hisparse_jax.llm",
     "Engine": "hisparse_jax.engine",
     "EngineConfig": "hisparse_jax.engine",
+    "HiSparseConfig": "hisparse_jax.hisparse_config",
     "SamplingParams": "hisparse_jax.sampling",
     "RequestOutput": "hisparse_jax.request",
     "CapacityReport": "hisparse_jax.capacity",

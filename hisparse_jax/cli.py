@@ -72,6 +72,20 @@ flags.DEFINE_integer("prometheus_port", None,
 flags.DEFINE_integer("log_every_steps", 100,
                      "Log a status line (requests, KV usage, hit rates, transfer GB/s, "
                      "tokens/s) every this many engine steps; 0 disables it.")
+# HiSparse (top-k sparse decoding) flags: generate, demo.
+flags.DEFINE_bool("hisparse", False,
+                  "Top-k sparse decoding: decode steps of sequences longer than "
+                  "--sparse_threshold_tokens attend only to the KV blocks the indexer selects.")
+flags.DEFINE_integer("top_k_tokens", 2048, "HiSparse: tokens (in whole blocks) each sparse "
+                     "decode step attends to, sink and local blocks included.")
+flags.DEFINE_integer("hot_buffer_tokens", None, "HiSparse: device hot-buffer tokens per sparse "
+                     "sequence (>= --top_k_tokens). Default: 2 x --top_k_tokens.")
+flags.DEFINE_integer("sink_tokens", 64, "HiSparse: first tokens always attended (part of the "
+                     "top-k budget).")
+flags.DEFINE_integer("local_tokens", 256, "HiSparse: newest tokens always attended (part of the "
+                     "top-k budget; at least the newest block).")
+flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
+                     "tokens decode densely. Default: --hot_buffer_tokens.")
 flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
 flags.DEFINE_integer("demo_context_len", 1026,
                      "demo: tokens each retrieval prompt fills (at most; whole lines). 1026 is "

@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from absl import logging
@@ -23,10 +22,11 @@ from absl import logging
 from hisparse_jax import engine_metrics
 from hisparse_jax.block_manager import BlockManager
 from hisparse_jax.capacity import CapacityReport, plan_capacity
+from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVCacheSpec
 from hisparse_jax.metrics import MetricsRegistry
 from hisparse_jax.request import Request, RequestOutput, RequestStatus
-from hisparse_jax.runner import ModelRunner
+from hisparse_jax.runner import ModelRunner, bounds_bytes_per_block
 from hisparse_jax.sampling import SamplingParams
 from hisparse_jax.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.transfer import TransferEngine
@@ -48,7 +48,7 @@ class EngineConfig:
   enable_prefix_caching: bool = True
   kernel_backend: str | None = None  # "auto" (None), "pallas" or "xla"
   seed: int = 0
-  hisparse: Any = None  # HiSparseConfig (the HiSparse issue)
+  hisparse: HiSparseConfig | None = None  # None: dense attention only
 
   def __post_init__(self):
     if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -67,7 +67,18 @@ class EngineConfig:
       raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                        f"max_model_len={self.max_model_len} without chunked prefill")
     if self.hisparse is not None:
-      raise ValueError("hisparse: the sparse path is not available yet in this build")
+      if not isinstance(self.hisparse, HiSparseConfig):
+        raise ValueError(f"hisparse must be a HiSparseConfig or None, got "
+                         f"{type(self.hisparse).__name__}")
+      try:
+        self.hisparse.blocks(self.block_size)  # top-k, sink, local in whole blocks
+      except ValueError as e:
+        raise ValueError(f"hisparse: {e}") from None
+      if self.hisparse.selection != "shared":
+        raise ValueError(
+            f"hisparse: selection={self.hisparse.selection!r} is not available in the engine "
+            "yet (it needs attention per KV head over per-head tables); use "
+            "selection='shared'")
 
 
 class Engine:
@@ -97,13 +108,26 @@ class Engine:
     if max_positions is not None and config.max_model_len > max_positions:
       raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                        f"max_position_embeddings={max_positions}")
+    if config.hisparse is not None and getattr(model_config, "sliding_window", None):
+      raise ValueError("hisparse: models with sliding-window attention are not supported by "
+                       "the sparse path; run without hisparse")
     spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size)
-    plan = plan_capacity(spec, max_model_len=config.max_model_len,
-                         host_pool_gib=config.host_pool_gib,
-                         device_kv_gib=config.device_kv_gib)
+    plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
+                     device_kv_gib=config.device_kv_gib)
+    plan = plan_capacity(spec, **plan_args)
+    if config.hisparse is not None:
+      # The key bounds of every device block come out of the device budget: reserve them
+      # for the blocks of the bound-free plan (an upper bound of the blocks planned now).
+      plan = plan_capacity(spec, **plan_args, device_reserved_bytes=(
+          plan.num_device_blocks * bounds_bytes_per_block(spec)))
     self.device_pool, self.host_pool = plan.allocate()
+    self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
+                              max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              kernel_backend=config.kernel_backend, hisparse=config.hisparse)
+    # Reserved bytes as allocated (the bounds arrays), not as planned.
     self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
-                                              plan.device_reserved_bytes)
+                                              self.runner.reserved_bytes)
     self.capacity.log(config.max_model_len)
     self.metrics_registry = MetricsRegistry()
     self.capacity.export(self.metrics_registry)
@@ -116,10 +140,6 @@ class Engine:
     self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                enable_chunked_prefill=config.enable_chunked_prefill)
-    self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
-                              max_num_seqs=config.max_num_seqs,
-                              max_num_batched_tokens=config.max_num_batched_tokens,
-                              kernel_backend=config.kernel_backend)
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
     self._finished_outputs: list[RequestOutput] = []
     self._seed_rng = np.random.default_rng(config.seed)
@@ -204,8 +224,8 @@ class Engine:
       self.block_manager.finish_step()
       if tokens is not None:
         self.stats.on_step(out, time.perf_counter() - start, self.block_manager)
-        for chunk, token in zip(out.chunks, tokens):
-          self._postprocess(chunk, int(token))
+        for chunk, token, num_blocks in zip(out.chunks, tokens, batch.blocks_attended):
+          self._postprocess(chunk, int(token), int(num_blocks))
           outputs[chunk.request.request_id] = chunk.request
     self.num_steps += 1
     result = [self._output(r) for r in outputs.values() if not r.is_finished]
@@ -242,13 +262,14 @@ class Engine:
                              np.concatenate([p.host_ids for p in out.swap_out]))
     self.runner.copy_blocks(out.copies)
     if out.swap_in:
-      self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]),
-                            np.concatenate([p.device_ids for p in out.swap_in]))
+      device_ids = np.concatenate([p.device_ids for p in out.swap_in])
+      self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]), device_ids)
+      self.runner.refresh_bounds(device_ids)  # the key bounds follow the pages
 
-  def _postprocess(self, chunk, token: int) -> None:
+  def _postprocess(self, chunk, token: int, num_blocks: int) -> None:
+    """`num_blocks`: blocks the chunk's attention read (all of them, or the selected)."""
     request = chunk.request
     request.num_computed_tokens = chunk.start + chunk.num_tokens
-    num_blocks = -(-request.num_computed_tokens // self.config.block_size)
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
     request.blocks_selected["host"] += from_host

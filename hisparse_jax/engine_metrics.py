@@ -5,7 +5,9 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
 
   hisparse_kv_capacity_tokens{memory_kind}      gauge   (set at load, CapacityReport)
   hisparse_kv_usage_ratio{memory_kind}          gauge   owned blocks / usable blocks
-  hisparse_blocks_selected_total{source}        counter blocks attention read: device,
+  hisparse_blocks_selected_total{source}        counter blocks attention read (all of a
+                                                        dense row's blocks, the selected
+                                                        ones of a HiSparse row): device,
                                                         hot (HiSparse), host (came back
                                                         from the host pool)
   hisparse_transfer_*{direction}                        (TransferEngine: calls, blocks,

@@ -136,7 +136,28 @@ def engine_kwargs_from_flags() -> dict[str, Any]:
   return dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
               device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
               max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
-              max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed)
+              max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
+              hisparse=hisparse_from_flags())
+
+
+HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
+                  "sparse_threshold_tokens")
+
+
+def hisparse_from_flags():
+  """The HiSparseConfig of --hisparse and its flags (None without --hisparse); errors name
+  the flag."""
+  from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: PLC0415
+
+  if not FLAGS.hisparse:
+    given = [name for name in HISPARSE_FLAGS if FLAGS[name].present]
+    if given:
+      raise ValueError(f"--{given[0]} is a HiSparse setting; add --hisparse to use it")
+    return None
+  try:
+    return HiSparseConfig(**{name: FLAGS[name].value for name in HISPARSE_FLAGS})
+  except ValueError as e:
+    raise ValueError(str(e).replace("HiSparseConfig.", "--")) from None
 
 
 def sampling_from_flags():

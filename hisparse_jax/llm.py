@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from hisparse_jax.capacity import CapacityReport
 from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.request import RequestOutput
 from hisparse_jax.sampling import SamplingParams
 from hisparse_jax.status import StatusLogger
@@ -65,12 +66,13 @@ class LLM:
                host_pool_gib: float = _DEFAULTS["host_pool_gib"],
                max_model_len: int = _DEFAULTS["max_model_len"],
                max_num_seqs: int = _DEFAULTS["max_num_seqs"],
-               hisparse: Any = None, log_every_steps: int = 0, **engine_kwargs: Any):
+               hisparse: HiSparseConfig | None = None, log_every_steps: int = 0,
+               **engine_kwargs: Any):
     """Loads the model, allocates both KV pools and logs their capacity.
 
     Args:
       model: an HF-layout checkpoint directory; None is the embedded hisparse-tiny.
-      hisparse: a HiSparse config (the sparse path; refused by this build).
+      hisparse: a `HiSparseConfig`: top-k sparse decoding of long sequences (None: dense).
       log_every_steps: log a status line every this many engine steps (0: never).
       **engine_kwargs: any other `EngineConfig` field (max_num_batched_tokens, seed,
         enable_chunked_prefill, enable_prefix_caching, kernel_backend).

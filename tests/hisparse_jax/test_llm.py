@@ -178,7 +178,7 @@ def test_bad_input_names_the_prompt_and_leaves_nothing_queued(llm):
 
 
 def test_constructor_refuses_bad_arguments_before_loading():
-  with pytest.raises(ValueError, match="hisparse: the sparse path is not available"):
+  with pytest.raises(ValueError, match="hisparse must be a HiSparseConfig or None, got object"):
     LLM("/nonexistent", hisparse=object())
   with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'"):
     LLM("/nonexistent", max_num_seq=3)
