@@ -97,12 +97,24 @@ def format_table(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
-_MODEL = flags.DEFINE_string("model", "hisparse-tiny", "Preset name or checkpoint directory.")
-_LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Context lengths (tokens).")
-_NUM_QUERIES = flags.DEFINE_integer("num_queries", 100, "Prompts per context length.")
-_SEED = flags.DEFINE_integer("seed", EVAL_SEED, "Prompt seed.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Optional JSON output file.")
+_MODEL: flags.FlagHolder
+_LENGTHS: flags.FlagHolder
+_NUM_QUERIES: flags.FlagHolder
+_SEED: flags.FlagHolder
+_DTYPE: flags.FlagHolder
+_JSON_OUT: flags.FlagHolder
+
+
+def define_flags() -> None:
+  """Defines this script's absl flags (only when run as a script: importing the module
+  must not clash with the flags of other entry points, e.g. hisparse_jax.cli)."""
+  global _MODEL, _LENGTHS, _NUM_QUERIES, _SEED, _DTYPE, _JSON_OUT
+  _MODEL = flags.DEFINE_string("model", "hisparse-tiny", "Preset name or checkpoint directory.")
+  _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Context lengths (tokens).")
+  _NUM_QUERIES = flags.DEFINE_integer("num_queries", 100, "Prompts per context length.")
+  _SEED = flags.DEFINE_integer("seed", EVAL_SEED, "Prompt seed.")
+  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
+  _JSON_OUT = flags.DEFINE_string("json_out", None, "Optional JSON output file.")
 
 
 def main(argv):
@@ -121,4 +133,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

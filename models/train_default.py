@@ -31,15 +31,29 @@ from models.llama import LlamaForCausalLM
 from models.loader import load_pretrained, param_count, save_pretrained
 from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
 
-_OUT = flags.DEFINE_string("out", "models/hisparse_tiny", "Output checkpoint directory.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of initialisation and of the corpus.")
-_TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 1800.0,
-                                    "Wall-clock budget; the last phase stops early to fit.")
-_SMOKE = flags.DEFINE_bool("smoke", False, "A few steps per phase, to test the script.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between log lines.")
-_INIT_FROM = flags.DEFINE_string("init_from", None,
-                                 "Resume: start from this checkpoint's weights (fresh AdamW).")
-_START_PHASE = flags.DEFINE_integer("start_phase", 0, "Resume: index of the first phase run.")
+_OUT: flags.FlagHolder
+_SEED: flags.FlagHolder
+_TIME_BUDGET_S: flags.FlagHolder
+_SMOKE: flags.FlagHolder
+_LOG_EVERY: flags.FlagHolder
+_INIT_FROM: flags.FlagHolder
+_START_PHASE: flags.FlagHolder
+
+
+def define_flags() -> None:
+  """Defines this script's absl flags (only when run as a script: importing the module
+  must not clash with the flags of other entry points, e.g. hisparse_jax.cli)."""
+  global _OUT, _SEED, _TIME_BUDGET_S, _SMOKE, _LOG_EVERY, _INIT_FROM, _START_PHASE
+  _OUT = flags.DEFINE_string("out", "models/hisparse_tiny", "Output checkpoint directory.")
+  _SEED = flags.DEFINE_integer("seed", 0, "Seed of initialisation and of the corpus.")
+  _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 1800.0,
+                                      "Wall-clock budget; the last phase stops early to fit.")
+  _SMOKE = flags.DEFINE_bool("smoke", False, "A few steps per phase, to test the script.")
+  _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between log lines.")
+  _INIT_FROM = flags.DEFINE_string("init_from", None,
+                                   "Resume: start from this checkpoint's weights (fresh AdamW).")
+  _START_PHASE = flags.DEFINE_integer("start_phase", 0, "Resume: index of the first phase run.")
+
 
 
 def tiny_config() -> ModelConfig:
@@ -212,4 +226,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
