@@ -10,10 +10,7 @@ import sys
 import pytest
 
 from models import data
-from models.config import ModelConfig
-from models.llama import LlamaForCausalLM
-from models.loader import save_pretrained
-from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
+from models.testing import save_random_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 layers x 1 KV head x 16 dims x 4 bytes x (K, V) = 256 bytes per token.
@@ -24,18 +21,7 @@ SMALL_POOLS = ("--device_kv_gib=0.0005", "--host_pool_gib=0.001", "--max_model_l
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """A random 2-layer Llama over the default model's vocabulary, in HF layout."""
-  out_dir = tmp_path_factory.mktemp("tiny_cli")
-  config = ModelConfig(model_type="llama", vocab_size=len(data.VOCAB), hidden_size=32,
-                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                       bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID,
-                       pad_token_id=data.PAD_ID)
-  save_pretrained(LlamaForCausalLM(config, seed=5), out_dir)
-  tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
-                                   unk=data.UNK)
-  save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD, unk=data.UNK,
-                       model_max_length=512)
-  return str(out_dir)
+  return save_random_checkpoint(tmp_path_factory.mktemp("tiny_cli"), seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,8 @@ from hisparse_jax.llm import LLM, PromptError
 from hisparse_jax.sampling import SamplingParams
 from hisparse_jax.status import StatusLogger, status_line
 from models import data
-from models.config import ModelConfig
-from models.llama import LlamaForCausalLM
-from models.loader import load_pretrained, save_pretrained
-from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
+from models.loader import load_pretrained
+from models.testing import save_random_checkpoint
 
 BLOCK_SIZE = 16
 
@@ -23,17 +21,7 @@ BLOCK_SIZE = 16
 def save_tiny_checkpoint(out_dir) -> str:
   """A random 2-layer Llama over the default model's vocabulary, in HF layout: 2 layers x 1
   KV head x 16 dims, so 256 KV bytes per float32 token."""
-  config = ModelConfig(model_type="llama", vocab_size=len(data.VOCAB), hidden_size=32,
-                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                       bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID,
-                       pad_token_id=data.PAD_ID)
-  save_pretrained(LlamaForCausalLM(config, seed=3), out_dir)
-  tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
-                                   unk=data.UNK)
-  save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD, unk=data.UNK,
-                       model_max_length=512)
-  return str(out_dir)
+  return save_random_checkpoint(out_dir, seed=3)
 
 
 @pytest.fixture(scope="module")
