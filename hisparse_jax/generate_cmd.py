@@ -15,7 +15,8 @@ is.) `--prompts_file` is JSONL, one object a line (blank lines skipped)::
   {"prompt_token_ids": [1, 520, 13, 4, 5, 520]}
 
 Prints (stdout) one line per prompt in input order: the output text, or, when an
-expected answer is given, RIGHT/WRONG for the first line of the output against it; then
+expected answer is given, RIGHT when the first line of the output starts with it (whole words),
+else WRONG; then
 "N/M right" and a metrics summary. The capacity lines, the status line and the progress
 bar go to stderr. Bad input (a bad JSONL line, a file that is not UTF-8, a bad flag
 value) exits 2 with one line naming the flag, or the file and line. `hisparse-jax demo`
@@ -131,6 +132,13 @@ def answer_of(text: str) -> str:
   return text.split("\n", 1)[0].strip()
 
 
+def matches_expected(text: str, expected: str) -> bool:
+  """Whether the output's first line starts with the expected answer, as whole words (a
+  model may go on after the answer; stopping it is the caller's choice of stop tokens)."""
+  want = expected.split()
+  return bool(want) and answer_of(text).split()[:len(want)] == want
+
+
 def engine_kwargs_from_flags() -> dict[str, Any]:
   """The `LLM` arguments the shared and engine flags give."""
   return dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
@@ -221,7 +229,7 @@ def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None
   if spec.expected is None:
     return f"[{index}] {json.dumps(output.text, ensure_ascii=False)} ({figures})", None
   answer = answer_of(output.text)
-  right = answer == spec.expected.strip()
+  right = matches_expected(output.text, spec.expected)
   shown = answer if len(answer) <= MAX_ANSWER_CHARS else answer[:MAX_ANSWER_CHARS] + "..."
   return (f"[{index}] {'RIGHT' if right else 'WRONG'} {shown!r} (expected "
           f"{spec.expected.strip()!r}; {figures})", right)

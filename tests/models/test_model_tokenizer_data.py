@@ -79,3 +79,19 @@ def test_training_sequences_supervise_the_right_tokens():
   sup = np.nonzero(mask)[0]
   np.testing.assert_array_equal(tokens[sup - 1], tokens[sup + 1])  # the token before y
   assert mask.sum() == 21
+
+
+def test_offset_copy_supervises_only_content_matched_tokens():
+  rng = np.random.default_rng(0)
+  starts = set()
+  for _ in range(20):
+    tokens, mask = data.offset_copy_sequence(rng, 128)
+    assert tokens.shape == (129,) and mask.shape == (128,)
+    sep = int(np.flatnonzero(tokens == data.COPY_SEP_ID)[0])
+    supervised = np.flatnonzero(mask)
+    n = len(supervised) + 1  # the first copied token is not supervised
+    assert supervised[0] == sep + 1 and supervised[-1] == sep + n - 1
+    # each supervised target is the token after the same content in the first copy
+    np.testing.assert_array_equal(tokens[supervised + 1], tokens[sep - n + 1:sep])
+    starts.add(sep - n)
+  assert len(starts) > 10  # the copy starts at many offsets: position alone cannot solve it
