@@ -79,10 +79,8 @@ class _Metric:
     return self._prom.labels(*values) if self.labelnames else self._prom
 
 
-class Counter(_Metric):
-  """Monotonic counter. Invariant: every series only grows; `inc` refuses amounts < 0."""
-
-  kind = "counter"
+class _ScalarMetric(_Metric):
+  """A metric with one float per label-value tuple (counters and gauges)."""
 
   def __init__(self, *args):
     super().__init__(*args)
@@ -90,13 +88,7 @@ class Counter(_Metric):
     if not self.labelnames:
       self._series[()] = 0.0
 
-  def _make_prom(self, prom_registry):
-    return prometheus_client.Counter(self.name, self.help, self.labelnames,
-                                     registry=prom_registry)
-
-  def inc(self, amount: float = 1.0, **labels: str) -> None:
-    if amount < 0:
-      raise ValueError(f"counter {self.name}: cannot add a negative amount ({amount})")
+  def _add(self, amount: float, labels: dict[str, str]) -> None:
     values = self._values(labels)
     with self._lock:
       self._series[values] = self._series.get(values, 0.0) + float(amount)
@@ -110,16 +102,25 @@ class Counter(_Metric):
       return list(self._series.items())
 
 
-class Gauge(_Metric):
+class Counter(_ScalarMetric):
+  """Monotonic counter. Invariant: every series only grows; `inc` refuses amounts < 0."""
+
+  kind = "counter"
+
+  def _make_prom(self, prom_registry):
+    return prometheus_client.Counter(self.name, self.help, self.labelnames,
+                                     registry=prom_registry)
+
+  def inc(self, amount: float = 1.0, **labels: str) -> None:
+    if amount < 0:
+      raise ValueError(f"counter {self.name}: cannot add a negative amount ({amount})")
+    self._add(amount, labels)
+
+
+class Gauge(_ScalarMetric):
   """A value that goes up and down (usage ratios, capacities)."""
 
   kind = "gauge"
-
-  def __init__(self, *args):
-    super().__init__(*args)
-    self._series: dict[LabelValues, float] = {}
-    if not self.labelnames:
-      self._series[()] = 0.0
 
   def _make_prom(self, prom_registry):
     return prometheus_client.Gauge(self.name, self.help, self.labelnames,
@@ -132,17 +133,7 @@ class Gauge(_Metric):
     self._prom_child(values).set(value)
 
   def inc(self, amount: float = 1.0, **labels: str) -> None:
-    values = self._values(labels)
-    with self._lock:
-      self._series[values] = self._series.get(values, 0.0) + float(amount)
-    self._prom_child(values).inc(amount)
-
-  def value(self, **labels: str) -> float:
-    return self._series.get(self._values(labels), 0.0)
-
-  def items(self) -> list[tuple[LabelValues, float]]:
-    with self._lock:
-      return list(self._series.items())
+    self._add(amount, labels)
 
 
 class _HistogramSeries:
