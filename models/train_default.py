@@ -38,14 +38,16 @@ _SMOKE: flags.FlagHolder
 _LOG_EVERY: flags.FlagHolder
 _INIT_FROM: flags.FlagHolder
 _START_PHASE: flags.FlagHolder
+_INIT_SEED: flags.FlagHolder
 
 
 def define_flags() -> None:
   """Defines this script's absl flags (only when run as a script: importing the module
   must not clash with the flags of other entry points, e.g. hisparse_jax.cli)."""
-  global _OUT, _SEED, _TIME_BUDGET_S, _SMOKE, _LOG_EVERY, _INIT_FROM, _START_PHASE
+  global _OUT, _SEED, _INIT_SEED, _TIME_BUDGET_S, _SMOKE, _LOG_EVERY, _INIT_FROM, _START_PHASE
   _OUT = flags.DEFINE_string("out", "models/hisparse_tiny", "Output checkpoint directory.")
-  _SEED = flags.DEFINE_integer("seed", 0, "Seed of initialisation and of the corpus.")
+  _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic corpus.")
+  _INIT_SEED = flags.DEFINE_integer("init_seed", 1, "Seed of the weight initialisation.")
   _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 3600.0,
                                       "Wall-clock budget; the last phase stops early to fit.")
   _SMOKE = flags.DEFINE_bool("smoke", False, "A few steps per phase, to test the script.")
@@ -108,7 +110,7 @@ PHASES = (
           copy_kind="offset", reset_optimizer=True),
     Phase("mix-512", 512, 8, 150, 0.4, 5e-4, 30, max_seconds=1e9, final_lr_fraction=1.0,
           copy_kind="offset"),
-    Phase("mix-1024", 1024, 4, 120, 0.3, 3e-4, 30, max_seconds=1e9, final_lr_fraction=1.0,
+    Phase("mix-1024", 1024, 4, 300, 0.3, 3e-4, 30, max_seconds=1e9, final_lr_fraction=1.0,
           copy_kind="offset"),
 )
 
@@ -168,14 +170,14 @@ def write_checkpoint(model: LlamaForCausalLM, out_dir: str, train_info: dict) ->
 
 
 def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool,
-          init_from: str | None = None, start_phase: int = 0) -> None:
+          init_from: str | None = None, start_phase: int = 0, init_seed: int = 1) -> None:
   t_start = time.time()
   phases = PHASES[start_phase:]
   if smoke:
     phases = tuple(dataclasses.replace(p, num_steps=3, warmup_steps=1,
                                        seq_len=min(p.seq_len, 128)) for p in phases)
   config = tiny_config()
-  model = LlamaForCausalLM(config, seed=seed)
+  model = LlamaForCausalLM(config, seed=init_seed)
   if init_from is not None:
     model, loaded_config, _ = load_pretrained(init_from)
     if loaded_config != config:
@@ -221,7 +223,7 @@ def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool,
         sums, t_log = {}, time.time()
     nnx.update(model, params)
     write_checkpoint(model, out_dir, {
-        "seed": seed, "phases": [dataclasses.asdict(p) for p in phases],
+        "seed": seed, "init_seed": init_seed, "phases": [dataclasses.asdict(p) for p in phases],
         "completed_phase": phase.name, "stopped_early": stopped_early,
         "steps_in_phase": step if stopped_early else step + 1,
         "elapsed_s": time.time() - t_start, "num_params": param_count(model),
@@ -233,7 +235,7 @@ def train(out_dir: str, seed: int, time_budget_s: float, smoke: bool,
 def main(argv):
   del argv
   train(_OUT.value, _SEED.value, _TIME_BUDGET_S.value, _SMOKE.value, _INIT_FROM.value,
-        _START_PHASE.value)
+        _START_PHASE.value, _INIT_SEED.value)
 
 
 if __name__ == "__main__":
