@@ -34,6 +34,27 @@ again in the same step, so the order of the batched moves matters:
 A sequence that was allocated, appended to or swapped in during a step is neither
 freed, forked nor swapped out before that step's forward has run; only a sequence
 whose prompt is computed is forked or appended to.
+
+HiSparse tiering (sequences that decode sparsely, hisparse_jax.resolver):
+
+    write_through(seq)   full, computed blocks get a host copy as they fill (d2h plan;
+                         the host block is owned by the sequence: `host_ids`)
+    offload(seq)         under device pressure: device copies of written-through blocks
+                         are dropped (table entry -> null block 0, no write needed) and
+                         the sequence gets its hot-buffer slots (`hot_slots`, device
+                         blocks); selected blocks that are not resident are loaded into
+                         those slots inside the step
+    swap_out(seq)        blocks with a host copy are not copied again
+    swap_in(seq, hot_buffer_blocks=n)   a long sequence comes back offloaded: only its
+                         blocks past the written-through prefix are copied back
+
+    offloaded sequence  block_ids [0, 0, 9, 0, 12]   (9: filled since, not dropped yet;
+                                                      a full last block may be dropped too)
+                        host_ids  [4, 5, 6, 7]       (full, computed blocks)
+                        hot_slots [20, 21, ...]      (device blocks of the hot buffer)
+
+A write-through plan is a SwapOutPlan and goes with the step's other d2h plans (first),
+so dropping its device blocks in the same step is safe.
 """
 
 from __future__ import annotations
@@ -62,6 +83,14 @@ class _SeqState:
   extra_keys: tuple | None
   swapped: bool = False
   num_cached_tokens: int = 0
+  # HiSparse (resident sequences only): host copy of each leading full, computed block
+  # (written through; owned), and the device blocks of the hot buffer once offloaded.
+  host_ids: list[int] = dataclasses.field(default_factory=list)
+  hot_slots: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def offloaded(self) -> bool:
+    return bool(self.hot_slots)
 
 
 class BlockManager:
@@ -69,12 +98,16 @@ class BlockManager:
 
   Invariants (checked by `check_invariants`):
   - both pools hold their own invariants (`BlockPool`);
-  - a resident sequence holds cdiv(num_tokens, block_size) device blocks and no host
-    block; a swapped-out sequence holds as many host blocks and no device block;
-  - a device block's ref_cnt equals the number of resident table entries naming it;
-    a host block's ref_cnt equals the swapped table entries naming it plus the pins
-    of this step's transfers;
-  - the null block appears in no table;
+  - a resident sequence holds cdiv(num_tokens, block_size) table entries, each a device
+    block, except that an offloaded sequence (hot slots allocated) may hold the null
+    block for a block with a host copy (dropped; the last block only when full); it also
+    holds its `host_ids` (written-through host copies of its leading blocks) and
+    `hot_slots`; a swapped-out sequence holds cdiv(num_tokens, block_size) host blocks
+    and no device block;
+  - a device block's ref_cnt equals the resident table entries and hot slots naming it;
+    a host block's ref_cnt equals the swapped table entries and `host_ids` naming it
+    plus the pins of this step's transfers;
+  - the null block appears in no table otherwise;
   - a block carries a hash only once it is full and its KV is computed (or computed
     in the step that cached it), and the hash is that of the sequence's tokens up to
     it, so a prefix hit never changes what attention reads.
@@ -138,8 +171,45 @@ class BlockManager:
     return self._seq(seq_id).num_cached_tokens
 
   def block_table(self, seq_id: Hashable) -> list[int]:
-    """Device block ids of a resident sequence, in attention order."""
+    """Device block ids of a resident sequence, in attention order (the null block 0
+    for blocks an offloaded sequence dropped)."""
     return list(self._resident(seq_id).block_ids)
+
+  def is_offloaded(self, seq_id: Hashable) -> bool:
+    """Whether a resident sequence has hot-buffer slots (and may have dropped blocks)."""
+    return self._seq(seq_id).offloaded
+
+  def host_copy_ids(self, seq_id: Hashable) -> list[int]:
+    """Written-through host copies of a resident sequence's leading blocks."""
+    return list(self._resident(seq_id).host_ids)
+
+  def hot_slots(self, seq_id: Hashable) -> list[int]:
+    """Device blocks of a resident sequence's hot buffer (empty unless offloaded)."""
+    return list(self._resident(seq_id).hot_slots)
+
+  def num_resident_blocks(self, seq_id: Hashable) -> int:
+    """Device blocks a resident sequence holds (table entries that are not null, and
+    hot slots)."""
+    seq = self._resident(seq_id)
+    return sum(b != NULL_BLOCK_ID for b in seq.block_ids) + len(seq.hot_slots)
+
+  def host_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
+    """[num_seqs, max_num_blocks] int32 host copies per logical block (0 = none)."""
+    tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
+    for row, seq_id in enumerate(seq_ids):
+      host_ids = self._resident(seq_id).host_ids[:max_num_blocks]
+      tables[row, :len(host_ids)] = host_ids
+    return tables
+
+  def hot_slot_tables(self, seq_ids: Sequence[Hashable], num_slots: int) -> np.ndarray:
+    """[num_seqs, num_slots] int32 hot-buffer device blocks (0 rows: not offloaded)."""
+    tables = np.full((len(seq_ids), num_slots), NULL_BLOCK_ID, dtype=np.int32)
+    for row, seq_id in enumerate(seq_ids):
+      slots = self._resident(seq_id).hot_slots
+      if len(slots) > num_slots:
+        raise ValueError(f"sequence {seq_id!r} has {len(slots)} hot slots > {num_slots}")
+      tables[row, :len(slots)] = slots
+    return tables
 
   def host_block_table(self, seq_id: Hashable) -> list[int]:
     """Host block ids of a swapped-out sequence, in attention order."""
@@ -166,6 +236,8 @@ class BlockManager:
     if start < 0 or end > len(block_ids) * self.block_size:
       raise ValueError(f"positions [{start}, {end}) outside the blocks of {seq_id!r}")
     table = np.asarray(block_ids, dtype=np.int64)
+    if np.any(table[positions // self.block_size] == NULL_BLOCK_ID):
+      raise ValueError(f"positions [{start}, {end}) of {seq_id!r} fall in dropped blocks")
     return (table[positions // self.block_size] * self.block_size
             + positions % self.block_size).astype(np.int32)
 
@@ -318,6 +390,8 @@ class BlockManager:
     parent = self._resident(parent_id)
     if child_id in self._seqs:
       raise ValueError(f"sequence {child_id!r} already has blocks")
+    if parent.offloaded:
+      raise ValueError(f"sequence {parent_id!r} is offloaded (HiSparse); it cannot be forked")
     self.device_pool.touch(parent.block_ids)
     self._seqs[child_id] = _SeqState(
         list(parent.token_ids), list(parent.block_ids), list(parent.block_hashes),
@@ -327,8 +401,12 @@ class BlockManager:
     """Drops a finished sequence's blocks, tail first (its full blocks stay cached)."""
     self._seq(seq_id)
     seq = self._seqs.pop(seq_id)
-    pool = self.host_pool if seq.swapped else self.device_pool
-    pool.free(reversed(seq.block_ids))
+    if seq.swapped:
+      self.host_pool.free(reversed(seq.block_ids))
+      return
+    self.device_pool.free(reversed(seq.hot_slots))
+    self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
+    self.host_pool.free(reversed(seq.host_ids))
 
   # --- Moves between tiers -------------------------------------------------------
 
@@ -376,53 +454,148 @@ class BlockManager:
         dst_pool.cache_block(dst_id, seq.block_hashes[i])
     return table, src_ids, dst_ids
 
+  @staticmethod
+  def _tail(seq: _SeqState, start: int) -> _SeqState:
+    """A view of `seq` from block `start` on, for `_move` (which reads ids and hashes)."""
+    return _SeqState([], seq.block_ids[start:], seq.block_hashes[start:], seq.extra_keys)
+
   def can_swap_out(self, seq_id: Hashable) -> bool:
-    """Whether the host tier can take every block of the sequence now."""
+    """Whether the host tier can take every block of the sequence now (blocks with a
+    written-through host copy need none)."""
     seq = self._resident(seq_id)
-    return self._num_needed_in(self.host_pool, seq) <= self.host_pool.num_free_blocks
+    tail = self._tail(seq, len(seq.host_ids))
+    return self._num_needed_in(self.host_pool, tail) <= self.host_pool.num_free_blocks
 
   def swap_out(self, seq_id: Hashable) -> SwapOutPlan:
     """Preempts a sequence by moving its blocks to the host; frees its device blocks.
 
-    Full blocks whose hash the host tier already holds are shared, not copied. The
-    freed device blocks keep their hashes (CACHED), so a quick return finds them.
+    Full blocks whose hash the host tier already holds are shared, not copied, and
+    written-through blocks keep their host copy. The freed device blocks keep their
+    hashes (CACHED), so a quick return finds them.
     """
     seq = self._resident(seq_id)
     if not self.can_swap_out(seq_id):
       raise ValueError(
           f"cannot swap out {seq_id!r}: {len(seq.block_ids)} blocks, "
           f"{self.host_pool.num_free_blocks} host blocks free")
-    host_ids, device_src, host_dst = self._move(seq, self.host_pool)
+    num_copied = len(seq.host_ids)
+    host_tail, device_src, host_dst = self._move(self._tail(seq, num_copied), self.host_pool)
     # Pinned too: if the sequence is freed in this step, its host blocks must not be
     # written by a second transfer of the same batch.
     self._pin_host_blocks(host_dst[::-1], touch=True)
-    self.device_pool.free(reversed(seq.block_ids))
-    seq.block_ids = host_ids
+    self.device_pool.free(reversed(seq.hot_slots))
+    self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
+    seq.block_ids = seq.host_ids + host_tail
+    seq.host_ids, seq.hot_slots = [], []
     seq.swapped = True
     return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
 
-  def can_swap_in(self, seq_id: Hashable) -> bool:
-    """Whether the device tier has the blocks to bring the sequence back now."""
+  def _num_kept_on_host(self, seq: _SeqState, hot_buffer_blocks: int,
+                        num_computed_tokens: int | None) -> int:
+    if hot_buffer_blocks <= 0:
+      return 0
+    if num_computed_tokens is None:
+      raise ValueError("a swap-in with a hot buffer needs num_computed_tokens")
+    # Leading full, computed blocks stay on the host (all of them when every block is
+    # full: the next token opens a new block).
+    return min(num_computed_tokens // self.block_size, len(seq.block_ids))
+
+  def can_swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
+                  num_computed_tokens: int | None = None) -> bool:
+    """Whether the device tier has the blocks to bring the sequence back now (with
+    `hot_buffer_blocks`, only its blocks past the computed full ones, plus the slots)."""
     seq = self._seq(seq_id)
     if not seq.swapped:
       raise ValueError(f"sequence {seq_id!r} is not swapped out")
-    return self._num_needed_in(self.device_pool, seq) <= self.device_pool.num_free_blocks
+    keep = self._num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
+    needed = self._num_needed_in(self.device_pool, self._tail(seq, keep))
+    return needed + (hot_buffer_blocks if keep else 0) <= self.device_pool.num_free_blocks
 
-  def swap_in(self, seq_id: Hashable) -> SwapInPlan:
+  def swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
+              num_computed_tokens: int | None = None) -> SwapInPlan:
     """Brings a swapped-out sequence back to device blocks before it runs again.
 
     Full blocks still cached on the device are reused without a copy. The host blocks
     stay pinned until `finish_step`, then become CACHED host blocks (full ones).
+    With `hot_buffer_blocks` > 0 (a HiSparse sequence that decodes), the leading full
+    blocks of its first `num_computed_tokens` tokens stay on the host as its host
+    copies and it comes back offloaded, with that many hot-buffer slots.
     """
-    if not self.can_swap_in(seq_id):
+    if not self.can_swap_in(seq_id, hot_buffer_blocks, num_computed_tokens):
       raise ValueError(
           f"cannot swap in {seq_id!r}: {self.device_pool.num_free_blocks} device blocks free")
     seq = self._seqs[seq_id]
-    device_ids, host_src, device_dst = self._move(seq, self.device_pool)
-    self._pin_host_blocks(seq.block_ids[::-1], touch=False)  # Its refs become pins.
-    seq.block_ids = device_ids
+    keep = self._num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
+    device_tail, host_src, device_dst = self._move(self._tail(seq, keep), self.device_pool)
+    self._pin_host_blocks(seq.block_ids[keep:][::-1], touch=False)  # Its refs become pins.
+    seq.host_ids = seq.block_ids[:keep]
+    seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks) if keep else []
+    seq.block_ids = [NULL_BLOCK_ID] * keep + device_tail
     seq.swapped = False
     return SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst))
+
+  # --- HiSparse: write-through and offload ---------------------------------------
+
+  def write_through(self, seq_id: Hashable, num_computed_tokens: int) -> SwapOutPlan:
+    """Host copies of the full blocks within the first `num_computed_tokens` tokens
+    that have none yet, in order (a d2h plan for this step's first batch).
+
+    A block whose hash the host tier holds is shared, not copied. Stops early when the
+    host pool is full (the sequence then cannot drop those blocks). The caller passes
+    the tokens computed by EARLIER steps: the copy runs before this step's forward.
+    The new host blocks stay pinned until `finish_step`."""
+    seq = self._resident(seq_id)
+    num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+    device_src, host_dst = [], []
+    for i in range(len(seq.host_ids), num_full):
+      block_hash = seq.block_hashes[i] if i < len(seq.block_hashes) else None
+      hit = self.host_pool.peek_cached_block(block_hash) if block_hash is not None else None
+      if hit is not None:
+        self.host_pool.touch([hit])
+        seq.host_ids.append(hit)
+        continue
+      if self.host_pool.num_free_blocks == 0:
+        break
+      (host_id,) = self.host_pool.allocate(1)
+      if block_hash is not None:
+        self.host_pool.cache_block(host_id, block_hash)
+      seq.host_ids.append(host_id)
+      device_src.append(seq.block_ids[i])
+      host_dst.append(host_id)
+    # Pinned too (as swap_out's targets): if the sequence is freed in this step, its new
+    # host blocks must not be handed out to a second transfer of the same batch.
+    self._pin_host_blocks(host_dst[::-1], touch=True)
+    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
+
+  def _droppable(self, seq: _SeqState) -> list[int]:
+    """Table indices of resident blocks with a host copy (full and computed, so never a
+    block the next token is written into)."""
+    return [i for i in range(len(seq.host_ids)) if seq.block_ids[i] != NULL_BLOCK_ID]
+
+  def offload_gain(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
+    """Device blocks `offload` would free, net of the hot-buffer slots it allocates."""
+    seq = self._resident(seq_id)
+    freed = sum(self.device_pool.ref_cnt(seq.block_ids[i]) == 1 for i in self._droppable(seq))
+    return freed - (0 if seq.offloaded else hot_buffer_blocks)
+
+  def offload(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
+    """Drops the device copies of the sequence's written-through blocks (no write: the
+    host holds them; the last block too when it is full) and gives it
+    `hot_buffer_blocks` hot-buffer slots if it has none. Returns the net device blocks
+    freed. The dropped blocks keep their hashes (CACHED)."""
+    seq = self._resident(seq_id)
+    if hot_buffer_blocks < 1:
+      raise ValueError(f"hot_buffer_blocks must be >= 1, got {hot_buffer_blocks}")
+    gain = self.offload_gain(seq_id, hot_buffer_blocks)
+    if self.device_pool.num_free_blocks + gain < 0:
+      raise ValueError(f"cannot offload {seq_id!r}: no device blocks for its hot buffer")
+    drop = self._droppable(seq)
+    self.device_pool.free(seq.block_ids[i] for i in reversed(drop))
+    for i in drop:
+      seq.block_ids[i] = NULL_BLOCK_ID
+    if not seq.offloaded:
+      seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
+    return gain
 
   def spill_cold_blocks(self, max_num_blocks: int) -> SwapOutPlan:
     """Writes back up to `max_num_blocks` CACHED device blocks, coldest first.
@@ -457,14 +630,31 @@ class BlockManager:
       np.add.at(refs["pinned_host"], group, 1)
     for seq_id, seq in self._seqs.items():
       assert len(seq.block_ids) == self._num_blocks(len(seq.token_ids)), seq_id
-      assert NULL_BLOCK_ID not in seq.block_ids, seq_id
-      np.add.at(refs["pinned_host" if seq.swapped else "device"], seq.block_ids, 1)
+      assert NULL_BLOCK_ID not in seq.host_ids and NULL_BLOCK_ID not in seq.hot_slots, seq_id
+      if seq.swapped:
+        assert NULL_BLOCK_ID not in seq.block_ids, seq_id
+        assert not seq.host_ids and not seq.hot_slots, seq_id
+        np.add.at(refs["pinned_host"], seq.block_ids, 1)
+      else:
+        dropped = [i for i, b in enumerate(seq.block_ids) if b == NULL_BLOCK_ID]
+        assert not dropped or seq.offloaded, (seq_id, dropped)
+        assert not dropped or max(dropped) < len(seq.host_ids), (seq_id, dropped)
+        # The block the next token goes into is resident: the last one, unless it is full.
+        assert seq.block_ids[-1] != NULL_BLOCK_ID or (
+            len(seq.token_ids) % self.block_size == 0), seq_id
+        assert len(seq.host_ids) <= len(seq.token_ids) // self.block_size, seq_id
+        resident = [b for b in seq.block_ids if b != NULL_BLOCK_ID]
+        np.add.at(refs["device"], resident + seq.hot_slots, 1)
+        np.add.at(refs["pinned_host"], seq.host_ids, 1)
       if self.enable_prefix_caching:
         assert seq.block_hashes == hash_full_blocks(
             seq.token_ids, self.block_size, seq.extra_keys)[:len(seq.block_hashes)], seq_id
         pool = self.host_pool if seq.swapped else self.device_pool
         for block_id, block_hash in zip(seq.block_ids, seq.block_hashes):
-          assert pool.block_hash(block_id) == block_hash, (seq_id, block_id)
+          if block_id != NULL_BLOCK_ID:
+            assert pool.block_hash(block_id) == block_hash, (seq_id, block_id)
+        for host_id, block_hash in zip(seq.host_ids, seq.block_hashes):
+          assert self.host_pool.block_hash(host_id) == block_hash, (seq_id, host_id)
     for kind, pool in self.pools.items():
       actual = [pool.ref_cnt(i) for i in range(pool.num_blocks)]
       assert actual == refs[kind].tolist(), (kind, actual, refs[kind].tolist())

@@ -161,6 +161,55 @@ class TierCapacity:
 
 
 @dataclasses.dataclass(frozen=True)
+class HiSparseCapacity:
+  """What HiSparse takes from the device and what it admits.
+
+  A sparse request (longer than `sparse_threshold_tokens`) keeps its full KV in the
+  pinned-host pool (written through) and, once offloaded, only `hot_buffer_blocks`
+  hot-buffer slots plus its newest block on the device; the indexer's key bounds of
+  every device and host block stay on the device (`indexer_bytes`).
+  """
+
+  indexer_bytes: int  # key bounds by device block and by host block, all layers
+  hot_state_bytes: int  # the hot-buffer bookkeeping rows (runner)
+  hot_buffer_blocks: int  # device slots per offloaded request
+  top_k_blocks: int
+  sparse_threshold_tokens: int
+
+  @property
+  def reserved_bytes(self) -> int:
+    return self.indexer_bytes + self.hot_state_bytes
+
+  def device_detail(self, block_size: int) -> str:
+    return (f"HiSparse: indexer key bounds {self.indexer_bytes:,} bytes + hot-buffer state "
+            f"{self.hot_state_bytes:,} bytes; hot buffer {self.hot_buffer_blocks:,} blocks "
+            f"= {self.hot_buffer_blocks * block_size:,} tokens per offloaded request, from "
+            f"the pool; top-k {self.top_k_blocks:,} blocks")
+
+
+def bounds_bytes_per_block(spec: KVCacheSpec) -> int:
+  """Device bytes of the key bounds of one block id over all layers (float32 min, max)."""
+  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+
+
+def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
+                      num_host_blocks: int, max_num_seqs: int,
+                      max_model_len: int) -> HiSparseCapacity:
+  """The device bytes HiSparse needs besides the pool, for pools of these block counts
+  (null blocks included): key bounds of every device and host block, and hot-buffer
+  state rows of [slots] x 2 + [max blocks] int32 per layer and running request (what
+  hisparse_jax.runner.ModelRunner allocates). `hisparse`: a HiSparseConfig."""
+  blocks = hisparse.blocks(spec.block_size)
+  max_blocks = math.ceil(max_model_len / spec.block_size)
+  state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
+  return HiSparseCapacity(
+      indexer_bytes=(num_device_blocks + num_host_blocks) * bounds_bytes_per_block(spec),
+      hot_state_bytes=state, hot_buffer_blocks=blocks.hot_buffer_blocks,
+      top_k_blocks=blocks.top_k_blocks,
+      sparse_threshold_tokens=hisparse.sparse_threshold_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class CapacityReport:
   """KV capacity per memory kind, measured on the allocated pools.
 
@@ -175,10 +224,11 @@ class CapacityReport:
   """
 
   tiers: tuple[TierCapacity, ...]
+  hisparse: HiSparseCapacity | None = None
 
   @classmethod
-  def from_pools(cls, pools: Sequence[KVPool], device_reserved_bytes: int = 0
-                 ) -> CapacityReport:
+  def from_pools(cls, pools: Sequence[KVPool], device_reserved_bytes: int = 0,
+                 hisparse: HiSparseCapacity | None = None) -> CapacityReport:
     """Capacity from the arrays of `pools`, grouped by each array's memory kind."""
     by_kind: dict[str, dict[str, int]] = {}
     for pool in pools:
@@ -201,7 +251,7 @@ class CapacityReport:
                      bytes_per_token=spec.bytes_per_token,
                      reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
         for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
-    return cls(tiers=tiers)
+    return cls(tiers=tiers, hisparse=hisparse)
 
   def __getitem__(self, memory_kind: str) -> TierCapacity:
     for tier in self.tiers:
@@ -222,13 +272,33 @@ class CapacityReport:
     tiers = [t for t in self.tiers if memory_kinds is None or t.memory_kind in memory_kinds]
     return sum(t.num_blocks / math.ceil(tokens_per_request / t.block_size) for t in tiers)
 
+  def hisparse_concurrency(self, tokens_per_request: int) -> float | None:
+    """Sparse requests of `tokens_per_request` tokens that RUN at once with HiSparse:
+    each holds its whole KV on the host and a hot buffer plus its newest block on the
+    device (None without HiSparse or for requests that stay dense)."""
+    if self.hisparse is None or tokens_per_request <= self.hisparse.sparse_threshold_tokens:
+      return None
+    host, device = self[PINNED_HOST], self[DEVICE]
+    host_need = math.ceil(tokens_per_request / host.block_size)
+    return min(host.num_blocks / host_need,
+               device.num_blocks / (self.hisparse.hot_buffer_blocks + 1))
+
   def log_lines(self, tokens_per_request: int) -> list[str]:
     lines = [t.log_line() for t in self.tiers]
-    lines.append(
-        f"KV cache capacity [total]: {self.total_tokens:,} tokens; max concurrency for "
-        f"{tokens_per_request:,} tokens per request: "
-        f"{self.max_concurrency(tokens_per_request):.2f}x (device only: "
-        f"{self.max_concurrency(tokens_per_request, (DEVICE,)):.2f}x)")
+    if self.hisparse is not None:
+      lines[0] += "; " + self.hisparse.device_detail(self.tiers[0].block_size)
+    line = (f"KV cache capacity [total]: {self.total_tokens:,} tokens; max concurrency for "
+            f"{tokens_per_request:,} tokens per request: "
+            f"{self.max_concurrency(tokens_per_request):.2f}x (device only: "
+            f"{self.max_concurrency(tokens_per_request, (DEVICE,)):.2f}x)")
+    running = self.hisparse_concurrency(tokens_per_request)
+    if running is not None:
+      line += (f"; HiSparse runs {running:.2f}x at once (full KV on {PINNED_HOST}, hot "
+               f"buffer + newest block on {DEVICE})")
+    elif self.hisparse is not None:
+      line += (f"; HiSparse: requests up to {self.hisparse.sparse_threshold_tokens:,} tokens "
+               "decode dense")
+    lines.append(line)
     return lines
 
   def log(self, tokens_per_request: int) -> None:

@@ -4,9 +4,12 @@ Usage::
 
   hisparse-jax capacity [--model=DIR] [--dtype=float32] [--block_size=16]
       [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
+      [--hisparse [--top_k_tokens=N --hot_buffer_tokens=N ...] --max_num_seqs=N]
 
 Prints (absl logging at INFO, on stderr) one capacity line per memory kind and the
-total, as `hisparse_jax.capacity.CapacityReport.log` writes them, then exits 0. Bad
+total, as `hisparse_jax.capacity.CapacityReport.log` writes them, then exits 0. With
+--hisparse, the device line details the indexer and hot-buffer bytes and the total line
+says how many long requests HiSparse runs at once. Bad
 flag values (a budget too small for one request of `--max_model_len`, a host pool above
 95% of the available RAM) exit 2 with one line naming the flag.
 """
@@ -15,7 +18,8 @@ from __future__ import annotations
 
 from absl import flags, logging
 
-from hisparse_jax.capacity import CapacityReport, plan_capacity
+from hisparse_jax.capacity import CapacityReport, hisparse_capacity, plan_capacity
+from hisparse_jax.generate_cmd import hisparse_from_flags
 from hisparse_jax.kv_pool import KVCacheSpec
 
 FLAGS = flags.FLAGS
@@ -33,8 +37,20 @@ def main(argv: list[str]) -> int:
     raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
                      f"max_position_embeddings={max_positions}")
   spec = KVCacheSpec.from_model_config(config, FLAGS.dtype, FLAGS.block_size)
-  plan = plan_capacity(spec, max_model_len=FLAGS.max_model_len,
-                       host_pool_gib=FLAGS.host_pool_gib, device_kv_gib=FLAGS.device_kv_gib)
-  pools = plan.allocate()
-  CapacityReport.from_pools(pools, plan.device_reserved_bytes).log(FLAGS.max_model_len)
+  plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
+                   device_kv_gib=FLAGS.device_kv_gib)
+  plan = plan_capacity(spec, **plan_args)
+  hisparse = hisparse_from_flags()
+  if hisparse is None:
+    pools = plan.allocate()
+    CapacityReport.from_pools(pools, plan.device_reserved_bytes).log(FLAGS.max_model_len)
+    return 0
+  # As the engine does: the indexer and hot-buffer bytes come out of the device budget.
+  sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len)
+  reserve = hisparse_capacity(spec, hisparse, num_device_blocks=plan.num_device_blocks,
+                              num_host_blocks=plan.num_host_blocks, **sizes).reserved_bytes
+  pools = plan_capacity(spec, **plan_args, device_reserved_bytes=reserve).allocate()
+  detail = hisparse_capacity(spec, hisparse, num_device_blocks=pools[0].num_blocks,
+                             num_host_blocks=pools[1].num_blocks, **sizes)
+  CapacityReport.from_pools(pools, detail.reserved_bytes, detail).log(FLAGS.max_model_len)
   return 0

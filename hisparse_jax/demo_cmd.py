@@ -7,10 +7,13 @@ Usage::
 
 Builds `--demo_num_prompts` key-value retrieval prompts of the embedded default model
 (`models.data.make_retrieval_prompts`, a seed the trainer and the evaluator never use)
-and runs them through `generate_cmd.run`, the path of `hisparse-jax generate`, with a
-device KV pool that holds only `DEVICE_POOL_PROMPTS` prompts: the requests admitted
-together outgrow it while they decode, so the scheduler preempts them by
-swap-out to the host pool and swaps them back in later. It prints the setup, each
+and runs them through `generate_cmd.run`, the path of `hisparse-jax generate`, with
+HiSparse on (`DEMO_HISPARSE`; `--nohisparse` for the dense path) and a device KV pool
+that holds only `DEVICE_POOL_PROMPTS` prompts: to admit the others, the scheduler
+offloads decoding requests (their full KV written through to the host pool, only a hot
+buffer and their newest block left on the device), and their selected blocks are loaded
+from the host pool into the hot buffers inside the step; when that is not enough, it
+preempts by swap-out to the host pool. It prints the setup, each
 answer RIGHT/WRONG (the first line of the output against the expected value), the
 "N/M right" count, the metrics summary and whether the host pool was used; the
 capacity lines go to stderr (absl). A flag given explicitly overrides the demo's
@@ -37,16 +40,25 @@ DEVICE_POOL_PROMPTS = 3
 # needs two new blocks while it decodes (the answer is the first line of the output).
 DEMO_MAX_NEW_TOKENS = 24
 DEMO_MAX_NUM_SEQS = 8
+# HiSparse settings of the demo (a flag given explicitly overrides each): half of the
+# ~1k-token context per step, the hot buffer as large as the top-k (so an offload frees
+# about half of a request's blocks), sequences past 256 tokens decode sparsely.
+DEMO_HISPARSE = dict(top_k_tokens=512, hot_buffer_tokens=512, sink_tokens=16,
+                     local_tokens=64, sparse_threshold_tokens=256)
 
 
 def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_prompts: int,
-                  max_new_tokens: int | None = None) -> dict[str, float | int]:
+                  max_new_tokens: int | None = None,
+                  reserved_bytes=lambda device_blocks, host_blocks, max_model_len: 0
+                  ) -> dict[str, float | int]:
   """The engine sizes of the demo: max_new_tokens (None: chosen here), max_model_len,
   device and host budgets (GiB).
 
   The device pool gets DEVICE_POOL_PROMPTS * (prompt blocks + 1) usable blocks; a
   request needs prompt blocks + >= 2 while it decodes (DEMO_MAX_NEW_TOKENS), so the
-  requests admitted together outgrow the pool.
+  requests admitted together outgrow the pool. `reserved_bytes(device blocks, host
+  blocks, max_model_len)`: the device bytes HiSparse needs besides the pool, added to the
+  budget.
   """
   prompt_blocks = math.ceil(prompt_len / block_size)
   # The K/V of output token t (1-based) sits at position prompt_len + t - 1; two blocks
@@ -61,8 +73,9 @@ def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_pr
   # +1: the null block; +0.5: so that int(gib * GIB) never rounds a block away.
   device_blocks = max(DEVICE_POOL_PROMPTS * (prompt_blocks + 1), blocks_per_request) + 1.5
   host_blocks = 2 * num_prompts * blocks_per_request + 1.5
+  reserved = reserved_bytes(int(device_blocks), int(host_blocks), max_model_len)
   return dict(max_new_tokens=max_new_tokens, max_model_len=max_model_len,
-              device_kv_gib=device_blocks * bytes_per_block / GIB,
+              device_kv_gib=(device_blocks * bytes_per_block + reserved) / GIB,
               host_pool_gib=host_blocks * bytes_per_block / GIB,
               max_num_seqs=DEMO_MAX_NUM_SEQS)
 
@@ -70,7 +83,8 @@ def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_pr
 def main(argv: list[str]) -> int:
   del argv
   import models  # noqa: PLC0415
-  from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415 (imports jax)
+  from hisparse_jax.capacity import hisparse_capacity  # noqa: PLC0415 (imports jax)
+  from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
   from models.data import make_retrieval_prompts  # noqa: PLC0415
   from models.loader import load_config  # noqa: PLC0415
   from models.tokenizer import Tokenizer  # noqa: PLC0415
@@ -91,8 +105,27 @@ def main(argv: list[str]) -> int:
   spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), FLAGS.dtype,
                                        FLAGS.block_size)
   prompt_len = max(len(p.token_ids) for p in prompts)
+  use_hisparse = FLAGS.hisparse or not FLAGS["hisparse"].present  # on unless --nohisparse
+  if use_hisparse:
+    FLAGS.hisparse = True
+    for name, value in DEMO_HISPARSE.items():
+      if not FLAGS[name].present:
+        FLAGS[name].value = value
+  hisparse = generate_cmd.hisparse_from_flags()
+  max_num_seqs = FLAGS.max_num_seqs if FLAGS["max_num_seqs"].present else DEMO_MAX_NUM_SEQS
+
+  def reserved_bytes(device_blocks: int, host_blocks: int, max_model_len: int) -> int:
+    if hisparse is None:
+      return 0
+    if FLAGS["max_model_len"].present:
+      max_model_len = FLAGS.max_model_len
+    return hisparse_capacity(spec, hisparse, num_device_blocks=device_blocks,
+                             num_host_blocks=host_blocks, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len).reserved_bytes
+
   chosen = demo_settings(prompt_len, spec.bytes_per_token, spec.block_size, len(prompts),
-                         FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else None)
+                         FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else None,
+                         reserved_bytes)
   llm_kwargs = generate_cmd.engine_kwargs_from_flags()
   for name in ("max_model_len", "device_kv_gib", "host_pool_gib", "max_num_seqs"):
     if not FLAGS[name].present:
@@ -100,13 +133,20 @@ def main(argv: list[str]) -> int:
   sampling_params = generate_cmd.sampling_from_flags()
   if not FLAGS["max_new_tokens"].present:
     sampling_params = dataclasses.replace(sampling_params, max_tokens=chosen["max_new_tokens"])
-  device_tokens = int(llm_kwargs["device_kv_gib"] * GIB) // spec.bytes_per_block
-  device_tokens = (device_tokens - 1) * spec.block_size
+  device_blocks = int(llm_kwargs["device_kv_gib"] * GIB) // spec.bytes_per_block
+  if hisparse is not None:  # the pool the engine will plan, after HiSparse's bytes
+    device_blocks = int(llm_kwargs["device_kv_gib"] * GIB - reserved_bytes(
+        device_blocks, int(llm_kwargs["host_pool_gib"] * GIB) // spec.bytes_per_block,
+        llm_kwargs["max_model_len"])) // spec.bytes_per_block
+  device_tokens = (device_blocks - 1) * spec.block_size
+  how = ("so decoding requests are offloaded to the host pool (HiSparse top-k "
+         f"{hisparse.top_k_tokens} tokens, hot buffer {hisparse.hot_buffer_tokens} tokens) "
+         "and swapped out when that is not enough" if hisparse is not None
+         else "so requests are swapped out to the host pool and back")
   print(f"demo: {len(prompts)} key-value retrieval prompts of {prompt_len:,} tokens "
         f"(seed {FLAGS.demo_seed}), {sampling_params.max_tokens} output tokens each, up to "
-        f"{llm_kwargs['max_num_seqs']} at once; device KV pool {device_tokens:,} tokens "
-        f"({device_tokens / prompt_len:.1f} prompts), so requests are swapped out to the "
-        f"host pool and back", flush=True)
+        f"{llm_kwargs['max_num_seqs']} at once; device KV pool ~{device_tokens:,} tokens "
+        f"({device_tokens / prompt_len:.1f} prompts), {how}", flush=True)
   specs = [generate_cmd.PromptSpec(source=f"demo prompt {i}", prompt=p.text, expected=p.answer)
            for i, p in enumerate(prompts)]
   result = generate_cmd.run(specs, llm_kwargs, sampling_params,
@@ -115,9 +155,12 @@ def main(argv: list[str]) -> int:
                             prometheus_port=FLAGS.prometheus_port)
   m = result.metrics
   preemptions = m.get("hisparse_preemptions_total", 0.0)
+  offloads = m.get("hisparse_offloads_total", 0.0)
+  loads = m.get("hisparse_hot_buffer_loads_total", 0.0)
   host_blocks = m.get('hisparse_blocks_selected_total{source="host"}', 0.0)
   used = "used" if host_blocks > 0 else "NOT used"
-  print(f"host pool {used}: {preemptions:.0f} preemptions by swap-out, {host_blocks:,.0f} "
-        f"blocks read after coming back from the host pool; {result.num_right}/"
+  print(f"host pool {used}: {offloads:.0f} offloads, {loads:,.0f} block-layers loaded from "
+        f"the host pool into hot buffers, {preemptions:.0f} preemptions by swap-out, "
+        f"{host_blocks:,.0f} blocks read from the host pool in all; {result.num_right}/"
         f"{result.num_expected} answers right", flush=True)
   return 0

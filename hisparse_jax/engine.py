@@ -21,12 +21,17 @@ from absl import logging
 
 from hisparse_jax import engine_metrics
 from hisparse_jax.block_manager import BlockManager
-from hisparse_jax.capacity import CapacityReport, plan_capacity
+from hisparse_jax.capacity import (
+  CapacityReport,
+  HiSparseCapacity,
+  hisparse_capacity,
+  plan_capacity,
+)
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVCacheSpec
 from hisparse_jax.metrics import MetricsRegistry
-from hisparse_jax.request import Request, RequestOutput, RequestStatus
-from hisparse_jax.runner import ModelRunner, bounds_bytes_per_block
+from hisparse_jax.request import Request, RequestOutput, RequestStatus, check_prompt
+from hisparse_jax.runner import ModelRunner, SparseTiers
 from hisparse_jax.sampling import SamplingParams
 from hisparse_jax.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.transfer import TransferEngine
@@ -116,18 +121,27 @@ class Engine:
                      device_kv_gib=config.device_kv_gib)
     plan = plan_capacity(spec, **plan_args)
     if config.hisparse is not None:
-      # The key bounds of every device block come out of the device budget: reserve them
-      # for the blocks of the bound-free plan (an upper bound of the blocks planned now).
-      plan = plan_capacity(spec, **plan_args, device_reserved_bytes=(
-          plan.num_device_blocks * bounds_bytes_per_block(spec)))
+      # The indexer's key bounds (by device block and by host block) and the hot-buffer
+      # state come out of the device budget: reserve them for the blocks of the bound-free
+      # plan (an upper bound of the blocks planned now).
+      plan = plan_capacity(spec, **plan_args, device_reserved_bytes=self._hisparse_capacity(
+          spec, plan.num_device_blocks, plan.num_host_blocks).reserved_bytes)
     self.device_pool, self.host_pool = plan.allocate()
     self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
-                              kernel_backend=config.kernel_backend, hisparse=config.hisparse)
-    # Reserved bytes as allocated (the bounds arrays), not as planned.
+                              kernel_backend=config.kernel_backend, hisparse=config.hisparse,
+                              host_pool=self.host_pool)
+    # Reserved bytes as allocated (the runner's arrays), not as planned.
+    hisparse = None
+    if config.hisparse is not None:
+      hisparse = self._hisparse_capacity(spec, self.device_pool.num_blocks,
+                                         self.host_pool.num_blocks)
+      if hisparse.reserved_bytes != self.runner.reserved_bytes:
+        raise AssertionError(f"HiSparse device bytes: planned {hisparse.reserved_bytes:,}, "
+                             f"allocated {self.runner.reserved_bytes:,}")
     self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
-                                              self.runner.reserved_bytes)
+                                              self.runner.reserved_bytes, hisparse)
     self.capacity.log(config.max_model_len)
     self.metrics_registry = MetricsRegistry()
     self.capacity.export(self.metrics_registry)
@@ -139,12 +153,23 @@ class Engine:
                                       enable_prefix_caching=config.enable_prefix_caching)
     self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
-                               enable_chunked_prefill=config.enable_chunked_prefill)
+                               enable_chunked_prefill=config.enable_chunked_prefill,
+                               hisparse=config.hisparse)
+    # HiSparse: the runner's hot-buffer state row of each offloaded request.
+    self._hot_rows: dict[str, int] = {}
+    self._free_hot_rows = list(range(self.runner.num_hot_rows))
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
     self._finished_outputs: list[RequestOutput] = []
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
     self.num_steps = 0
+
+  def _hisparse_capacity(self, spec: KVCacheSpec, num_device_blocks: int,
+                         num_host_blocks: int) -> HiSparseCapacity:
+    c = self.config
+    return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
+                             num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
+                             max_model_len=c.max_model_len)
 
   # --- Requests ------------------------------------------------------------------
 
@@ -168,17 +193,9 @@ class Engine:
         raise ValueError("prompt: this engine has no tokenizer; pass prompt_token_ids")
       token_ids = self.tokenizer.encode(prompt)
     else:
-      token_ids = [int(t) for t in prompt_token_ids]
-    if not token_ids:
-      raise ValueError("prompt is empty")
-    vocab = self.model_config.vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-      raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
-                       f"[0, {vocab})")
-    if len(token_ids) >= self.config.max_model_len:
-      raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len="
-                       f"{self.config.max_model_len} leaves no room for an output token")
+      token_ids = prompt_token_ids
+    token_ids = check_prompt(token_ids, vocab_size=self.model_config.vocab_size,
+                             max_model_len=self.config.max_model_len, text=prompt)
     seed = sampling_params.seed
     if seed is None:
       seed = int(self._seed_rng.integers(0, 2**31 - 1))
@@ -214,7 +231,8 @@ class Engine:
         seq_ids = [c.request.request_id for c in out.chunks]
         width = max(len(self.block_manager.block_table(s)) for s in seq_ids)
         batch = self.runner.build_batch(out.chunks,
-                                        self.block_manager.block_tables(seq_ids, width))
+                                        self.block_manager.block_tables(seq_ids, width),
+                                        self._sparse_tiers(seq_ids, width))
         start = time.perf_counter()
         tokens = self.runner.execute(batch)
     except Exception as e:  # a failed step ends only the requests it held
@@ -224,8 +242,11 @@ class Engine:
       self.block_manager.finish_step()
       if tokens is not None:
         self.stats.on_step(out, time.perf_counter() - start, self.block_manager)
-        for chunk, token, num_blocks in zip(out.chunks, tokens, batch.blocks_attended):
-          self._postprocess(chunk, int(token), int(num_blocks))
+        counts = self.runner.last_counts
+        for i, (chunk, token) in enumerate(zip(out.chunks, tokens)):
+          self._postprocess(chunk, int(token), int(batch.blocks_attended[i]),
+                            counts[:, i] if counts is not None and batch.metadata.sparse_rows[i]
+                            else None)
           outputs[chunk.request.request_id] = chunk.request
     self.num_steps += 1
     result = [self._output(r) for r in outputs.values() if not r.is_finished]
@@ -254,27 +275,63 @@ class Engine:
       raise RuntimeError("the device KV pool was consumed by a failed step; this engine "
                          "cannot continue") from error
 
+  def _sparse_tiers(self, seq_ids: list[str], width: int) -> SparseTiers | None:
+    """Host copies, hot slots and hot-state rows of the step's requests (HiSparse)."""
+    if self.config.hisparse is None:
+      return None
+    bm = self.block_manager
+    for seq_id in list(self._hot_rows):  # rows of requests no longer offloaded come free
+      if seq_id not in bm or bm.is_swapped(seq_id) or not bm.is_offloaded(seq_id):
+        self._free_hot_rows.append(self._hot_rows.pop(seq_id))
+    rows = np.full(len(seq_ids), -1, np.int32)
+    reset = np.zeros(len(seq_ids), bool)
+    for i, seq_id in enumerate(seq_ids):
+      if bm.is_offloaded(seq_id):
+        if seq_id not in self._hot_rows:  # newly offloaded: a fresh row
+          self._hot_rows[seq_id] = self._free_hot_rows.pop()
+          reset[i] = True
+        rows[i] = self._hot_rows[seq_id]
+    slots = self.runner.hisparse_blocks.hot_buffer_blocks
+    return SparseTiers(host_tables=bm.host_tables(seq_ids, width),
+                       hot_slots=bm.hot_slot_tables(seq_ids, slots), hot_rows=rows,
+                       hot_reset=reset)
+
   def _move_blocks(self, out: SchedulerOutput) -> None:
     """Executes the step's block moves in the BlockManager contract's order."""
     self.stats.on_preempt(len(out.preempted) + len(out.recomputed))
+    self.stats.on_offload(len(out.offloaded))
     if out.swap_out:
-      self.transfer.swap_out(np.concatenate([p.device_ids for p in out.swap_out]),
-                             np.concatenate([p.host_ids for p in out.swap_out]))
+      device_ids = np.concatenate([p.device_ids for p in out.swap_out])
+      host_ids = np.concatenate([p.host_ids for p in out.swap_out])
+      self.transfer.swap_out(device_ids, host_ids)
+      self.runner.copy_bounds_to_host_index(device_ids, host_ids)  # the indexer's view
     self.runner.copy_blocks(out.copies)
     if out.swap_in:
       device_ids = np.concatenate([p.device_ids for p in out.swap_in])
       self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]), device_ids)
       self.runner.refresh_bounds(device_ids)  # the key bounds follow the pages
 
-  def _postprocess(self, chunk, token: int, num_blocks: int) -> None:
-    """`num_blocks`: blocks the chunk's attention read (all of them, or the selected)."""
+  def _postprocess(self, chunk, token: int, num_blocks: int,
+                   sparse_counts: np.ndarray | None = None) -> None:
+    """`num_blocks`: blocks the chunk's attention read (all of them, or the selected);
+    `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row: where its
+    selected blocks came from, per layer (counted here as the mean over layers)."""
     request = chunk.request
     request.num_computed_tokens = chunk.start + chunk.num_tokens
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
-    request.blocks_selected["host"] += from_host
-    request.blocks_selected["device"] += num_blocks - from_host
-    self.stats.on_blocks(device=num_blocks - from_host, host=from_host)
+    if sparse_counts is None:
+      sources = {"device": num_blocks - from_host, "hot": 0, "host": from_host}
+    else:
+      layers = sparse_counts.shape[0]
+      device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
+      sources = {"device": device / layers, "hot": hot / layers, "host": host / layers}
+      self.stats.on_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash,
+                               bytes_per_block_layer=self.device_pool.spec.bytes_per_block
+                               // self.device_pool.spec.num_layers)
+    for source, n in sources.items():
+      request.blocks_selected[source] += n
+    self.stats.on_blocks(**sources)
     if not chunk.samples:
       return
     now = time.perf_counter()

@@ -17,6 +17,15 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
   hisparse_preemptions_total                    counter requests preempted
   hisparse_thrash_total                         counter blocks loaded again soon after
                                                         leaving the hot buffer (HiSparse)
+  hisparse_offloads_total                       counter sparse requests that dropped their
+                                                        written-through device blocks
+  hisparse_hot_buffer_{lookups,hits,evictions,loads}_total   counters, in block-layers
+                                                        (a block of one layer): lookups of
+                                                        non-resident selected blocks, hot
+                                                        hits, slots overwritten, loads from
+                                                        the host pool inside the step (also
+                                                        counted in transfer bytes h2d)
+  hisparse_hot_buffer_hit_rate                  gauge   hits / lookups so far
   hisparse_requests_total{finish_reason}        counter finished requests
   hisparse_prompt_tokens_total, hisparse_generation_tokens_total   counters
   hisparse_num_requests{state}                  gauge   running, waiting, swapped
@@ -35,6 +44,12 @@ PREFIX_CACHE_QUERIES_TOTAL = "hisparse_prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "hisparse_prefix_cache_hits_total"
 PREEMPTIONS_TOTAL = "hisparse_preemptions_total"
 THRASH_TOTAL = "hisparse_thrash_total"
+OFFLOADS_TOTAL = "hisparse_offloads_total"
+HOT_LOOKUPS_TOTAL = "hisparse_hot_buffer_lookups_total"
+HOT_HITS_TOTAL = "hisparse_hot_buffer_hits_total"
+HOT_EVICTIONS_TOTAL = "hisparse_hot_buffer_evictions_total"
+HOT_LOADS_TOTAL = "hisparse_hot_buffer_loads_total"
+HOT_HIT_RATE = "hisparse_hot_buffer_hit_rate"
 REQUESTS_TOTAL = "hisparse_requests_total"
 PROMPT_TOKENS_TOTAL = "hisparse_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "hisparse_generation_tokens_total"
@@ -59,6 +74,16 @@ class EngineMetrics:
                                  ("memory_kind",))
     self.preemptions = r.counter(PREEMPTIONS_TOTAL, "Requests preempted.")
     self.thrash = r.counter(THRASH_TOTAL, "Blocks reloaded soon after eviction.")
+    self.offloads = r.counter(OFFLOADS_TOTAL, "Sparse requests whose written-through device "
+                              "blocks were dropped to make room (HiSparse).")
+    self.hot_lookups = r.counter(HOT_LOOKUPS_TOTAL, "Selected non-resident block-layers "
+                                 "looked up in the hot buffers (HiSparse).")
+    self.hot_hits = r.counter(HOT_HITS_TOTAL, "Hot-buffer lookups that hit (HiSparse).")
+    self.hot_evictions = r.counter(HOT_EVICTIONS_TOTAL,
+                                   "Hot-buffer slots overwritten by a load (HiSparse).")
+    self.hot_loads = r.counter(HOT_LOADS_TOTAL, "Block-layers loaded from the host pool "
+                               "into hot buffers inside the step (HiSparse).")
+    self.hot_hit_rate = r.gauge(HOT_HIT_RATE, "Hot-buffer hits / lookups so far (HiSparse).")
     self.requests = r.counter(REQUESTS_TOTAL, "Finished requests.", ("finish_reason",))
     self.prompt_tokens = r.counter(PROMPT_TOKENS_TOTAL, "Prompt tokens received.")
     self.generation_tokens = r.counter(GENERATION_TOKENS_TOTAL, "Tokens generated.")
@@ -70,8 +95,10 @@ class EngineMetrics:
       self.blocks_selected.inc(0, source=source)
     for kind in ("device", "pinned_host"):
       self.prefix_hits.inc(0, memory_kind=kind)
-    self.preemptions.inc(0)
-    self.thrash.inc(0)
+    for counter in (self.preemptions, self.thrash, self.offloads, self.hot_lookups,
+                    self.hot_hits, self.hot_evictions, self.hot_loads):
+      counter.inc(0)
+    self.hot_hit_rate.set(0.0)
     self._seen_queries = 0
     self._seen_hits = {"device": 0, "pinned_host": 0}
 
@@ -102,6 +129,26 @@ class EngineMetrics:
     for source, n in (("device", device), ("hot", hot), ("host", host)):
       if n:
         self.blocks_selected.inc(n, source=source)
+
+  def on_offload(self, n: int) -> None:
+    if n:
+      self.offloads.inc(n)
+
+  def on_hot_buffer(self, *, hits: int, misses: int, evictions: int, thrash: int,
+                    bytes_per_block_layer: int) -> None:
+    """Counts of one sparse row of a step, summed over layers (block-layers): hot-buffer
+    hits, misses (= loads from the host pool inside the step), evictions, thrash."""
+    self.hot_lookups.inc(hits + misses)
+    self.hot_hits.inc(hits)
+    self.hot_evictions.inc(evictions)
+    if thrash:
+      self.thrash.inc(thrash)
+    if misses:
+      self.hot_loads.inc(misses)
+      self._registry.get(m.TRANSFER_BYTES_TOTAL).inc(bytes_per_block_layer * misses,
+                                                     direction=m.DIRECTION_H2D)
+    lookups = self.hot_lookups.value()
+    self.hot_hit_rate.set(self.hot_hits.value() / lookups if lookups else 0.0)
 
   def on_first_token(self, seconds: float) -> None:
     self.ttft.observe(seconds)

@@ -24,14 +24,23 @@ head_dim] float32, donated like the pages), and each layer of the step runs:
     write_kv -> block_key_bounds(touched blocks)
       dense rows (prefill chunks, short sequences):  ragged_paged_attention(block tables)
       sparse rows (one query token, kv_len > sparse_threshold_tokens):
-        select   indexer.select(q, bounds[block_tables], kv_lens)  -> logical ids [B, k]
-        resolve  logical ids -> device ids through the block table (all blocks are
-                 device-resident in this build; the resolver's hot buffer and host loads
-                 plug in here)
-        attend   paged_attention(q, pages, selected table, selection lengths)
+        select   indexer.select(q, key bounds of each logical block, kv_lens)
+                 -> logical ids [B, k]; a resident block's bounds come from `bounds`
+                 (by device id), a dropped block's from `host_bounds` (by host id)
+        resolve  resolver.resolve: resident device block / hot-buffer slot / host miss
+                 (LRU slot of that sequence's hot buffer), hot-buffer state per layer
+        load     resolver.load_blocks: ONE batched host -> device gather of the misses
+                 (under compute_on("device_host"), inside this program)
+        attend   paged_attention(q, pages, resolved table, selection lengths)
 
 `sparse_rows` (a per-row flag in StepMetadata) decides; shapes stay static (the
 selected table is [num_seqs, top_k_blocks]), so the step is still one program.
+
+Tier inputs of a step (`SparseTiers`, from the block manager): each row's host copies
+per logical block (`host_tables`), its hot-buffer device blocks (`hot_slots`), and its
+row of the hot-buffer state (`hot_rows`; `hot_reset` starts it empty). The runner owns
+that state on the device: per layer [rows, slots] slot contents and last use, and
+[rows, max_blocks] eviction steps, donated through the step like the pages.
 """
 
 from __future__ import annotations
@@ -46,9 +55,10 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from hisparse_jax import indexer
+from hisparse_jax import indexer, resolver
+from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseBlocks, HiSparseConfig
-from hisparse_jax.kv_pool import KVCacheSpec, KVPool
+from hisparse_jax.kv_pool import KVPool
 from hisparse_jax.sampling import sample
 from hisparse_jax.scheduler import ScheduledChunk
 
@@ -69,6 +79,22 @@ class StepMetadata:
   kv_lens: jax.Array  # [num_seqs]: tokens in the cache after this step
   cu_q_lens: jax.Array  # [num_seqs + 1]
   sparse_rows: jax.Array  # bool [num_seqs]: decode rows that attend over selected blocks
+  # HiSparse tiers (None without HiSparse):
+  host_tables: jax.Array | None = None  # [num_seqs, max_blocks] host copy ids, 0 = none
+  hot_slots: jax.Array | None = None  # [num_seqs, num_slots] hot-buffer device blocks
+  hot_rows: jax.Array | None = None  # [num_seqs] hot-state row; >= rows: none
+  hot_reset: jax.Array | None = None  # bool [num_seqs]: start the row empty
+  step: jax.Array | None = None  # int32 scalar: decode-step clock of the hot buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseTiers:
+  """Where each chunk's blocks live (host numpy arrays, one row per chunk)."""
+
+  host_tables: np.ndarray  # int32 [n, width]: host copy of each logical block, 0 = none
+  hot_slots: np.ndarray  # int32 [n, num_slots]: hot-buffer device blocks, 0 = none
+  hot_rows: np.ndarray  # int32 [n]: row of the runner's hot-buffer state; -1 = none
+  hot_reset: np.ndarray  # bool [n]: the row's state starts empty this step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +116,8 @@ class StepBatch:
   blocks_attended: np.ndarray | None = None
 
 
-def bounds_bytes_per_block(spec: KVCacheSpec) -> int:
-  """Device bytes of the key bounds of one block id over all layers (float32 min, max)."""
-  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+# Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
+COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
 
 
 class ModelRunner:
@@ -106,7 +131,8 @@ class ModelRunner:
 
   def __init__(self, model: nnx.Module, device_pool: KVPool, *, max_model_len: int,
                max_num_seqs: int, max_num_batched_tokens: int,
-               kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None):
+               kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
+               host_pool: KVPool | None = None):
     self.config = model.config
     self.pool = device_pool
     self.block_size = device_pool.spec.block_size
@@ -118,33 +144,62 @@ class ModelRunner:
     self.hisparse_blocks = hisparse.blocks(self.block_size) if hisparse is not None else None
     # Per-layer key bounds of every device block: [num_blocks, 2, num_kv_heads, head_dim].
     self.bounds: tuple[jax.Array, ...] = ()
+    # HiSparse: key bounds by host block id (for blocks whose device copy was dropped),
+    # and the hot-buffer state, one row per offloaded sequence (rows = max_num_seqs).
+    self.host_pool = host_pool
+    self.host_bounds: tuple[jax.Array, ...] = ()
+    self.hot_state: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    self.num_hot_rows = max_num_seqs
+    self.step_clock = 0
+    self.last_counts: np.ndarray | None = None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS)
     if hisparse is not None:
+      if host_pool is None:
+        raise ValueError("hisparse needs the host pool (host_pool=...)")
       spec = device_pool.spec
-      shape = (device_pool.num_blocks, 2, spec.num_kv_heads, spec.head_dim)
-      zeros = jax.jit(functools.partial(jnp.zeros, shape, jnp.float32),
-                      out_shardings=device_pool.sharding)
-      self.bounds = tuple(zeros() for _ in range(spec.num_layers))
+      self.bounds = tuple(_zeros((device_pool.num_blocks, 2, spec.num_kv_heads, spec.head_dim),
+                                 jnp.float32, 0, device_pool.sharding)
+                          for _ in range(spec.num_layers))
+      self.host_bounds = tuple(
+          _zeros((host_pool.num_blocks, 2, spec.num_kv_heads, spec.head_dim), jnp.float32, 0,
+                 device_pool.sharding) for _ in range(spec.num_layers))
+      rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
+      self.hot_state = (
+          _zeros((*rows, slots), jnp.int32, -1, device_pool.sharding),
+          _zeros((*rows, slots), jnp.int32, resolver.NEVER, device_pool.sharding),
+          _zeros((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
+                 device_pool.sharding))
     graphdef, self.params = nnx.split(model)
-    self._step = _step_program(graphdef, self.ops, device_pool.spec.dtype,
-                               device_pool.storage_dtype, self.hisparse_blocks,
-                               hisparse.selection if hisparse is not None else None)
+    self._step = _step_program(
+        graphdef, self.ops, device_pool.spec.dtype, device_pool.storage_dtype,
+        self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
+        hisparse.thrash_window_steps if hisparse is not None else 0,
+        device_pool.sharding, host_pool.sharding if host_pool is not None else None)
     self._copy = _copy_program()
     self._refresh = _refresh_program(self.ops, device_pool.spec.dtype, self.block_size)
+    self._copy_to_host_index = _copy_program_between()
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
 
   @property
   def reserved_bytes(self) -> int:
-    """Device bytes the runner holds besides the pool (the key bounds)."""
-    return sum(int(b.nbytes) for b in self.bounds)
+    """Device bytes the runner holds besides the pool (key bounds by device and by host
+    block, hot-buffer state)."""
+    return self.indexer_bytes + sum(int(a.nbytes) for a in self.hot_state or ())
+
+  @property
+  def indexer_bytes(self) -> int:
+    """Device bytes of the indexer's key bounds (by device block and by host block)."""
+    return sum(int(b.nbytes) for b in (*self.bounds, *self.host_bounds))
 
   # --- Host side -----------------------------------------------------------------
 
-  def build_batch(self, chunks: Sequence[ScheduledChunk],
-                  block_tables: np.ndarray) -> StepBatch:
+  def build_batch(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
+                  tiers: SparseTiers | None = None) -> StepBatch:
     """Flattens the scheduled chunks into padded step arrays.
 
-    `block_tables` [len(chunks), width] are the device tables of the chunks' requests.
+    `block_tables` [len(chunks), width] are the device tables of the chunks' requests
+    (0 for blocks an offloaded sequence dropped); `tiers` says where HiSparse blocks
+    live (None: every block device-resident, no hot buffer).
     """
     num_tokens = sum(c.num_tokens for c in chunks)
     t_pad = bucket(num_tokens, 16, self.max_num_batched_tokens)
@@ -180,14 +235,31 @@ class ModelRunner:
       seeds[i] = request.seed
       counters[i] = len(request.output_token_ids)
       num_blocks = -(-kv_lens[i] // self.block_size)
-      # A sparse row has one query token (a decode); chunks of several tokens stay dense.
+      # A sparse row decodes one token past the prefill (an output token); prefill
+      # chunks, even of one token (after a prefix-cache hit), stay dense, so a prompt's
+      # KV does not depend on how much of it the prefix cache held.
       sparse_rows[i] = (self.hisparse is not None and n == 1
+                        and chunk.start >= request.prefill_len
                         and self.hisparse.is_sparse(int(kv_lens[i])))
       blocks_attended[i] = (min(num_blocks, self.hisparse_blocks.top_k_blocks)
                             if sparse_rows[i] else num_blocks)
       offset += n
     cu_q_lens[len(chunks)] = offset
-    meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows)
+    hisparse_meta = {}
+    if self.hisparse is not None:
+      n, slots = len(chunks), self.hisparse_blocks.hot_buffer_blocks
+      host_tables = np.zeros((b_pad, w_pad), np.int32)
+      hot_slots = np.zeros((b_pad, slots), np.int32)
+      hot_rows = np.full(b_pad, self.num_hot_rows, np.int32)
+      hot_reset = np.zeros(b_pad, bool)
+      if tiers is not None:
+        host_tables[:n, :tiers.host_tables.shape[1]] = tiers.host_tables
+        hot_slots[:n, :tiers.hot_slots.shape[1]] = tiers.hot_slots
+        hot_rows[:n] = np.where(tiers.hot_rows >= 0, tiers.hot_rows, self.num_hot_rows)
+        hot_reset[:n] = tiers.hot_reset
+      hisparse_meta = dict(host_tables=host_tables, hot_slots=hot_slots, hot_rows=hot_rows,
+                           hot_reset=hot_reset, step=np.int32(self.step_clock))
+    meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta)
     return StepBatch(input_ids, positions, meta, logits_indices, temperature, top_p, top_k,
                      seeds, counters, len(chunks), blocks_attended)
 
@@ -202,12 +274,28 @@ class ModelRunner:
     greedy_only = not np.any(batch.temperature > 0)
     self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
                               batch.metadata.block_tables.shape[1], greedy_only))
-    tokens, arrays, self.bounds = self._step(
-        self.params, self.pool.arrays(), self.bounds, batch.input_ids, batch.positions,
-        batch.metadata, batch.logits_indices, batch.temperature, batch.top_p, batch.top_k,
-        batch.seeds, batch.counters, greedy_only=greedy_only)
+    host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
+    tokens, arrays, self.bounds, self.hot_state, counts = self._step(
+        self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
+        self.host_bounds, batch.input_ids, batch.positions, batch.metadata,
+        batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
+        batch.counters, greedy_only=greedy_only)
     self.pool.set_arrays(arrays)
+    if self.hisparse is not None:
+      self.step_clock += 1
+      self.last_counts = np.asarray(counts)[:, :batch.num_seqs]
     return np.asarray(tokens)[:batch.num_seqs]
+
+  def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
+    """host_bounds[host_ids] := bounds[device_ids], every layer (blocks written to the
+    host pool keep their key bounds on the device for the indexer)."""
+    if not self.bounds or len(device_ids) == 0:
+      return
+    n = bucket(len(device_ids), 4)
+    src = np.zeros(n, np.int32)
+    dst = np.full(n, self.host_bounds[0].shape[0], np.int32)  # padding: dropped
+    src[:len(device_ids)], dst[:len(device_ids)] = device_ids, host_ids
+    self.host_bounds = self._copy_to_host_index(self.bounds, self.host_bounds, src, dst)
 
   def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
     """Copy-on-write: device block src -> dst, every layer, one jitted call."""
@@ -234,13 +322,41 @@ class ModelRunner:
     self.bounds = self._refresh(self.bounds, self.pool.arrays()[:self.pool.num_layers], slots)
 
 
+def _zeros(shape, dtype, value, sharding):
+  return jax.jit(functools.partial(jnp.full, shape, value, dtype), out_shardings=sharding)()
+
+
 @functools.cache  # one jitted program per model structure, shared by engines of a process
 def _step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
-                  blocks: HiSparseBlocks | None = None, selection: str | None = None):
+                  blocks: HiSparseBlocks | None = None, selection: str | None = None,
+                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None):
+  sparse = None
+  if blocks is not None:
+    sparse = _SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
+                           host_sharding)
   attn_fn = functools.partial(_attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
-                              blocks, selection)
+                              sparse)
   forward = functools.partial(_forward, graphdef, attn_fn)
-  return jax.jit(forward, donate_argnums=(1, 2), static_argnames=("greedy_only",))
+  return jax.jit(forward, donate_argnums=(1, 2, 3), static_argnames=("greedy_only",))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SparseStatic:
+  """The static settings of the sparse path of a step program."""
+
+  blocks: HiSparseBlocks
+  selection: str
+  thrash_window_steps: int
+  device_sharding: jax.sharding.Sharding
+  host_sharding: jax.sharding.Sharding
+
+
+@functools.cache
+def _copy_program_between():
+  def copy(src_arrays, dst_arrays, src, dst):
+    return tuple(d.at[dst].set(s[src], mode="drop") for s, d in zip(src_arrays, dst_arrays))
+
+  return jax.jit(copy, donate_argnums=(1,))
 
 
 @functools.cache
@@ -263,13 +379,18 @@ def _copy_blocks(arrays, src, dst):
   return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
 
 
-def _forward(graphdef, attn_fn, params, kv_arrays, bounds, input_ids, positions,
-             metadata: StepMetadata, logits_indices, temperature, top_p, top_k, seeds,
-             counters, *, greedy_only: bool):
+def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
+             host_bounds, input_ids, positions, metadata: StepMetadata, logits_indices,
+             temperature, top_p, top_k, seeds, counters, *, greedy_only: bool):
   model = nnx.merge(graphdef, params)
   num_layers = len(kv_arrays) // 2
-  kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i], *bounds[i:i + 1])
-               for i in range(num_layers)]
+  if bounds:  # HiSparse: each layer's cache is a dict (see _attend)
+    kv_caches = [dict(k=kv_arrays[i], v=kv_arrays[num_layers + i], bounds=bounds[i],
+                      host_k=host_arrays[i], host_v=host_arrays[num_layers + i],
+                      host_bounds=host_bounds[i], state=tuple(a[i] for a in hot_state))
+                 for i in range(num_layers)]
+  else:
+    kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i]) for i in range(num_layers)]
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
@@ -278,8 +399,13 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, input_ids, positions,
   else:
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     tokens = sample(logits, temperature, top_p, top_k, keys)
+  if bounds:
+    new_arrays = (tuple(c["k"] for c in kv_caches) + tuple(c["v"] for c in kv_caches))
+    new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))
+    counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
+    return tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state, counts
   new_arrays = tuple(c[0] for c in kv_caches) + tuple(c[1] for c in kv_caches)
-  return tokens, new_arrays, tuple(c[2] for c in kv_caches if len(c) > 2)
+  return tokens, new_arrays, (), hot_state, jnp.zeros((0,), jnp.int32)
 
 
 def _to_storage(x, kv_dtype, storage_dtype):
@@ -294,50 +420,84 @@ def _from_storage(x, kv_dtype):
 
 
 def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
-            blocks: HiSparseBlocks | None, selection: str | None, q, k, v, *, layer_idx,
-            kv_cache, metadata: StepMetadata, config):
+            sparse: _SparseStatic | None, q, k, v, *, layer_idx, kv_cache,
+            metadata: StepMetadata, config):
   """Writes this step's K/V into the pages (and their blocks' key bounds, with HiSparse),
   then attends: each sequence over its blocks, or sparse rows over their selected ones."""
   del layer_idx
-  k_pages, v_pages, *bounds = kv_cache
-  k_pages, v_pages = ops.write_kv(k_pages, v_pages, _to_storage(k[0], kv_dtype, storage_dtype),
-                                  _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
-  k_view, v_view = _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype)
-  if blocks is None:
+  if sparse is None:
+    k_pages, v_pages = kv_cache
+    k_pages, v_pages = ops.write_kv(
+        k_pages, v_pages, _to_storage(k[0], kv_dtype, storage_dtype),
+        _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
     out = ops.ragged_paged_attention(
-        q[0], k_view, v_view, metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
+        q[0], _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype),
+        metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
         sliding_window=config.sliding_window)
     return out[None], (k_pages, v_pages)
-  bounds = ops.block_key_bounds(bounds[0], k_view, metadata.slot_ids)
-  out = _hisparse_attention(ops, blocks, selection, q[0], k_view, v_view, bounds, metadata,
-                            config)
-  return out[None], (k_pages, v_pages, bounds)
+  cache = dict(kv_cache)
+  k_pages, v_pages = ops.write_kv(
+      cache["k"], cache["v"], _to_storage(k[0], kv_dtype, storage_dtype),
+      _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
+  bounds = ops.block_key_bounds(cache["bounds"], _from_storage(k_pages, kv_dtype),
+                                metadata.slot_ids)
+  out, k_pages, v_pages, state, counts = _hisparse_attention(
+      ops, sparse, kv_dtype, q[0], k_pages, v_pages, bounds, cache, metadata, config)
+  return out[None], dict(k=k_pages, v=v_pages, bounds=bounds, state=state, counts=counts)
 
 
-def _hisparse_attention(ops: kernels_pallas.KernelOps, blocks: HiSparseBlocks, selection: str,
-                        q, k_view, v_view, bounds, metadata: StepMetadata, config):
-  """Dense rows through ragged attention, sparse rows through select -> resolve -> attend.
-
-  q [num_tokens, num_q_heads, head_dim]; returns the same shape.
-  """
-  sparse = metadata.sparse_rows  # bool [num_seqs]
+def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv_dtype, q,
+                        k_pages, v_pages, bounds, cache, metadata: StepMetadata, config):
+  """Dense rows through ragged attention, sparse rows through select -> resolve -> load
+  -> attend. q [num_tokens, num_q_heads, head_dim]; returns (out like q, new pages, new
+  hot-buffer state of this layer, counts [num_seqs, 5])."""
+  blocks = sparse.blocks
+  is_sparse = metadata.sparse_rows  # bool [num_seqs]
   num_tokens = q.shape[0]
-  # Sparse rows are cut to one key in the dense call (their output is replaced below),
-  # so the ragged kernel does no work for them.
-  dense_lens = jnp.where(sparse, 1, metadata.kv_lens)
-  out = ops.ragged_paged_attention(q, k_view, v_view, metadata.block_tables, dense_lens,
-                                   metadata.cu_q_lens, sliding_window=config.sliding_window)
+  tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
   rows = jnp.minimum(metadata.cu_q_lens[:-1], num_tokens - 1)  # the query token of each row
   q_rows = q[rows]  # [num_seqs, num_q_heads, head_dim]
-  # select: bounds of each row's blocks, in logical order.
-  sel = indexer.select(q_rows, bounds[metadata.block_tables], metadata.kv_lens, blocks,
-                       selection)
-  # resolve: logical -> device block ids. Every block is device-resident in this build;
-  # the resolver (hot-buffer hits, host loads into LRU slots) replaces this gather.
-  logical = jnp.where(sel.valid, sel.logical_ids, 0)
-  table = jnp.where(sel.valid, jnp.take_along_axis(metadata.block_tables, logical, axis=1), 0)
+  # select: key bounds of each logical block, from its device copy or its host copy.
+  resident = (tables != 0)[:, :, None, None, None]
+  table_bounds = jnp.where(resident, bounds[tables], cache["host_bounds"][metadata.host_tables])
+  sel = indexer.select(q_rows, table_bounds, metadata.kv_lens, blocks, sparse.selection)
+  # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
+  slot_block, last_used, evicted_at = cache["state"]
+  num_rows, width = slot_block.shape[0], tables.shape[1]
+  own_row = is_sparse & (metadata.hot_rows < num_rows)
+  row = jnp.minimum(metadata.hot_rows, num_rows - 1)
+  fresh = (~own_row | metadata.hot_reset)[:, None]
+  state = resolver.HotBufferState(
+      slot_block=jnp.where(fresh, -1, slot_block[row]),
+      slot_last_used=jnp.where(fresh, resolver.NEVER, last_used[row]),
+      evicted_at=jnp.where(fresh, resolver.NEVER, evicted_at[row, :width]))
+  valid = sel.valid & is_sparse[:, None]
+  res = resolver.resolve(jnp.where(valid, sel.logical_ids, 0), valid, state, tables,
+                         metadata.hot_slots, metadata.host_tables, metadata.step,
+                         num_device_blocks=k_pages.shape[0],
+                         thrash_window_steps=sparse.thrash_window_steps)
+  # load: one batched host -> device gather of this layer's misses into their slots.
+  k_pages, v_pages = resolver.load_blocks(
+      (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
+      res.load_device_ids, device_sharding=sparse.device_sharding,
+      host_sharding=sparse.host_sharding)
+  k_view, v_view = _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype)
+  # Sparse rows are cut to one key in the dense call (their output is replaced below),
+  # so the ragged kernel does no work for them.
+  dense_lens = jnp.where(is_sparse, 1, metadata.kv_lens)
+  out = ops.ragged_paged_attention(q, k_view, v_view, tables, dense_lens,
+                                   metadata.cu_q_lens, sliding_window=config.sliding_window)
   # attend: the newest, partly filled block is last (indexer order).
-  lengths = jnp.where(sparse, sel.lengths, 0)
-  sparse_out = ops.paged_attention(q_rows, k_view, v_view, table, lengths)
-  dst = jnp.where(sparse, rows, num_tokens)  # dense rows dropped
-  return out.at[dst].set(sparse_out.astype(out.dtype), mode="drop")
+  lengths = jnp.where(is_sparse, sel.lengths, 0)
+  sparse_out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables, lengths)
+  dst = jnp.where(is_sparse, rows, num_tokens)  # dense rows dropped
+  out = out.at[dst].set(sparse_out.astype(out.dtype), mode="drop")
+  # The rows' new state goes back to their rows (rows without one are dropped).
+  dst_row = jnp.where(own_row, metadata.hot_rows, num_rows)
+  new_state = (slot_block.at[dst_row].set(res.state.slot_block, mode="drop"),
+               last_used.at[dst_row].set(res.state.slot_last_used, mode="drop"),
+               evicted_at.at[dst_row, :width].set(res.state.evicted_at, mode="drop"))
+  c = res.counts
+  counts = jnp.stack([c.resident_hits, c.hot_hits, c.misses, c.evictions, c.thrash], axis=-1)
+  counts = jnp.where(is_sparse[:, None], counts, 0).astype(jnp.int32)
+  return out, k_pages, v_pages, new_state, counts

@@ -21,6 +21,15 @@ when the device is short, running requests move to the host pool and come back l
 so the engine holds as many requests as device plus host blocks allow. Only when the
 host pool cannot take a victim's blocks does preemption fall back to recomputation.
 
+With HiSparse, a decoding request longer than `sparse_threshold_tokens` is a sparse
+decoder: each time it decodes, its newly filled blocks are written through to the host
+pool (d2h plans with the swap-outs). When the device is short (a decode without a block,
+a swapped request or a waiting one without room), sparse decoders are OFFLOADED before
+anyone is preempted: the device copies of their written-through blocks are dropped (no
+write) and they keep only a hot buffer plus their newest blocks on the device, so the
+running set is bounded by the host-backed capacity rather than the device's. A swapped
+sparse decoder comes back offloaded (its newest block and hot buffer only).
+
 The scheduler owns host bookkeeping only (STYLE point 9); the engine executes the
 plans (transfers, copy-on-write copies, the jitted step) in the order the
 `BlockManager` contract gives.
@@ -34,6 +43,7 @@ import dataclasses
 import numpy as np
 
 from hisparse_jax.block_manager import BlockManager, SwapInPlan, SwapOutPlan
+from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.request import Request, RequestStatus
 
 
@@ -63,6 +73,7 @@ class SchedulerOutput:
   preempted: list[Request] = dataclasses.field(default_factory=list)  # swapped out
   swapped_in: list[Request] = dataclasses.field(default_factory=list)  # incl. host prefix hits
   recomputed: list[Request] = dataclasses.field(default_factory=list)
+  offloaded: list[Request] = dataclasses.field(default_factory=list)  # HiSparse drops
 
   @property
   def num_tokens(self) -> int:
@@ -83,7 +94,8 @@ class Scheduler:
   """
 
   def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-               max_num_batched_tokens: int, enable_chunked_prefill: bool = True):
+               max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+               hisparse: HiSparseConfig | None = None):
     if max_num_seqs < 1:
       raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_num_batched_tokens < 1:
@@ -92,6 +104,9 @@ class Scheduler:
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
     self.enable_chunked_prefill = enable_chunked_prefill
+    self.hisparse = hisparse
+    self.hot_buffer_blocks = (hisparse.blocks(block_manager.block_size).hot_buffer_blocks
+                              if hisparse is not None else 0)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.swapped: collections.deque[Request] = collections.deque()
@@ -144,7 +159,42 @@ class Scheduler:
     return ScheduledChunk(request, start, n, self.bm.slot_ids(request.request_id, start,
                                                               start + n))
 
+  def is_sparse_decoder(self, request: Request) -> bool:
+    """Whether the request's next step is a sparse decode (HiSparse)."""
+    return (self.hisparse is not None and request.prefill_len > 0
+            and not request.is_prefilling and self.hisparse.is_sparse(request.num_tokens))
+
+  def _write_through(self, request: Request, out: SchedulerOutput) -> None:
+    plan = self.bm.write_through(request.request_id, request.num_computed_tokens)
+    if plan.num_blocks:
+      out.swap_out.append(plan)
+
+  def _make_room(self, num_blocks: int, out: SchedulerOutput) -> bool:
+    """Offloads running sparse decoders (largest gain first) until `num_blocks` device
+    blocks are free; returns whether they are. Offloads nobody when all of them together
+    could not free enough (an offload costs host loads later)."""
+    free = self.bm.device_pool.num_free_blocks
+    if free >= num_blocks:
+      return True
+    gains = {}
+    for request in self.running:  # (requests preempted in this step are not RUNNING)
+      if request.status == RequestStatus.RUNNING and self.is_sparse_decoder(request):
+        self._write_through(request, out)
+        gain = self.bm.offload_gain(request.request_id, self.hot_buffer_blocks)
+        if gain > 0:
+          gains[request.request_id] = (gain, request)
+    if free + sum(g for g, _ in gains.values()) < num_blocks:
+      return False
+    for _gain, request in sorted(gains.values(), key=lambda x: -x[0]):
+      if self.bm.device_pool.num_free_blocks >= num_blocks:
+        break
+      self.bm.offload(request.request_id, self.hot_buffer_blocks)
+      out.offloaded.append(request)
+    return self.bm.device_pool.num_free_blocks >= num_blocks
+
   def _decode(self, request: Request, out: SchedulerOutput) -> ScheduledChunk:
+    if self.is_sparse_decoder(request):
+      self._write_through(request, out)
     result = self.bm.append_slot(request.request_id, request.output_token_ids[-1])
     if result.copy is not None:
       out.copies.append(result.copy)
@@ -189,7 +239,8 @@ class Scheduler:
           out.chunks.append(chunk)
           budget -= chunk.num_tokens
         continue
-      while not self.bm.can_append(request.request_id):
+      while (not self.bm.can_append(request.request_id)
+             and not (self.hisparse is not None and self._make_room(1, out))):
         victim = queue.pop() if queue else None
         if victim is None:  # Nobody newer left: this request gives its blocks up.
           self._preempt(request, out)
@@ -209,12 +260,20 @@ class Scheduler:
       # next token may open (counted without device prefix hits, conservatively). A
       # request swapped in without room to decode would swap itself out again at once,
       # a round trip per step with no progress.
-      needed = -(-request.num_tokens // self.bm.block_size)
-      if (not self.bm.can_swap_in(request.request_id)
+      # Blocks of all its tokens, the next one's included (its last sampled token).
+      num_blocks = -(-request.num_tokens // self.bm.block_size)
+      hot, kept = 0, 0
+      if self.is_sparse_decoder(request):  # comes back offloaded: newest blocks + hot buffer
+        hot = self.hot_buffer_blocks
+        kept = request.num_computed_tokens // self.bm.block_size
+      needed = num_blocks - kept + (hot if kept else 0)
+      if self.hisparse is not None:
+        self._make_room(needed, out)
+      if (not self.bm.can_swap_in(request.request_id, hot, request.num_computed_tokens)
           or self.bm.device_pool.num_free_blocks < needed):
         break
       self.swapped.popleft()
-      plan = self.bm.swap_in(request.request_id)
+      plan = self.bm.swap_in(request.request_id, hot, request.num_computed_tokens)
       out.swap_in.append(plan)
       out.swapped_in.append(request)
       request.num_swapped_in_blocks += plan.num_blocks
@@ -236,9 +295,11 @@ class Scheduler:
       request = self.waiting[0]
       tokens = request.all_token_ids  # a recomputed request re-reads its outputs too
       spare = len(self.running)
+      needed = -(-len(tokens) // self.bm.block_size)
+      if self.hisparse is not None:  # admission by host-backed capacity: offload first
+        self._make_room(needed + spare if self.running else needed, out)
       if not self.bm.can_allocate(tokens):
         break
-      needed = -(-len(tokens) // self.bm.block_size)
       if self.running and self.bm.device_pool.num_free_blocks < needed + spare:
         break
       if not self.enable_chunked_prefill and len(tokens) > budget:

@@ -1,8 +1,9 @@
 """`hisparse-jax demo` (what `make demo` runs), smaller: 5 prompts of 99 tokens, in a subprocess.
 
-The full demo (8 prompts of 1,038 tokens) is `make demo`; this run keeps its shape: more
-requests than the device pool holds once they decode, so some are swapped out to the host
-pool and read back from it.
+The full demo (8 prompts of 1,026 tokens) is `make demo`; this run keeps its shape with
+HiSparse settings scaled to the short prompts: more requests than the device pool holds
+once they decode, so decoding requests are offloaded (their KV written through to the
+host pool) and their selected blocks are loaded back from it into hot buffers.
 """
 
 import json
@@ -18,36 +19,45 @@ from hisparse_jax import demo_cmd
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_swaps_to_the_host_pool_and_marks_every_answer(tmp_path):
+def test_demo_offloads_to_the_host_pool_and_marks_every_answer(tmp_path):
   metrics_json = tmp_path / "metrics.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, "-m", "hisparse_jax", "demo", "--demo_num_prompts=5",
                       "--demo_context_len=100", "--max_num_batched_tokens=64",
+                      "--top_k_tokens=32", "--hot_buffer_tokens=32", "--sink_tokens=16",
+                      "--local_tokens=16", "--sparse_threshold_tokens=48",
                       f"--metrics_json={metrics_json}"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout.splitlines()
-  # Device pool: 3 prompts of 7 blocks + 1 spare block each = 24 blocks = 384 tokens.
+  # Device pool: 3 prompts of 7 blocks + 1 spare block each = 24 blocks = 384 tokens (the
+  # budget adds HiSparse's indexer and hot-buffer-state bytes, so the pool keeps them).
   assert out[0].startswith("demo: 5 key-value retrieval prompts of 99 tokens (seed 4242), 31 "
-                           "output tokens each, up to 8 at once; device KV pool 384 tokens")
+                           "output tokens each, up to 8 at once; device KV pool ~384 tokens")
+  assert "HiSparse top-k 32 tokens, hot buffer 32 tokens" in out[0]
   for kind in ("memory_kind=device]: 0.00 GiB = 24 blocks x 16 tokens = 384 tokens",
                "memory_kind=pinned_host]", "total]"):
     assert f"KV cache capacity [{kind}" in r.stderr
+  assert "HiSparse: indexer key bounds" in r.stderr and "HiSparse runs" in r.stderr
   answers = [ln for ln in out if re.match(r"\[\d\] (RIGHT|WRONG) ", ln)]
   assert len(answers) == 5
   assert all("99 prompt tokens, 31 generated" in ln for ln in answers)
   num_right = sum(ln.split()[1] == "RIGHT" for ln in answers)
   assert f"{num_right}/5 right" in out
-  metrics = json.loads(metrics_json.read_text())
-  preemptions = metrics["hisparse_preemptions_total"]
-  host_blocks = metrics['hisparse_blocks_selected_total{source="host"}']
-  assert preemptions >= 1 and host_blocks >= 1
-  assert metrics['hisparse_transfer_bytes_total{direction="d2h"}'] > 0
-  assert metrics['hisparse_transfer_bytes_total{direction="h2d"}'] == host_blocks * 16 * 1024
+  m = json.loads(metrics_json.read_text())
+  offloads, loads = m["hisparse_offloads_total"], m["hisparse_hot_buffer_loads_total"]
+  preemptions = m["hisparse_preemptions_total"]
+  host_blocks = m['hisparse_blocks_selected_total{source="host"}']
+  assert offloads >= 1 and loads >= 1 and host_blocks >= 1
+  assert m['hisparse_transfer_bytes_total{direction="d2h"}'] > 0  # write-through
+  # h2d bytes: in-step loads (block-layers of 16 x 512 bytes) + swap-ins (whole blocks).
+  assert m['hisparse_transfer_bytes_total{direction="h2d"}'] == (
+      loads * 16 * 512 + m['hisparse_transfer_blocks_total{direction="h2d"}'] * 16 * 1024)
   assert f"preemptions (swap-out to the host pool): {preemptions:.0f}" in r.stdout
-  assert out[-1] == (f"host pool used: {preemptions:.0f} preemptions by swap-out, "
-                     f"{host_blocks:,.0f} blocks read after coming back from the host pool; "
-                     f"{num_right}/5 answers right")
+  assert out[-1] == (f"host pool used: {offloads:.0f} offloads, {loads:,.0f} block-layers "
+                     f"loaded from the host pool into hot buffers, {preemptions:.0f} "
+                     f"preemptions by swap-out, {host_blocks:,.0f} blocks read from the host "
+                     f"pool in all; {num_right}/5 answers right")
 
 
 @pytest.mark.parametrize("prompt_len,expected_tokens", [

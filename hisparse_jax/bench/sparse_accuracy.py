@@ -4,7 +4,10 @@ Fresh retrieval prompts of ~1k tokens (models.data.make_retrieval_prompts, a see
 trainer does not use), greedy; an answer is right when the first word of the output is
 the expected word (a weak model may go on without a newline). Each row of the table is
 one engine (dense, then top_k_tokens 256 = a quarter of the context, 512,
-and 2048 = all blocks, which must equal dense). Prints a table and writes JSON.
+and 2048 = all blocks, which must equal dense). The device pool holds the KV of
+`--device_prompts` prompts (plus HiSparse's indexer and hot-buffer bytes), so with
+HiSparse the requests are offloaded and their selected blocks are loaded from the host
+pool into hot buffers (the table shows the loads). Prints a table and writes JSON.
 
   python -m hisparse_jax.bench.sparse_accuracy [--num_prompts=24] [--context_len=1024]
       [--out=results/sparse_accuracy_cpu.json]
@@ -29,6 +32,7 @@ flags.DEFINE_integer("sink_tokens", 16, "HiSparse sink tokens (part of the budge
 flags.DEFINE_integer("local_tokens", 64, "HiSparse local tokens (part of the budget).")
 flags.DEFINE_integer("sparse_threshold_tokens", 256, "Sequences longer than this decode "
                      "sparsely.")
+flags.DEFINE_integer("device_prompts", 3, "The device KV pool holds this many prompts.")
 flags.DEFINE_string("out", "results/sparse_accuracy_cpu.json", "JSON output path.")
 
 BLOCK_SIZE = 16
@@ -39,6 +43,16 @@ def answer_of(text: str) -> str:
   words = text.split()
   return words[0] if words else ""
 MAX_NEW_TOKENS = 2  # the answer word and its newline
+
+
+def machine_info() -> dict:
+  import platform  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  return dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+              jax=jax.__version__, backend=jax.default_backend(),
+              load_average=os.getloadavg()[0])
 
 
 def checkpoint_info() -> dict:
@@ -64,22 +78,53 @@ def checkpoint_info() -> dict:
   return info
 
 
+def engine_budgets(hisparse, max_model_len: int, num_prompts: int) -> dict:
+  """device_kv_gib and host_pool_gib: the device holds `--device_prompts` prompts of KV
+  plus what HiSparse reserves (indexer and hot-buffer bytes); the host holds them all."""
+  from hisparse_jax.capacity import hisparse_capacity  # noqa: PLC0415
+  from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
+  from models.loader import load_config  # noqa: PLC0415
+
+  spec = KVCacheSpec.from_model_config(load_config(None), "float32", BLOCK_SIZE)
+  blocks_per_prompt = -(-max_model_len // BLOCK_SIZE)
+  device_blocks = FLAGS.device_prompts * blocks_per_prompt + 1
+  host_blocks = (num_prompts + 2) * blocks_per_prompt + 1
+  reserved = 0
+  if hisparse is not None:
+    reserved = hisparse_capacity(spec, hisparse, num_device_blocks=device_blocks,
+                                 num_host_blocks=host_blocks, max_num_seqs=MAX_NUM_SEQS,
+                                 max_model_len=max_model_len).reserved_bytes
+  gib = 2**30
+  return dict(device_kv_gib=(device_blocks * spec.bytes_per_block + reserved + 512) / gib,
+              host_pool_gib=(host_blocks * spec.bytes_per_block + 512) / gib)
+
+
+MAX_NUM_SEQS = 8
+
+
 def measure(prompts, hisparse) -> dict:
   from hisparse_jax.llm import LLM  # noqa: PLC0415
   from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
 
-  llm = LLM(block_size=BLOCK_SIZE, max_model_len=FLAGS.context_len + 128, max_num_seqs=8,
-            max_num_batched_tokens=1024, device_kv_gib=0.05, host_pool_gib=0.05,
-            hisparse=hisparse)
+  max_model_len = FLAGS.context_len + 128
+  llm = LLM(block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=4096, hisparse=hisparse,
+            **engine_budgets(hisparse, max_model_len, len(prompts)))
   start = time.perf_counter()
   outputs = llm.generate([p.text for p in prompts],
                          SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
   wall_s = time.perf_counter() - start
   right = [answer_of(o.text) == p.answer for o, p in zip(outputs, prompts)]
-  metrics = llm.metrics()
+  m = llm.metrics()
+  selected = {s: m[f'hisparse_blocks_selected_total{{source="{s}"}}']
+              for s in ("device", "hot", "host")}
   return dict(num_right=sum(right), num_prompts=len(prompts),
               accuracy=sum(right) / len(prompts), wall_s=round(wall_s, 2),
-              blocks_selected_device=metrics['hisparse_blocks_selected_total{source="device"}'],
+              blocks_selected=selected, blocks_read=sum(selected.values()),
+              hot_buffer_loads=m["hisparse_hot_buffer_loads_total"],
+              hot_buffer_hit_rate=m["hisparse_hot_buffer_hit_rate"],
+              offloads=m["hisparse_offloads_total"],
+              preemptions=m["hisparse_preemptions_total"],
               answers=[answer_of(o.text) for o in outputs])
 
 
@@ -99,7 +144,7 @@ def main(argv):
   results = []
   dense_answers = None
   print(f"{'config':<20} {'right':>7} {'acc':>6} {'= dense':>8} {'blocks read':>12} "
-        f"{'wall s':>7}")
+        f"{'host loads':>10} {'offloads':>8} {'wall s':>7}")
   for name, hisparse in rows:
     r = measure(prompts, hisparse)
     dense_answers = dense_answers if dense_answers is not None else r["answers"]
@@ -111,8 +156,10 @@ def main(argv):
     results.append(r)
     print(f"{name:<20} {r['num_right']:>3}/{r['num_prompts']:<3} {r['accuracy']:>6.1%} "
           f"{r['same_answer_as_dense']:>4}/{r['num_prompts']:<3} "
-          f"{r['blocks_selected_device']:>12,.0f} {r['wall_s']:>7.1f}")
+          f"{r['blocks_read']:>12,.0f} {r['hot_buffer_loads']:>10,.0f} "
+          f"{r['offloads']:>8,.0f} {r['wall_s']:>7.1f}")
   report = dict(checkpoint=checkpoint_info(), block_size=BLOCK_SIZE,
+                device_prompts=FLAGS.device_prompts, machine=machine_info(),
                 context_len=FLAGS.context_len, prompt_tokens=[min(lengths), max(lengths)],
                 prompt_seed=FLAGS.prompt_seed, max_new_tokens=MAX_NEW_TOKENS, greedy=True,
                 results=results)

@@ -1,9 +1,12 @@
-"""HiSparse in the engine: sparse decode rows over the indexer's selection (device-resident).
+"""HiSparse in the engine: sparse decode rows over the indexer's selection, with blocks
+written through to the host pool, dropped from the device under pressure, and loaded back
+into per-request hot buffers inside the step.
 
 The tiny random Llama of engine_fixtures (block_size 8, max_model_len 64), the full-recompute
-dense reference, invariants after every step (`run`). A device budget of 15 dense blocks
-plans 13 blocks with HiSparse (an eighth of a block's bytes per block go to key bounds), so
-the six prompts swap out to the host pool and back as in test_engine. Steps compute at most
+dense reference, invariants after every step (`run`). A device budget of 18 dense blocks
+plans 11 blocks with HiSparse (key bounds of every device and host block, an eighth of a
+block's bytes each, and the hot-buffer state come out of it), so the six prompts are
+preempted, come back offloaded and read blocks from the host pool. Steps compute at most
 16 tokens (prefill in chunks of 16), so every step pads to one token bucket and the file
 compiles few programs (compilation is nearly all of its time).
 """
@@ -40,15 +43,15 @@ PROMPTS = random_prompts((5, 17, 40, 33, 9, 3), seed=0)
 NUM_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
 # top_k covers max_model_len (8 blocks): every sparse row selects all its blocks.
-FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, sink_tokens=8, local_tokens=8,
-                      sparse_threshold_tokens=16)
-# Two blocks per sparse step: the sink block and the newest one.
-SMALL = HiSparseConfig(top_k_tokens=16, sink_tokens=8, local_tokens=8,
+FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
+                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
+# Two blocks per sparse step: the sink block and the newest one; a hot buffer of 2 blocks.
+SMALL = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8, local_tokens=8,
                        sparse_threshold_tokens=16)
 BLOCKS = '{source="device"}'
 
 
-def _engine(hisparse, num_dense_blocks=15, model=None, **overrides):
+def _engine(hisparse, num_dense_blocks=18, model=None, **overrides):
   model = model if model is not None else tiny_model()
   fields = dict(block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                 max_num_batched_tokens=16,
@@ -61,8 +64,8 @@ def _count_sparse_rows(engine):
   """Wraps build_batch; returns a list that gets each step's number of sparse rows."""
   counts, build = [], engine.runner.build_batch
 
-  def recording(chunks, tables):
-    batch = build(chunks, tables)
+  def recording(chunks, tables, tiers=None):
+    batch = build(chunks, tables, tiers)
     counts.append(int(batch.metadata.sparse_rows.sum()))
     return batch
 
@@ -71,15 +74,25 @@ def _count_sparse_rows(engine):
 
 
 def _assert_bounds_exact(engine):
-  """The bounds of every block a running request holds equal the reference recomputed from
-  the pages over its valid tokens (exactly)."""
+  """The bounds of every device block a running request holds equal the reference
+  recomputed from the pages over its valid tokens (exactly), and the host-indexed bounds of
+  its host copies equal the reference over the host pages. Returns the blocks checked."""
   bs = engine.config.block_size
-  slots = []
+  slots, host_ids = [], []
   for request in engine.scheduler.running:
+    host_ids += engine.block_manager.host_copy_ids(request.request_id)
     for i, block_id in enumerate(engine.block_manager.block_table(request.request_id)):
       fill = min(bs, request.num_computed_tokens - i * bs)
-      if fill > 0:
+      if fill > 0 and block_id != 0:
         slots.append(block_id * bs + fill - 1)
+  engine.transfer.wait()
+  for layer, host_bounds in enumerate(engine.runner.host_bounds):
+    host_k = jnp.asarray(np.asarray(engine.host_pool.k[layer]))
+    full = jnp.asarray(np.arange(host_k.shape[0], dtype=np.int32) * bs + bs - 1)
+    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(host_bounds), host_k,
+                                                         full)
+    np.testing.assert_array_equal(np.asarray(host_bounds)[host_ids],
+                                  np.asarray(expected)[host_ids])
   padded = np.full(engine.device_pool.num_blocks, -1, np.int32)
   padded[:len(slots)] = slots
   ids = np.array(slots, np.int64) // bs
@@ -88,7 +101,7 @@ def _assert_bounds_exact(engine):
     expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(bounds), k_pages,
                                                          jnp.asarray(padded))
     np.testing.assert_array_equal(np.asarray(bounds)[ids], np.asarray(expected)[ids])
-  return len(slots)
+  return len(slots) + len(host_ids)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +109,9 @@ def reference():
   return reference_greedy(tiny_model(), PROMPTS, NUM_TOKENS)
 
 
-def test_full_top_k_gives_the_dense_tokens_under_swap_pressure_with_exact_bounds(reference):
+def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference):
   engine = _engine(FULL)
-  assert engine.device_pool.num_blocks == 13
+  assert engine.device_pool.num_blocks == 11
   sparse_rows = _count_sparse_rows(engine)
   checked = []
   step = engine.step
@@ -115,26 +128,52 @@ def test_full_top_k_gives_the_dense_tokens_under_swap_pressure_with_exact_bounds
   assert sum(sparse_rows) > 50  # most decode rows of the longer prompts took the sparse path
   assert sum(checked) > 100
   m = engine.metrics()
-  assert m["hisparse_preemptions_total"] > 0 and m[f"hisparse_blocks_selected_total{BLOCKS}"] > 0
+  # Preempted sparse requests came back offloaded: their selected blocks were loaded from
+  # the host pool into their hot buffers inside the step, and hit there afterwards.
+  assert m["hisparse_preemptions_total"] > 0
+  assert m["hisparse_hot_buffer_loads_total"] > 0 and m["hisparse_hot_buffer_hits_total"] > 0
+  assert m['hisparse_blocks_selected_total{source="host"}'] > 0
+  assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
+  assert 0 < m["hisparse_hot_buffer_hit_rate"] < 1
+  assert sum(o.blocks_selected["hot"] for o in outputs.values()) == pytest.approx(
+      m['hisparse_blocks_selected_total{source="hot"}'])
+  # Every load is h2d bytes: block-layers x bytes of one block of one layer.
+  spec = engine.device_pool.spec
+  assert m['hisparse_transfer_bytes_total{direction="h2d"}'] >= (
+      m["hisparse_hot_buffer_loads_total"] * spec.bytes_per_block // spec.num_layers)
   assert_all_blocks_free(engine)
 
 
-def test_key_bounds_are_device_reserved_bytes_in_the_capacity_report():
+def test_hisparse_device_bytes_are_reserved_and_logged():
   engine = _engine(FULL)
-  spec_bytes = bounds_bytes_per_block(engine.device_pool.spec)
+  spec = engine.device_pool.spec
+  spec_bytes = bounds_bytes_per_block(spec)
   assert spec_bytes == 2 * 2 * 2 * 8 * 4  # layers x (min, max) x kv heads x head_dim x f32
-  assert engine.runner.reserved_bytes == engine.device_pool.num_blocks * spec_bytes
+  num_blocks = engine.device_pool.num_blocks + engine.host_pool.num_blocks
+  assert engine.runner.indexer_bytes == num_blocks * spec_bytes
+  # state rows: layers x max_num_seqs x (2 x 8 slots + 8 max blocks) int32
+  assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 4 * (2 * 8 + 8) * 4
   assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
   for bounds in engine.runner.bounds:
-    assert bounds.shape == (13, 2, 2, 8) and bounds.sharding.memory_kind == "device"
+    assert bounds.shape == (11, 2, 2, 8) and bounds.sharding.memory_kind == "device"
+  for bounds in engine.runner.host_bounds:
+    assert bounds.shape == (engine.host_pool.num_blocks, 2, 2, 8)
+    assert bounds.sharding.memory_kind == "device"
+  lines = engine.capacity.log_lines(MAX_MODEL_LEN)
+  assert (f"HiSparse: indexer key bounds {num_blocks * spec_bytes:,} bytes + hot-buffer "
+          f"state {2 * 4 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per offloaded "
+          "request") in lines[0]
+  running = min((engine.host_pool.num_blocks - 1) / 8, (engine.device_pool.num_blocks - 1) / 9)
+  assert f"HiSparse runs {running:.2f}x at once" in lines[-1]
   dense = _engine(None)
   assert dense.runner.bounds == () and dense.capacity["device"].reserved_bytes == 0
-  assert dense.device_pool.num_blocks == 15
+  assert dense.device_pool.num_blocks == 18
+  assert "HiSparse" not in " ".join(dense.capacity.log_lines(MAX_MODEL_LEN))
 
 
 @pytest.mark.parametrize("hisparse", [None, SMALL], ids=["dense", "top_k_2_blocks"])
 def test_blocks_selected_counts_what_attention_read(hisparse):
-  engine = _engine(hisparse, num_dense_blocks=40)
+  engine = _engine(hisparse, num_dense_blocks=50)
   prompt = random_prompts((40,), seed=5)[0]
   engine.add_request("a", prompt_token_ids=prompt, sampling_params=GREEDY)
   out = run(engine)["a"]
@@ -157,6 +196,7 @@ def test_small_top_k_runs_every_request_to_completion(reference):
   assert {o.finish_reason for o in outputs.values()} == {"length"}
   assert all(len(o.token_ids) == 12 for o in outputs.values())
   assert sum(sparse_rows) > 20
+  assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
   # The 3-token prompt never has more than 14 tokens in the cache: dense throughout.
   assert outputs["r3"].token_ids == reference[5][:12]
   assert_all_blocks_free(engine)
@@ -194,19 +234,48 @@ def test_cli_flags_build_the_hisparse_config():
     assert generate_cmd.engine_kwargs_from_flags()["hisparse"] is None
 
 
-def test_default_model_sparse_equals_dense_on_retrieval_prompts():
+def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
+  from hisparse_jax.capacity import hisparse_capacity
+  from hisparse_jax.kv_pool import KVCacheSpec
   from hisparse_jax.llm import LLM
+  from models.loader import load_config
 
   if not os.path.isfile(os.path.join(models.DEFAULT_MODEL_DIR, "model.safetensors")):
     pytest.skip("the default model is not trained yet")
   prompts = data.make_retrieval_prompts(2, 150, seed=21)
-  full = HiSparseConfig(top_k_tokens=192, sink_tokens=16, local_tokens=16,
-                        sparse_threshold_tokens=32)
+  assert [len(p.token_ids) for p in prompts] <= [150, 150]
+  # top-k and hot buffer cover max_model_len: sparse rows attend over every block.
+  full = HiSparseConfig(top_k_tokens=192, hot_buffer_tokens=192, sink_tokens=16,
+                        local_tokens=16, sparse_threshold_tokens=32)
+  # A device pool of 21 usable blocks: both prompts (10 blocks each) are admitted, the
+  # second is preempted when both cross into an 11th block, and it comes back offloaded
+  # (its written-through blocks stay on the host and are loaded into its hot buffer).
+  spec = KVCacheSpec.from_model_config(load_config(None), "float32", 16)
+  device_blocks, host_blocks = 22, 40
+  gib = 2**30
+
+  def reserved(num_device_blocks):
+    return hisparse_capacity(spec, full, num_device_blocks=num_device_blocks,
+                             num_host_blocks=host_blocks, max_num_seqs=2,
+                             max_model_len=192).reserved_bytes
+
+  # The engine reserves for the blocks of its bound-free plan (the whole budget): find
+  # the budget whose pool, after that reservation, is exactly `device_blocks`.
+  extra = reserved(device_blocks)
+  for _ in range(5):
+    extra = reserved(device_blocks + extra // spec.bytes_per_block)
   llm = LLM(hisparse=full, block_size=16, max_model_len=192, max_num_seqs=2,
-            max_num_batched_tokens=16, device_kv_gib=0.002, host_pool_gib=0.002)
+            max_num_batched_tokens=512,  # both prompts prefill in one step, then decode
+            device_kv_gib=(device_blocks * spec.bytes_per_block + extra + 512) / gib,
+            host_pool_gib=(host_blocks * spec.bytes_per_block + 512) / gib)
+  assert llm.engine.device_pool.num_blocks == device_blocks
   sparse_rows = _count_sparse_rows(llm.engine)
-  outputs = llm.generate([p.text for p in prompts], SamplingParams(max_tokens=5,
+  outputs = llm.generate([p.text for p in prompts], SamplingParams(max_tokens=16,
                                                                    ignore_eos=True))
-  dense = reference_greedy(llm.engine.model, [p.token_ids for p in prompts], 5)
+  dense = reference_greedy(llm.engine.model, [p.token_ids for p in prompts], 16)
   assert [o.token_ids for o in outputs] == dense
-  assert sum(sparse_rows) == 2 * 4  # every decode step of both prompts
+  assert sum(sparse_rows) == 2 * 15  # every decode step of both prompts
+  m = llm.metrics()
+  assert m["hisparse_preemptions_total"] == 1
+  assert m["hisparse_hot_buffer_loads_total"] > 0  # blocks came from the host pool
+  assert m['hisparse_blocks_selected_total{source="host"}'] > 0
