@@ -2,14 +2,16 @@
 
 Usage: ``hisparse-jax COMMAND [--flag=value ...]`` (or ``python -m hisparse_jax``).
 Each command lives in its own module and exposes ``main(argv)``; this file only
-defines the shared flags and dispatches. Bad input exits with status 2 and one
-line naming the flag or field.
+defines the shared flags and dispatches. Bad input (a ValueError from the command)
+exits with status 2 and one line naming the flag or field; `--verbosity=1` or higher
+prints the traceback before that line.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 
 from absl import app, flags, logging
 
@@ -28,6 +30,8 @@ register("generate", "hisparse_jax.generate_cmd",
          "Generate for --prompt / --prompts_file prompts; mark expected answers RIGHT/WRONG.")
 register("demo", "hisparse_jax.demo_cmd",
          "Long retrieval prompts on the default model with a small device KV budget.")
+register("bench", "hisparse_jax.bench_cmd",
+         "Benchmark suites (--suite=NAME|all): side-by-side ratios, table + --out JSON.")
 
 
 FLAGS = flags.FLAGS
@@ -93,6 +97,14 @@ flags.DEFINE_integer("demo_context_len", 1026,
                      "on.")
 flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the retrieval prompts (the trainer "
                      "and models.eval_retrieval use other seeds).")
+# bench (hisparse_jax.bench_cmd); the decode suite also reads --block_size.
+flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_vs_dense, "
+                    "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel) or all.")
+flags.DEFINE_string("out", None, "bench: write the JSON result here.")
+flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
+                  "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
+flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
+                    "against context here (when the decode_sparse_vs_dense suite runs).")
 
 
 class UsageError(ValueError):
@@ -121,11 +133,21 @@ def _main(argv: list[str]) -> int:
   module = importlib.import_module(COMMANDS[name][0])
   try:
     return int(module.main(argv[1:]) or 0)
-  except ValueError as e:  # bad input: one line, no traceback unless verbose
+  except ValueError as e:  # bad input: one line, exit 2; the traceback only when verbose
     if logging.get_verbosity() >= logging.DEBUG:
-      raise
-    print(f"hisparse-jax {name}: error: {e}", file=sys.stderr)
+      traceback.print_exc()
+    print(f"hisparse-jax {name}: error: {error_line(e)}", file=sys.stderr)
     return 2
+
+
+def error_line(error: ValueError) -> str:
+  """The one line a bad-input error is reported as. A checkpoint the loader refuses is
+  the --model flag's fault (its message names the file and tensor)."""
+  loader = sys.modules.get("models.loader")  # not loaded: the error cannot come from it
+  message = " ".join(str(error).split())
+  if loader is not None and isinstance(error, loader.CheckpointError):
+    return f"--model: {message}"
+  return message
 
 
 def run() -> None:

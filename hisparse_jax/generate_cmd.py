@@ -19,8 +19,11 @@ expected answer is given, RIGHT when the first line of the output starts with it
 else WRONG; then
 "N/M right" and a metrics summary. The capacity lines, the status line and the progress
 bar go to stderr. Bad input (a bad JSONL line, a file that is not UTF-8, a bad flag
-value) exits 2 with one line naming the flag, or the file and line. `hisparse-jax demo`
-runs its prompts through `run` below, the same path.
+value, a prompt the engine would refuse) exits 2 with one line naming the flag, or the
+file and line, before the weights load: the flags are checked as an `EngineConfig` and
+the prompts by the engine's rule (`request.check_prompt`) against the checkpoint's
+config and tokenizer. `hisparse-jax demo` runs its prompts through `run` below, the
+same path.
 """
 
 from __future__ import annotations
@@ -140,12 +143,20 @@ def matches_expected(text: str, expected: str) -> bool:
 
 
 def engine_kwargs_from_flags() -> dict[str, Any]:
-  """The `LLM` arguments the shared and engine flags give."""
-  return dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
-              device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
-              max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
-              max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
-              hisparse=hisparse_from_flags())
+  """The `LLM` arguments the shared and engine flags give, checked as an `EngineConfig`
+  before any model loads (its fields are the flags' names, so errors name the flag)."""
+  from hisparse_jax.engine import EngineConfig  # noqa: PLC0415 (imports jax)
+
+  kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+                device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
+                max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+                max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
+                hisparse=hisparse_from_flags())
+  try:
+    EngineConfig(**kwargs)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
+  return kwargs
 
 
 HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
@@ -235,6 +246,27 @@ def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None
           f"{spec.expected.strip()!r}; {figures})", right)
 
 
+def checked_prompt_ids(specs: Sequence[PromptSpec], model: str | None,
+                       max_model_len: int) -> list[list[int]]:
+  """The token ids of every prompt, checked by the engine's rule (`request.check_prompt`)
+  with only the checkpoint's config and tokenizer read: a bad prompt fails, naming its
+  source, before the weights load and the KV pools are allocated."""
+  from hisparse_jax.request import check_prompt  # noqa: PLC0415 (imports jax)
+  from models.loader import load_config, load_tokenizer  # noqa: PLC0415
+
+  vocab_size = load_config(model).vocab_size
+  tokenizer = load_tokenizer(model) if any(s.prompt is not None for s in specs) else None
+  out = []
+  for spec in specs:
+    ids = tokenizer.encode(spec.prompt) if spec.prompt is not None else spec.prompt_token_ids
+    try:
+      out.append(check_prompt(ids, vocab_size=vocab_size, max_model_len=max_model_len,
+                              text=spec.prompt))
+    except ValueError as e:
+      raise ValueError(f"{spec.source}: {e}") from None
+  return out
+
+
 def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
   """Strict JSON has no NaN: an undefined figure (no observation yet) is written as null."""
   return {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
@@ -244,11 +276,14 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
         log_every_steps: int = 0, metrics_json: str | None = None,
         prometheus_port: int | None = None, out: TextIO | None = None) -> RunResult:
   """Builds an `LLM`, generates for `specs`, prints each answer and the summaries."""
-  from hisparse_jax.llm import LLM, PromptError  # noqa: PLC0415 (imports jax)
+  from hisparse_jax.engine import EngineConfig  # noqa: PLC0415 (imports jax)
+  from hisparse_jax.llm import LLM, PromptError  # noqa: PLC0415
 
   out = out if out is not None else sys.stdout
   params = [dataclasses.replace(sampling_params, max_tokens=s.max_tokens)
             if s.max_tokens is not None else sampling_params for s in specs]
+  prompt_ids = checked_prompt_ids(specs, llm_kwargs.get("model"),
+                                  llm_kwargs.get("max_model_len", EngineConfig.max_model_len))
   llm = LLM(log_every_steps=log_every_steps, **llm_kwargs)
   registry = llm.engine.metrics_registry
   if prometheus_port is not None:
@@ -257,8 +292,7 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
     except OSError as e:
       raise ValueError(f"--prometheus_port={prometheus_port}: {e.strerror or e}") from None
     logging.info("serving Prometheus metrics on http://127.0.0.1:%d/metrics", prometheus_port)
-  prompts = [s.prompt if s.prompt is not None else {"prompt_token_ids": s.prompt_token_ids}
-             for s in specs]
+  prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
   try:
     start = time.perf_counter()
     try:
@@ -293,9 +327,10 @@ def main(argv: list[str]) -> int:
   del argv  # all input comes from flags
   specs = prompts_from_flags()  # bad input fails here, before the model loads
   sampling_params = sampling_from_flags()
+  llm_kwargs = engine_kwargs_from_flags()
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # capacity lines and status lines
-  run(specs, engine_kwargs_from_flags(), sampling_params,
+  run(specs, llm_kwargs, sampling_params,
       log_every_steps=FLAGS.log_every_steps, metrics_json=FLAGS.metrics_json,
       prometheus_port=FLAGS.prometheus_port)
   return 0

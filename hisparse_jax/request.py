@@ -15,8 +15,32 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 
 from hisparse_jax.sampling import SamplingParams
+
+
+def check_prompt(token_ids: Sequence[int], *, vocab_size: int, max_model_len: int,
+                 text: str | None = None) -> list[int]:
+  """The prompt's token ids as ints, or ValueError naming the field the engine refuses.
+
+  One rule for every front end (`Engine.add_request`, the CLI's check of a prompts file
+  before it loads the model), so they refuse the same prompts with the same message:
+  `text` (when the prompt was text) and the ids must be non-empty (a tokenizer that adds
+  BOS turns "" into one token, still an empty prompt); every id is in the vocabulary;
+  the prompt leaves room for at least one output token within `max_model_len`.
+  """
+  ids = [int(t) for t in token_ids]
+  if not ids or (text is not None and not text):
+    raise ValueError("prompt is empty")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                     f"[0, {vocab_size})")
+  if len(ids) >= max_model_len:
+    raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={max_model_len} leaves "
+                     "no room for an output token")
+  return ids
 
 
 class RequestStatus(enum.Enum):

@@ -178,6 +178,11 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
   return model, config, _load_tokenizer(path)
 
 
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+  """The tokenizer of the checkpoint at `path` (None = the embedded default model)."""
+  return _load_tokenizer(_resolve(path))
+
+
 def _load_tokenizer(path: str) -> Tokenizer:
   try:
     return Tokenizer.from_dir(path)
