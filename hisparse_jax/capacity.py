@@ -134,6 +134,33 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
                       host_budget_bytes=host_bytes, max_model_len=max_model_len)
 
 
+def plan_capacity_reserving(spec: KVCacheSpec, reserved_bytes, **plan_args) -> CapacityPlan:
+  """The plan with the most device blocks whose `reserved_bytes(num_device_blocks,
+  num_host_blocks)` (device bytes that grow with the pools, e.g. HiSparse's key bounds)
+  fit the device budget beside them. Bisection over the reservation: a plan reserving r
+  bytes is feasible when r covers what its own blocks need; feasibility is monotone in r
+  (more reserved, fewer blocks, less needed)."""
+  plan = plan_capacity(spec, **plan_args)  # nothing reserved: the most blocks
+  hi = reserved_bytes(plan.num_device_blocks, plan.num_host_blocks)  # feasible
+  lo = 0
+  while lo < hi:
+    mid = (lo + hi) // 2
+    try:
+      p = plan_capacity(spec, **plan_args, device_reserved_bytes=mid)
+      feasible = mid >= reserved_bytes(p.num_device_blocks, p.num_host_blocks)
+    except ValueError:  # too little left for one request: more reservation cannot help
+      feasible = True
+    if feasible:
+      hi = mid
+    else:
+      lo = mid + 1
+  plan = plan_capacity(spec, **plan_args, device_reserved_bytes=hi)
+  needed = reserved_bytes(plan.num_device_blocks, plan.num_host_blocks)
+  if needed > hi:
+    raise AssertionError(f"reservation {hi:,} < {needed:,} bytes needed")
+  return dataclasses.replace(plan, device_reserved_bytes=needed)
+
+
 @dataclasses.dataclass(frozen=True)
 class TierCapacity:
   """What one memory kind holds. Invariants: `num_tokens == num_blocks * block_size`;

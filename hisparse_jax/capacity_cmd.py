@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from absl import flags, logging
 
-from hisparse_jax.capacity import CapacityReport, hisparse_capacity, plan_capacity
+from hisparse_jax.capacity import (
+  CapacityReport,
+  hisparse_capacity,
+  plan_capacity,
+  plan_capacity_reserving,
+)
 from hisparse_jax.generate_cmd import hisparse_from_flags
 from hisparse_jax.kv_pool import KVCacheSpec
 
@@ -47,9 +52,10 @@ def main(argv: list[str]) -> int:
     return 0
   # As the engine does: the indexer and hot-buffer bytes come out of the device budget.
   sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len)
-  reserve = hisparse_capacity(spec, hisparse, num_device_blocks=plan.num_device_blocks,
-                              num_host_blocks=plan.num_host_blocks, **sizes).reserved_bytes
-  pools = plan_capacity(spec, **plan_args, device_reserved_bytes=reserve).allocate()
+  pools = plan_capacity_reserving(
+      spec, lambda d, h: hisparse_capacity(spec, hisparse, num_device_blocks=d,
+                                           num_host_blocks=h, **sizes).reserved_bytes,
+      **plan_args).allocate()
   detail = hisparse_capacity(spec, hisparse, num_device_blocks=pools[0].num_blocks,
                              num_host_blocks=pools[1].num_blocks, **sizes)
   CapacityReport.from_pools(pools, detail.reserved_bytes, detail).log(FLAGS.max_model_len)

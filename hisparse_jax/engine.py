@@ -26,6 +26,7 @@ from hisparse_jax.capacity import (
   HiSparseCapacity,
   hisparse_capacity,
   plan_capacity,
+  plan_capacity_reserving,
 )
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVCacheSpec
@@ -119,13 +120,13 @@ class Engine:
     spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
                      device_kv_gib=config.device_kv_gib)
-    plan = plan_capacity(spec, **plan_args)
-    if config.hisparse is not None:
+    if config.hisparse is None:
+      plan = plan_capacity(spec, **plan_args)
+    else:
       # The indexer's key bounds (by device block and by host block) and the hot-buffer
-      # state come out of the device budget: reserve them for the blocks of the bound-free
-      # plan (an upper bound of the blocks planned now).
-      plan = plan_capacity(spec, **plan_args, device_reserved_bytes=self._hisparse_capacity(
-          spec, plan.num_device_blocks, plan.num_host_blocks).reserved_bytes)
+      # state come out of the device budget, beside the blocks they serve.
+      plan = plan_capacity_reserving(
+          spec, lambda d, h: self._hisparse_capacity(spec, d, h).reserved_bytes, **plan_args)
     self.device_pool, self.host_pool = plan.allocate()
     self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
                               max_num_seqs=config.max_num_seqs,

@@ -1,4 +1,12 @@
-"""Retrieval accuracy of the default model through the engine: dense vs HiSparse top-k.
+"""Retrieval accuracy through the engine, dense vs HiSparse top-k, the answer decoded.
+
+The engine computes prompts with dense (prefill) attention, so an answer sampled from the
+prompt's last token would be the dense answer by construction. With `--answer_from=decode`
+(default) each request is the prompt without its last token (the queried key); when its
+first token is sampled, the bench replaces it with that key (teacher forcing through the
+Engine API), so the key is computed by a DECODE step and the answer is sampled there: a
+sparse row with HiSparse, over the blocks the indexer selected, resolved through the hot
+buffer and the host pool. `--answer_from=prefill` measures the plain serving path.
 
 Fresh retrieval prompts of ~1k tokens (models.data.make_retrieval_prompts, a seed the
 trainer does not use), greedy; an answer is right when the first word of the output is
@@ -33,9 +41,12 @@ flags.DEFINE_integer("local_tokens", 64, "HiSparse local tokens (part of the bud
 flags.DEFINE_integer("sparse_threshold_tokens", 256, "Sequences longer than this decode "
                      "sparsely.")
 flags.DEFINE_integer("device_prompts", 3, "The device KV pool holds this many prompts.")
+flags.DEFINE_enum("answer_from", "decode", ["decode", "prefill"],
+                  "decode: the queried key is fed as a decode step and the answer is sampled "
+                  "from it; prefill: the answer is the first token after the whole prompt.")
+flags.DEFINE_integer("block_size", 16, "Tokens per KV block (also the selection unit).")
 flags.DEFINE_string("out", "results/sparse_accuracy_cpu.json", "JSON output path.")
 
-BLOCK_SIZE = 16
 
 
 def answer_of(text: str) -> str:
@@ -68,11 +79,7 @@ def checkpoint_info() -> dict:
   try:
     with open(os.path.join(path, "training_info.json")) as f:
       training = json.load(f)
-    last = (training.get("history") or [{}])[-1]
-    info["training"] = {k: training.get(k) for k in ("completed_phase", "stopped_early",
-                                                     "elapsed_s", "num_params")}
-    info["training"]["last_logged"] = {k: last.get(k) for k in ("phase", "step", "loss",
-                                                                "kv_acc")}
+    info["training"] = {k: training.get(k) for k in ("recipe", "eval", "num_params")}
   except (OSError, ValueError):
     info["training"] = None
   return info
@@ -85,8 +92,8 @@ def engine_budgets(hisparse, max_model_len: int, num_prompts: int) -> dict:
   from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
   from models.loader import load_config  # noqa: PLC0415
 
-  spec = KVCacheSpec.from_model_config(load_config(None), "float32", BLOCK_SIZE)
-  blocks_per_prompt = -(-max_model_len // BLOCK_SIZE)
+  spec = KVCacheSpec.from_model_config(load_config(None), "float32", FLAGS.block_size)
+  blocks_per_prompt = -(-max_model_len // FLAGS.block_size)
   device_blocks = FLAGS.device_prompts * blocks_per_prompt + 1
   host_blocks = (num_prompts + 2) * blocks_per_prompt + 1
   reserved = 0
@@ -107,14 +114,19 @@ def measure(prompts, hisparse) -> dict:
   from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
 
   max_model_len = FLAGS.context_len + 128
-  llm = LLM(block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
+  llm = LLM(block_size=FLAGS.block_size, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=4096, hisparse=hisparse,
             **engine_budgets(hisparse, max_model_len, len(prompts)))
   start = time.perf_counter()
-  outputs = llm.generate([p.text for p in prompts],
-                         SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
+  if FLAGS.answer_from == "prefill":
+    outputs = llm.generate([p.text for p in prompts],
+                           SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
+    answers = [answer_of(o.text) for o in outputs]
+  else:
+    answers = [answer_of(llm.engine.tokenizer.decode([t]))
+               for t in decode_answers(llm.engine, prompts)]
   wall_s = time.perf_counter() - start
-  right = [answer_of(o.text) == p.answer for o, p in zip(outputs, prompts)]
+  right = [a == p.answer for a, p in zip(answers, prompts)]
   m = llm.metrics()
   selected = {s: m[f'hisparse_blocks_selected_total{{source="{s}"}}']
               for s in ("device", "hot", "host")}
@@ -125,7 +137,30 @@ def measure(prompts, hisparse) -> dict:
               hot_buffer_hit_rate=m["hisparse_hot_buffer_hit_rate"],
               offloads=m["hisparse_offloads_total"],
               preemptions=m["hisparse_preemptions_total"],
-              answers=[answer_of(o.text) for o in outputs])
+              answers=answers)
+
+
+def decode_answers(engine, prompts) -> list[int]:
+  """The answer token of each prompt, sampled from a decode step that computes the
+  prompt's last token (module docstring)."""
+  from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
+
+  params = SamplingParams(max_tokens=2, ignore_eos=True)
+  ids = [engine.add_request(prompt_token_ids=p.token_ids[:-1], sampling_params=params)
+         for p in prompts]
+  forced = {rid: p.token_ids[-1] for rid, p in zip(ids, prompts)}
+  tokens = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.finished:
+        tokens[out.request_id] = out.token_ids
+    for rid, key in list(forced.items()):
+      request = engine.requests.get(rid)
+      if request is not None and len(request.output_token_ids) == 1:
+        request.output_token_ids[0] = key  # fed to the next (decode) step
+        del forced[rid]
+  assert not forced and all(tokens[rid][0] == p.token_ids[-1] for rid, p in zip(ids, prompts))
+  return [tokens[rid][1] for rid in ids]
 
 
 def main(argv):
@@ -158,10 +193,11 @@ def main(argv):
           f"{r['same_answer_as_dense']:>4}/{r['num_prompts']:<3} "
           f"{r['blocks_read']:>12,.0f} {r['hot_buffer_loads']:>10,.0f} "
           f"{r['offloads']:>8,.0f} {r['wall_s']:>7.1f}")
-  report = dict(checkpoint=checkpoint_info(), block_size=BLOCK_SIZE,
+  report = dict(checkpoint=checkpoint_info(), block_size=FLAGS.block_size,
                 device_prompts=FLAGS.device_prompts, machine=machine_info(),
                 context_len=FLAGS.context_len, prompt_tokens=[min(lengths), max(lengths)],
                 prompt_seed=FLAGS.prompt_seed, max_new_tokens=MAX_NEW_TOKENS, greedy=True,
+                answer_from=FLAGS.answer_from,
                 results=results)
   print(f"checkpoint: {json.dumps(report['checkpoint'])}")
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)

@@ -167,3 +167,21 @@ def test_one_request_that_just_fits():
   report = CapacityReport.from_pools(plan.allocate())
   assert report.max_concurrency(1024, ("device",)) == 1.0
   assert report.max_concurrency(1024) == 2.0
+
+
+def test_plan_capacity_reserving_takes_the_most_blocks_whose_reservation_fits():
+  # 4,096-byte blocks; the reservation grows by 512 bytes per device block and 256 per
+  # host block, plus 1,000 bytes: like HiSparse's key bounds and hot-buffer state.
+  def reserved(num_device_blocks, num_host_blocks):
+    return 512 * num_device_blocks + 256 * num_host_blocks + 1000
+
+  args = dict(max_model_len=64, host_pool_gib=40 * 4096 / GIB, device_kv_gib=100 * 4096 / GIB)
+  plan = capacity.plan_capacity_reserving(SPEC, reserved, **args)
+  budget = 100 * 4096
+  n, h = plan.num_device_blocks, plan.num_host_blocks
+  assert h == 40 and plan.device_reserved_bytes == reserved(n, h)
+  assert n * 4096 + reserved(n, h) <= budget  # fits
+  assert (n + 1) * 4096 + reserved(n + 1, h) > budget  # one more block would not
+  assert n == (budget - 256 * 40 - 1000) // (4096 + 512) == 86
+  with pytest.raises(ValueError, match="--device_kv_gib"):  # too little for one request
+    capacity.plan_capacity_reserving(SPEC, lambda d, h: 97 * 4096, **args)
