@@ -1,0 +1,142 @@
+"""Suite `capacity_concurrency`: at one device KV budget, how many long requests run at once.
+
+Two engines over the default model, the same device budget (`device_requests` requests
+of prompt + output tokens), the same host pool and the same workload of `num_requests`
+requests of `prompt_len` random tokens:
+
+    device-only   EngineConfig(hisparse=None)      every running request's KV on the device
+    HiSparse      EngineConfig(hisparse=HiSparseConfig(top_k_tokens=...))
+                  a long request keeps its KV in the host pool; the device holds its
+                  hot buffer and newest blocks, so more requests can run at once
+
+Each engine first runs a warm-up workload of the same shape (other random prompts, so
+the prefix cache does not help the timed run) to compile its step programs. Per step of
+the timed run, `len(engine.scheduler.running)` is the concurrency. JSON:
+`concurrency_ratio` = HiSparse / device-only of the most requests running in one step,
+`throughput_ratio` = HiSparse / device-only of generated tokens per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from hisparse_jax.bench import common
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.hisparse_config import HiSparseConfig
+from hisparse_jax.kv_pool import KVCacheSpec
+from hisparse_jax.sampling import SamplingParams
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  prompt_len: int
+  max_tokens: int
+  num_requests: int
+  device_requests: int  # the device budget holds this many whole requests
+  top_k_tokens: int
+  sink_tokens: int
+  local_tokens: int
+  block_size: int
+  max_num_batched_tokens: int
+  warmup: bool = True  # run the workload once untimed first (compiles); off in smoke runs
+
+
+SIZES = {
+    "full": Size(prompt_len=2048, max_tokens=32, num_requests=16, device_requests=4,
+                 top_k_tokens=256, sink_tokens=16, local_tokens=64, block_size=16,
+                 max_num_batched_tokens=2048),
+    "smoke": Size(prompt_len=48, max_tokens=2, num_requests=3, device_requests=2,
+                  top_k_tokens=16, sink_tokens=8, local_tokens=8, block_size=8,
+                  max_num_batched_tokens=64, warmup=False),
+}
+
+
+def _workload(engine: Engine, prompts: np.ndarray, max_tokens: int) -> dict:
+  """Runs the prompts to completion; per-step concurrency and generated tokens/s."""
+  params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+  start = time.perf_counter()
+  for prompt in prompts:
+    engine.add_request(prompt_token_ids=prompt.tolist(), sampling_params=params)
+  running, generated = [], 0
+  while engine.has_unfinished_requests():
+    outputs = engine.step()
+    running.append(len(engine.scheduler.running))
+    generated += sum(len(o.new_token_ids) for o in outputs)
+  seconds = time.perf_counter() - start
+  return {"steps": len(running), "max_running": max(running),
+          "mean_running": float(np.mean(running)), "generated_tokens": generated,
+          "seconds": seconds, "tokens_per_s": generated / seconds}
+
+
+def _engine_run(config: EngineConfig, size: Size, rng: np.random.Generator) -> dict:
+  engine = Engine(config)
+  vocab = engine.model_config.vocab_size
+  special = {engine.model_config.bos_token_id, engine.model_config.pad_token_id,
+             *engine.eos_token_ids} - {None}
+  ordinary = np.asarray([t for t in range(vocab) if t not in special])
+
+  def prompts():
+    return rng.choice(ordinary, (size.num_requests, size.prompt_len))
+
+  if size.warmup:
+    _workload(engine, prompts(), size.max_tokens)  # compiles the step programs
+  result = _workload(engine, prompts(), size.max_tokens)
+  metrics = engine.metrics()
+  result["device_blocks"] = engine.device_pool.num_blocks
+  result["host_blocks"] = engine.host_pool.num_blocks
+  # The engine's own account of where the run's blocks came from and went.
+  result["metrics"] = {k: v for k, v in metrics.items()
+                       if any(w in k for w in ("preempt", "transfer_blocks", "selected"))}
+  return result
+
+
+def run(size_name: str = "full", seed: int = 0) -> dict:
+  size = SIZES[size_name]
+  from models.loader import load_config  # heavy import, on use
+
+  model_config = load_config(None)
+  spec = KVCacheSpec.from_model_config(model_config, "float32", size.block_size)
+  max_model_len = size.prompt_len + size.max_tokens
+  blocks_per_request = -(-max_model_len // size.block_size)
+  # +1: the null block; +0.5 block so the float budget never rounds a block away. With
+  # HiSparse the indexer's key bounds and hot-buffer state come out of this same budget.
+  device_kv_gib = (size.device_requests * blocks_per_request + 1.5) * spec.bytes_per_block / GIB
+  # The host pool holds every request once, with a quarter to spare: its key bounds live
+  # on the device, so a bigger pool would only take device budget away from HiSparse.
+  host_pool_gib = 1.25 * size.num_requests * blocks_per_request * spec.bytes_per_block / GIB
+  hisparse = HiSparseConfig(top_k_tokens=size.top_k_tokens, sink_tokens=size.sink_tokens,
+                            local_tokens=size.local_tokens)
+  base = dict(block_size=size.block_size, device_kv_gib=device_kv_gib,
+              host_pool_gib=host_pool_gib, max_model_len=max_model_len,
+              max_num_seqs=size.num_requests,
+              max_num_batched_tokens=size.max_num_batched_tokens, seed=seed)
+  rng = np.random.default_rng(seed)
+  dense = _engine_run(EngineConfig(**base), size, rng)
+  sparse = _engine_run(EngineConfig(**base, hisparse=hisparse), size, rng)
+  return {
+      "concurrency_ratio": sparse["max_running"] / dense["max_running"],
+      "mean_concurrency_ratio": sparse["mean_running"] / dense["mean_running"],
+      "throughput_ratio": sparse["tokens_per_s"] / dense["tokens_per_s"],
+      "device_kv_gib": device_kv_gib, "host_pool_gib": host_pool_gib,
+      "config": dataclasses.asdict(size),
+      "hisparse": dataclasses.asdict(hisparse), "model": "hisparse-tiny (default)",
+      "device_only": dense, "hisparse_host_pool": sparse}
+
+
+def format_table(result: dict) -> str:
+  rows = [(name, r["max_running"], r["mean_running"], r["steps"], r["generated_tokens"],
+           r["seconds"], r["tokens_per_s"])
+          for name, r in (("device-only", result["device_only"]),
+                          ("HiSparse + host pool", result["hisparse_host_pool"]))]
+  c = result["config"]
+  return (common.format_table(["engine", "max running", "mean running", "steps", "tokens",
+                               "s", "tokens/s"], rows)
+          + f"\n{c['num_requests']} requests of {c['prompt_len']} + {c['max_tokens']} tokens, "
+          f"device budget {result['device_kv_gib'] * 1024:.2f} MiB ({c['device_requests']} "
+          f"requests); concurrency_ratio {result['concurrency_ratio']:.2f}, throughput_ratio "
+          f"{result['throughput_ratio']:.2f}")

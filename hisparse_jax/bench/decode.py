@@ -1,0 +1,294 @@
+"""Suite `decode_sparse_vs_dense`: one decode step, HiSparse top-k against dense attention.
+
+Both sides are the engine's own jitted step (`ModelRunner.build_batch` + `execute`) over
+the same weights, the same device pool and the same batch: one decode row per sequence,
+each sequence's blocks filled with random K/V, its block table naming them.
+
+    dense   ModelRunner(..., hisparse=None)                       attends every block
+    sparse  ModelRunner(..., hisparse=HiSparseConfig(top_k_tokens=1024))
+            select (key bounds of every block) -> top-k blocks -> attend those
+
+Contexts of 4k, 16k and 64k tokens; dense and sparse steps alternate (medians of one
+run). Per context the JSON gives `dense_over_sparse` (measured step-time ratio) and
+`bytes_bound` = KV bytes a dense step reads / (KV bytes a sparse step reads + key-bound
+bytes its indexer reads): the speed-up a purely memory-bound step could reach. The goal
+at the longest context is `dense_over_sparse >= bytes_bound / 2`. `bytes_bound` depends
+on the block size (the indexer reads one bound pair per block, the top-k rounds to whole
+blocks); `bytes_bound_by_block_size` gives it for several block sizes.
+
+`profile` times the pieces of one layer at the longest context on their own (the
+kernels the step calls, with the step's shapes), so a missed goal names what dominates.
+The model is synthetic, sized like the attention of a small real model (8 query / 2 KV
+heads of 64, 4 layers); its weights are random (time does not depend on them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hisparse_jax import indexer
+from hisparse_jax.bench import common
+from hisparse_jax.hisparse_config import HiSparseConfig
+from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
+from hisparse_jax.request import Request
+from hisparse_jax.runner import ModelRunner, bounds_bytes_per_block
+from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.scheduler import ScheduledChunk
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  contexts: tuple[int, ...]  # tokens in the cache after the decode step
+  batch: int
+  top_k_tokens: int
+  sink_tokens: int
+  local_tokens: int
+  reps: int
+  num_layers: int
+  hidden_size: int
+  intermediate_size: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  dtype: str = "float32"
+
+
+SIZES = {
+    # Attention like a small real model; hidden, MLP and vocabulary kept small so that the
+    # weights (17 MB) do not hide the KV bytes the comparison is about (`weight_bytes`).
+    "full": Size((4096, 16384, 65536), batch=2, top_k_tokens=1024, sink_tokens=64,
+                 local_tokens=256, reps=5, num_layers=4, hidden_size=256,
+                 intermediate_size=768, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                 vocab_size=2048),
+    "smoke": Size((512,), batch=1, top_k_tokens=64, sink_tokens=16, local_tokens=16,
+                  reps=1, num_layers=2, hidden_size=64, intermediate_size=128, num_q_heads=4,
+                  num_kv_heads=2, head_dim=16, vocab_size=256),
+}
+BOUND_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def model_config(size: Size) -> ModelConfig:
+  return ModelConfig(model_type="llama", vocab_size=size.vocab_size,
+                     hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
+                     num_hidden_layers=size.num_layers, num_attention_heads=size.num_q_heads,
+                     num_key_value_heads=size.num_kv_heads, head_dim=size.head_dim,
+                     max_position_embeddings=max(size.contexts), eos_token_id=None)
+
+
+def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int) -> dict:
+  """Bytes one decode step reads from the KV cache, dense and sparse (all layers).
+
+  Dense: every token. Sparse: the selected blocks (top-k in whole blocks) plus the key
+  bounds of every block, which the indexer scores.
+  """
+  num_blocks = math.ceil(context / spec.block_size)
+  selected = min(math.ceil(top_k_tokens / spec.block_size), num_blocks)
+  dense = batch * context * spec.bytes_per_token
+  sparse = batch * selected * spec.bytes_per_block
+  index = batch * num_blocks * bounds_bytes_per_block(spec)
+  return {"dense_kv_bytes": dense, "sparse_kv_bytes": sparse, "indexer_bytes": index,
+          "bytes_bound": dense / (sparse + index)}
+
+
+@functools.cache
+def _random_fn(shape, dtype, sharding):
+  return jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
+
+
+def _fill(pool: KVPool, seed: int) -> None:
+  """Random K/V in every block of the pool (made on the device, installed as the pool's)."""
+  make = _random_fn(pool.spec.block_shape(pool.num_blocks), jnp.dtype(pool.storage_dtype),
+                    pool.sharding)
+  keys = jax.random.split(jax.random.key(seed), 2 * pool.num_layers)
+  pool.set_arrays(tuple(make(k) for k in keys))
+
+
+def _decode_chunks(contexts_len: int, tables: np.ndarray, block_size: int, vocab: int,
+                   rng: np.random.Generator) -> list[ScheduledChunk]:
+  """One decode row per sequence: its last token, written into its newest block."""
+  chunks = []
+  for i, table in enumerate(tables):
+    prompt = rng.integers(0, vocab, contexts_len).tolist()
+    request = Request(f"seq-{i}", prompt, SamplingParams(), seed=i)
+    pos = contexts_len - 1
+    slot = np.asarray([table[pos // block_size] * block_size + pos % block_size], np.int32)
+    chunks.append(ScheduledChunk(request, pos, 1, slot))
+  return chunks
+
+
+def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, reps: int,
+             sparse_ms: float) -> list[dict]:
+  """The attention pieces of one layer at the step's shapes, timed alone (layer 0's pages),
+  and what the sparse step spends besides them (`sparse_ms` - pieces x layers): the
+  weights (projections, MLP, logits), writing the new K/V and its block's bounds, the
+  resolver."""
+  ops = dense.ops
+  pool = dense.pool
+  spec = pool.spec
+  meta = batch_dense.metadata
+  tables, kv_lens, cu = (jnp.asarray(meta.block_tables), jnp.asarray(meta.kv_lens),
+                         jnp.asarray(meta.cu_q_lens))
+  num_seqs = tables.shape[0]
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((num_seqs, dense.config.num_attention_heads,
+                                       spec.head_dim)), jnp.float32)
+  k, v = pool.k[0], pool.v[0]
+  bounds = sparse.bounds[0]
+  blocks = sparse.hisparse_blocks
+  ragged = jax.jit(ops.ragged_paged_attention)
+  paged = jax.jit(ops.paged_attention)
+
+  @jax.jit
+  def select(q, bounds, tables, kv_lens):
+    sel = indexer.select(q, bounds[tables], kv_lens, blocks, sparse.hisparse.selection)
+    table = jnp.where(sel.valid, jnp.take_along_axis(
+        tables, jnp.where(sel.valid, sel.logical_ids, 0), axis=1), 0)
+    return table, sel.lengths
+
+  sel_table, sel_lens = select(q, bounds, tables, kv_lens)
+  pieces = {
+      "dense: ragged attention over every block": lambda: ragged(q, k, v, tables, kv_lens, cu),
+      "sparse: indexer select over every block's key bounds":
+          lambda: select(q, bounds, tables, kv_lens),
+      "sparse: paged attention over the selected blocks":
+          lambda: paged(q, k, v, sel_table, sel_lens),
+  }
+  times = common.interleaved(pieces, reps)
+  rows = [{"piece": name, "ms_per_layer": common.median(t) * 1e3,
+           "ms_all_layers": common.median(t) * 1e3 * spec.num_layers}
+          for name, t in times.items()]
+  rest = sparse_ms - sum(r["ms_all_layers"] for r in rows if r["piece"].startswith("sparse"))
+  rows.append({"piece": "sparse: rest of the step (weights, write_kv, bounds, resolver)",
+               "ms_per_layer": rest / spec.num_layers, "ms_all_layers": rest})
+  return rows
+
+
+def _weight_bytes_per_step(model: LlamaForCausalLM) -> int:
+  """Weight bytes a decode step reads: every parameter but the embedding table, of which
+  it reads only the batch's rows."""
+  total = sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  return total - int(model.embed_tokens[...].nbytes)
+
+
+def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
+  size = SIZES[size_name]
+  config = model_config(size)
+  model = LlamaForCausalLM(config, seed=seed)
+  spec = KVCacheSpec.from_model_config(config, size.dtype, block_size)
+  hisparse = HiSparseConfig(top_k_tokens=size.top_k_tokens, sink_tokens=size.sink_tokens,
+                            local_tokens=size.local_tokens)
+  max_context = max(size.contexts)
+  max_blocks = math.ceil(max_context / block_size)
+  pool = KVPool(spec, 1 + size.batch * max_blocks, DEVICE)
+  _fill(pool, seed)
+  runner_args = dict(max_model_len=max_context, max_num_seqs=size.batch,
+                     max_num_batched_tokens=size.batch)
+  dense = ModelRunner(model, pool, **runner_args)
+  # Every block is device-resident (no tier inputs): the host pool is only the smallest
+  # one the sparse runner takes, nothing is loaded from it.
+  sparse = ModelRunner(model, pool, hisparse=hisparse, host_pool=KVPool(spec, 2, PINNED_HOST),
+                       **runner_args)
+  all_tables = 1 + np.arange(size.batch)[:, None] * max_blocks + np.arange(max_blocks)
+  sparse.refresh_bounds(all_tables.reshape(-1))  # key bounds of every filled block
+  rng = np.random.default_rng(seed)
+  rows, profile = [], None
+  for context in size.contexts:
+    tables = all_tables[:, :math.ceil(context / block_size)].astype(np.int32)
+    chunks = _decode_chunks(context, tables, block_size, size.vocab_size, rng)
+    batch_dense = dense.build_batch(chunks, tables)
+    batch_sparse = sparse.build_batch(chunks, tables)
+    if not batch_sparse.metadata.sparse_rows[:size.batch].all():
+      raise ValueError(f"context {context} is not above the sparse threshold "
+                       f"({hisparse.sparse_threshold_tokens} tokens)")
+    times = common.interleaved({"dense": functools.partial(dense.execute, batch_dense),
+                                "sparse": functools.partial(sparse.execute, batch_sparse)},
+                               size.reps)
+    dense_s, sparse_s = common.median(times["dense"]), common.median(times["sparse"])
+    row = {"context": context, "dense_ms": dense_s * 1e3, "sparse_ms": sparse_s * 1e3,
+           "dense_over_sparse": dense_s / sparse_s,
+           "blocks_attended_sparse": int(batch_sparse.blocks_attended[0]),
+           "blocks_attended_dense": int(batch_dense.blocks_attended[0]),
+           **kv_bytes(spec, context, size.batch, size.top_k_tokens)}
+    row["fraction_of_bound"] = row["dense_over_sparse"] / row["bytes_bound"]
+    rows.append(row)
+    if context == max_context:
+      profile = _profile(dense, sparse, batch_dense, size.reps, row["sparse_ms"])
+  by_block_size = {
+      str(bs): {str(c): kv_bytes(dataclasses.replace(spec, block_size=bs), c, size.batch,
+                                 size.top_k_tokens)["bytes_bound"] for c in size.contexts}
+      for bs in BOUND_BLOCK_SIZES}
+  longest = rows[-1]
+  weight_bytes = _weight_bytes_per_step(model)
+  for row in rows:  # what a memory-bound step could reach with the weights read too
+    row["bytes_bound_with_weights"] = (
+        (row["dense_kv_bytes"] + weight_bytes)
+        / (row["sparse_kv_bytes"] + row["indexer_bytes"] + weight_bytes))
+  return {
+      "block_size": block_size, "batch": size.batch, "top_k_tokens": size.top_k_tokens,
+      "hisparse": dataclasses.asdict(hisparse), "kernel_backend": dense.ops.backend,
+      "model": dataclasses.asdict(config), "kv_dtype": size.dtype,
+      "kv_bytes_per_token": spec.bytes_per_token, "weight_bytes_per_step": weight_bytes,
+      "reps": size.reps, "rows": rows,
+      "bytes_bound_by_block_size": by_block_size,
+      "goal": "dense_over_sparse >= bytes_bound / 2 at the longest context",
+      "goal_met": longest["dense_over_sparse"] >= longest["bytes_bound"] / 2,
+      "profile_context": max_context, "profile": profile}
+
+
+def format_table(result: dict) -> str:
+  rows = [(r["context"], r["dense_ms"], r["sparse_ms"], r["dense_over_sparse"],
+           r["bytes_bound"], r["blocks_attended_dense"], r["blocks_attended_sparse"])
+          for r in result["rows"]]
+  lines = [common.format_table(["context", "dense ms", "sparse ms", "dense/sparse",
+                                "bytes_bound", "blocks dense", "blocks sparse"], rows)]
+  lines.append("with the weights read too (" + f"{result['weight_bytes_per_step'] / 1e6:.1f} "
+               "MB a step), a memory-bound step could reach: " + ", ".join(
+                   f"{r['bytes_bound_with_weights']:.1f}" for r in result["rows"]))
+  lines.append(f"block_size {result['block_size']}, batch {result['batch']}, top_k_tokens "
+               f"{result['top_k_tokens']}, backend {result['kernel_backend']}; goal met: "
+               f"{result['goal_met']}")
+  bound = result["bytes_bound_by_block_size"]
+  longest = str(result["rows"][-1]["context"])
+  lines.append(f"bytes_bound at {longest} tokens by block size: " + ", ".join(
+      f"{bs}: {by_ctx[longest]:.1f}" for bs, by_ctx in bound.items()))
+  lines.append(f"profile, one layer at {result['profile_context']} tokens:")
+  lines.append(common.format_table(["piece", "ms/layer", "ms all layers"], [
+      (p["piece"], p["ms_per_layer"], p["ms_all_layers"]) for p in result["profile"]]))
+  return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+  """PNG: decode step time against context, dense and sparse (context on a log axis)."""
+  import matplotlib  # optional dependency (the test extra): imported on use
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  contexts = [r["context"] for r in result["rows"]]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(contexts, [r["dense_ms"] for r in result["rows"]], "o-", label="dense")
+  ax.plot(contexts, [r["sparse_ms"] for r in result["rows"]], "s-",
+          label=f"HiSparse top-k {result['top_k_tokens']} tokens")
+  ax.set_xscale("log", base=2)
+  ax.set_ylim(bottom=0)
+  ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+  ax.minorticks_off()
+  ax.set_xlabel("context (tokens)")
+  ax.set_ylabel("decode step (ms, median)")
+  ax.set_title(f"decode step, batch {result['batch']}, {result['model']['num_hidden_layers']} "
+               f"layers, block {result['block_size']}")
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,91 @@
+"""The README "Results" tables, made from one `hisparse-jax bench` JSON file.
+
+``python -m hisparse_jax.bench.report results/bench_cpu.json`` prints the Markdown the
+README carries; tests/hisparse_jax/test_bench.py checks that the README holds exactly
+this text for the committed JSON, so the README cannot drift from the recorded run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _fmt(x: float) -> str:
+  return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
+  """(suite, figure, value, goal) for each headline figure of the suites that ran."""
+  suites = result["suites"]
+  rows = []
+  if "transfer" in suites:
+    t = suites["transfer"]
+    for key in ("h2d_vs_memcpy", "d2h_vs_memcpy"):
+      rows.append(("transfer", f"`{key}` (geomean; min {_fmt(t[key + '_min'])})",
+                   _fmt(t[key]), ">= 0.8"))
+  if "decode_sparse_vs_dense" in suites:
+    d = suites["decode_sparse_vs_dense"]
+    for r in d["rows"]:
+      goal = f">= {_fmt(r['bytes_bound'] / 2)}" if r is d["rows"][-1] else "-"
+      rows.append(("decode_sparse_vs_dense",
+                   f"`dense_over_sparse` at {r['context']:,} (`bytes_bound` "
+                   f"{_fmt(r['bytes_bound'])})", _fmt(r["dense_over_sparse"]), goal))
+  if "capacity_concurrency" in suites:
+    c = suites["capacity_concurrency"]
+    for key in ("concurrency_ratio", "throughput_ratio"):
+      rows.append(("capacity_concurrency", f"`{key}`", _fmt(c[key]), "-"))
+  if "engine_vs_hf" in suites:
+    e = suites["engine_vs_hf"]
+    rows.append(("engine_vs_hf", "`tokens_per_s_ratio_vs_hf`",
+                 _fmt(e["tokens_per_s_ratio_vs_hf"]), ">= 1.0"))
+    rows.append(("engine_vs_hf", "`tokens_per_s_ratio_vs_dense_jax`",
+                 _fmt(e["tokens_per_s_ratio_vs_dense_jax"]), "-"))
+  if "scheduler_overhead" in suites:
+    s = suites["scheduler_overhead"]
+    rows.append(("scheduler_overhead", f"`host_us_per_seq_step` at {s['running_seqs']} seqs",
+                 _fmt(s["host_us_per_seq_step"]), "-"))
+  if "kernel" in suites:
+    for name, k in suites["kernel"]["summary"].items():
+      rows.append(("kernel", f"{name}: {k['pallas_impl']} / jnp reference time",
+                   _fmt(k["pallas_over_reference"]), "-"))
+  return rows
+
+
+def markdown(result: dict) -> str:
+  """Machine line, headline table, and the decode table per context."""
+  m = result["machine"]
+  load = ", ".join(f"{x:.2f}" for x in m["load_avg_1_5_15"])
+  lines = [f"Machine: {m['cpu_model']}, {m['cpu_cores']} cores, {m['ram_gib']} GiB RAM, "
+           f"{m['platform']} ({m['device_kind']}), jax {m['jax_version']}, load average "
+           f"{load} at the start; {result['seconds']['total']:.0f} s in all, "
+           f"{m['date_utc']}.", "",
+           "| suite | figure | value | goal |", "|---|---|---|---|"]
+  lines += [f"| {s} | {f} | {v} | {g} |" for s, f, v, g in summary_rows(result)]
+  if "decode_sparse_vs_dense" in result["suites"]:
+    d = result["suites"]["decode_sparse_vs_dense"]
+    lines += ["", f"Decode step, batch {d['batch']}, block size {d['block_size']}, top-k "
+              f"{d['top_k_tokens']:,} tokens, {d['model']['num_hidden_layers']} layers, "
+              f"{d['model']['num_attention_heads']} query / {d['model']['num_key_value_heads']} "
+              f"KV heads of {d['model']['head_dim']}, {d['kv_dtype']} KV "
+              f"(backend {d['kernel_backend']}):", "",
+              "| context | dense ms | sparse ms | dense / sparse | bytes_bound | of bound "
+              "| bound with weights |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['context']:,} | {_fmt(r['dense_ms'])} | {_fmt(r['sparse_ms'])} | "
+              f"{_fmt(r['dense_over_sparse'])} | {_fmt(r['bytes_bound'])} | "
+              f"{100 * r['fraction_of_bound']:.0f}% | {_fmt(r['bytes_bound_with_weights'])} |"
+              for r in d["rows"]]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) != 2:
+    print("usage: python -m hisparse_jax.bench.report BENCH.json", file=sys.stderr)
+    return 2
+  with open(argv[1]) as f:
+    print(markdown(json.load(f)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
