@@ -83,7 +83,10 @@ def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_pr
 def main(argv: list[str]) -> int:
   del argv
   import models  # noqa: PLC0415
-  from hisparse_jax.capacity import hisparse_capacity  # noqa: PLC0415 (imports jax)
+  from hisparse_jax.capacity import (  # noqa: PLC0415 (imports jax)
+    hisparse_capacity,
+    plan_capacity_reserving,
+  )
   from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
   from models.data import make_retrieval_prompts  # noqa: PLC0415
   from models.loader import load_config  # noqa: PLC0415
@@ -133,19 +136,19 @@ def main(argv: list[str]) -> int:
   sampling_params = generate_cmd.sampling_from_flags()
   if not FLAGS["max_new_tokens"].present:
     sampling_params = dataclasses.replace(sampling_params, max_tokens=chosen["max_new_tokens"])
-  device_blocks = int(llm_kwargs["device_kv_gib"] * GIB) // spec.bytes_per_block
-  if hisparse is not None:  # the pool the engine will plan, after HiSparse's bytes
-    device_blocks = int(llm_kwargs["device_kv_gib"] * GIB - reserved_bytes(
-        device_blocks, int(llm_kwargs["host_pool_gib"] * GIB) // spec.bytes_per_block,
-        llm_kwargs["max_model_len"])) // spec.bytes_per_block
-  device_tokens = (device_blocks - 1) * spec.block_size
+  # The device pool the engine will plan (after HiSparse's bytes, as it reserves them).
+  plan = plan_capacity_reserving(
+      spec, lambda d, h: reserved_bytes(d, h, llm_kwargs["max_model_len"]),
+      max_model_len=llm_kwargs["max_model_len"], host_pool_gib=llm_kwargs["host_pool_gib"],
+      device_kv_gib=llm_kwargs["device_kv_gib"])
+  device_tokens = (plan.num_device_blocks - 1) * spec.block_size
   how = ("so decoding requests are offloaded to the host pool (HiSparse top-k "
          f"{hisparse.top_k_tokens} tokens, hot buffer {hisparse.hot_buffer_tokens} tokens) "
          "and swapped out when that is not enough" if hisparse is not None
          else "so requests are swapped out to the host pool and back")
   print(f"demo: {len(prompts)} key-value retrieval prompts of {prompt_len:,} tokens "
         f"(seed {FLAGS.demo_seed}), {sampling_params.max_tokens} output tokens each, up to "
-        f"{llm_kwargs['max_num_seqs']} at once; device KV pool ~{device_tokens:,} tokens "
+        f"{llm_kwargs['max_num_seqs']} at once; device KV pool {device_tokens:,} tokens "
         f"({device_tokens / prompt_len:.1f} prompts), {how}", flush=True)
   specs = [generate_cmd.PromptSpec(source=f"demo prompt {i}", prompt=p.text, expected=p.answer)
            for i, p in enumerate(prompts)]
