@@ -132,3 +132,8 @@ def reference_greedy(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]],
 def random_prompts(lengths: Sequence[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, size=int(n)).tolist() for n in lengths]
+
+
+# The six prompts the engine tests share: on the small device pool they are swapped out
+# and back (and, with HiSparse, offloaded), from 3 to 40 tokens.
+SIX_PROMPTS = random_prompts((5, 17, 40, 33, 9, 3), seed=0)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from engine_fixtures import (
   MAX_MODEL_LEN,
+  SIX_PROMPTS,
   VOCAB,
   add_all,
   assert_all_blocks_free,
@@ -28,7 +29,7 @@ from hisparse_jax.engine import EngineConfig
 from hisparse_jax.sampling import SamplingParams
 from models.llama import LlamaForCausalLM
 
-PROMPTS = random_prompts((5, 17, 40, 33, 9, 3), seed=0)
+PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
 

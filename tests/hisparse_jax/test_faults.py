@@ -10,10 +10,10 @@ the block moves themselves failed, also the requests that step swapped out or in
 
 import pytest
 from engine_fixtures import (
+  SIX_PROMPTS,
   add_all,
   assert_all_blocks_free,
   make_engine,
-  random_prompts,
   reference_greedy,
   run,
   tiny_model,
@@ -22,7 +22,7 @@ from engine_fixtures import (
 from hisparse_jax import metrics as m
 from hisparse_jax.sampling import SamplingParams
 
-PROMPTS = random_prompts((5, 17, 40, 33, 9, 3), seed=0)
+PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
 

@@ -22,6 +22,7 @@ from engine_fixtures import (
   BLOCK_SIZE,
   MAX_MODEL_LEN,
   NUM_HOST_BLOCKS,
+  SIX_PROMPTS,
   add_all,
   assert_all_blocks_free,
   gib_for_blocks,
@@ -39,7 +40,7 @@ from hisparse_jax.runner import bounds_bytes_per_block
 from hisparse_jax.sampling import SamplingParams
 from models import data
 
-PROMPTS = random_prompts((5, 17, 40, 33, 9, 3), seed=0)
+PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
 # top_k covers max_model_len (8 blocks): every sparse row selects all its blocks.
