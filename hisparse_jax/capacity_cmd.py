@@ -2,7 +2,7 @@
 
 Usage::
 
-  hisparse-jax capacity [--model=DIR] [--dtype=float32] [--block_size=16]
+  hisparse-jax capacity [--model=DIR] [--dtype=float32] [--block_size=N]
       [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
       [--hisparse [--top_k_tokens=N --hot_buffer_tokens=N ...] --max_num_seqs=N]
 
@@ -24,7 +24,7 @@ from hisparse_jax.capacity import (
   plan_capacity,
   plan_capacity_reserving,
 )
-from hisparse_jax.generate_cmd import hisparse_from_flags
+from hisparse_jax.generate_cmd import block_size_from_flags, hisparse_from_flags
 from hisparse_jax.kv_pool import KVCacheSpec
 
 FLAGS = flags.FLAGS
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
   if max_positions is not None and FLAGS.max_model_len > max_positions:
     raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
                      f"max_position_embeddings={max_positions}")
-  spec = KVCacheSpec.from_model_config(config, FLAGS.dtype, FLAGS.block_size)
+  spec = KVCacheSpec.from_model_config(config, FLAGS.dtype, block_size_from_flags())
   plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
                    device_kv_gib=FLAGS.device_kv_gib)
   plan = plan_capacity(spec, **plan_args)

@@ -43,7 +43,8 @@ flags.DEFINE_string(
     "tokenizer.json). Default: the embedded hisparse-tiny model.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "Dtype of the weights and of the KV cache.")
-flags.DEFINE_integer("block_size", 16, "Tokens per KV block (a power of two).")
+flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
+                     "CPU, 16 on accelerators and with --hisparse.")
 flags.DEFINE_float(
     "device_kv_gib", None,
     "Device (accelerator) KV budget in GiB. Default: a fraction of free device memory "
@@ -59,8 +60,10 @@ flags.DEFINE_string(
     'JSONL file of prompts, one JSON object a line: {"prompt": "..."} or '
     '{"prompt_token_ids": [...]}, with an optional "expected" answer (compared with the first '
     'line of the output) and an optional "max_tokens".')
-flags.DEFINE_integer("max_num_seqs", 16, "Most requests running in one step.")
-flags.DEFINE_integer("max_num_batched_tokens", 512,
+# The defaults are EngineConfig's (tests/test_cli.py checks they agree; not imported here
+# so that `--help` does not load jax).
+flags.DEFINE_integer("max_num_seqs", 256, "Most requests running in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 2048,
                      "Most tokens (prefill chunks + decodes) computed in one step.")
 flags.DEFINE_integer("max_new_tokens", 16,
                      "Tokens to generate per prompt (a prompts_file line's max_tokens wins).")

@@ -105,8 +105,6 @@ def main(argv: list[str]) -> int:
   if tokenizer.encode(prompts[0].text) != list(prompts[0].token_ids):
     raise ValueError("--model: the demo's retrieval prompts need a tokenizer with the default "
                      "model's vocabulary (models.data.VOCAB)")
-  spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), FLAGS.dtype,
-                                       FLAGS.block_size)
   prompt_len = max(len(p.token_ids) for p in prompts)
   use_hisparse = FLAGS.hisparse or not FLAGS["hisparse"].present  # on unless --nohisparse
   if use_hisparse:
@@ -114,6 +112,8 @@ def main(argv: list[str]) -> int:
     for name, value in DEMO_HISPARSE.items():
       if not FLAGS[name].present:
         FLAGS[name].value = value
+  spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), FLAGS.dtype,
+                                       generate_cmd.block_size_from_flags())
   hisparse = generate_cmd.hisparse_from_flags()
   max_num_seqs = FLAGS.max_num_seqs if FLAGS["max_num_seqs"].present else DEMO_MAX_NUM_SEQS
 

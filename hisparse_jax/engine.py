@@ -38,18 +38,31 @@ from hisparse_jax.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.transfer import TransferEngine
 
 
+def default_block_size(hisparse: bool = False) -> int:
+  """The block size when none is given: 128 tokens on CPU, as vLLM's CPU backend (a decode
+  reads each block as one contiguous run; measured here on the prefill_heavy workload:
+  19% faster than 16), 16 on accelerators and with HiSparse (the indexer selects whole
+  blocks, and smaller blocks select more precisely)."""
+  if hisparse:
+    return 16
+  import kernels_pallas  # the platform query starts jax's backends: only when needed
+
+  return 128 if kernels_pallas.backend.platform() == "cpu" else 16
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Everything an engine is built from; validated on construction (fields = CLI flags)."""
 
   model: str | None = None  # HF checkpoint directory; None = the embedded hisparse-tiny
   dtype: str = "float32"  # weights and KV cache
-  block_size: int = 16
+  # None: default_block_size, resolved when the engine is built (128 on CPU, 16 otherwise).
+  block_size: int | None = None
   device_kv_gib: float | None = None
   host_pool_gib: float = 1.0
   max_model_len: int = 2048
-  max_num_seqs: int = 16
-  max_num_batched_tokens: int = 512
+  max_num_seqs: int = 256
+  max_num_batched_tokens: int = 2048
   enable_chunked_prefill: bool = True
   enable_prefix_caching: bool = True
   kernel_backend: str | None = None  # "auto" (None), "pallas" or "xla"
@@ -57,7 +70,10 @@ class EngineConfig:
   hisparse: HiSparseConfig | None = None  # None: dense attention only
 
   def __post_init__(self):
-    if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+    if self.block_size is None and self.hisparse is not None:
+      object.__setattr__(self, "block_size", default_block_size(hisparse=True))
+    if self.block_size is not None and (self.block_size <= 0
+                                        or self.block_size & (self.block_size - 1)):
       raise ValueError(f"block_size must be a power of two, got {self.block_size}")
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
       if getattr(self, name) < 1:
@@ -98,7 +114,10 @@ class Engine:
                tokenizer=None):
     from models.loader import load_pretrained  # heavy import, on use
 
-    self.config = config = config if config is not None else EngineConfig()
+    config = config if config is not None else EngineConfig()
+    if config.block_size is None:
+      config = dataclasses.replace(config, block_size=default_block_size())
+    self.config = config
     if model is None:
       model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype)
     self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
@@ -200,7 +219,8 @@ class Engine:
     seed = sampling_params.seed
     if seed is None:
       seed = int(self._seed_rng.integers(0, 2**31 - 1))
-    request = Request(request_id, token_ids, sampling_params, seed=seed)
+    request = Request(request_id, token_ids, sampling_params, seed=seed,
+                      detokenizer=self.tokenizer.decode_stream() if self.tokenizer else None)
     self.requests[request_id] = request
     self.scheduler.add(request)
     self.stats.on_add(request)
@@ -230,7 +250,7 @@ class Engine:
       moved = True
       if not out.is_empty:
         seq_ids = [c.request.request_id for c in out.chunks]
-        width = max(len(self.block_manager.block_table(s)) for s in seq_ids)
+        width = max(self.block_manager.num_table_blocks(s) for s in seq_ids)
         batch = self.runner.build_batch(out.chunks,
                                         self.block_manager.block_tables(seq_ids, width),
                                         self._sparse_tiers(seq_ids, width))
@@ -343,6 +363,8 @@ class Engine:
       self.stats.on_token_gap(now - request.last_token_time)
     request.last_token_time = now
     request.output_token_ids.append(token)
+    if request.detokenizer is not None:
+      request.output_text += request.detokenizer.step(token)
     self.stats.on_generated(1)
     sp = request.sampling_params
     if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
@@ -363,7 +385,6 @@ class Engine:
   def _output(self, request: Request) -> RequestOutput:
     new = request.output_token_ids[request.num_output_tokens_reported:]
     request.num_output_tokens_reported = len(request.output_token_ids)
-    text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
     ttft = (request.first_token_time - request.arrival_time
             if request.first_token_time is not None else None)
     decode_tps = None
@@ -371,8 +392,8 @@ class Engine:
       span = request.last_token_time - request.first_token_time
       decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
     return RequestOutput(
-        request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-        token_ids=list(request.output_token_ids), new_token_ids=list(new), text=text,
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        token_ids=request.output_token_ids, new_token_ids=new, text=request.output_text,
         finished=request.is_finished, finish_reason=request.finish_reason,
         error=request.error, time_to_first_token_s=ttft, decode_tokens_per_s=decode_tps,
         blocks_selected=dict(request.blocks_selected),

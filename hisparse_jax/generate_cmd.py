@@ -159,6 +159,13 @@ def engine_kwargs_from_flags() -> dict[str, Any]:
   return kwargs
 
 
+def block_size_from_flags() -> int:
+  """--block_size, or the engine's default for this platform and --hisparse."""
+  from hisparse_jax.engine import default_block_size  # noqa: PLC0415 (imports jax)
+
+  return FLAGS.block_size if FLAGS.block_size is not None else default_block_size(FLAGS.hisparse)
+
+
 HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
                   "sparse_threshold_tokens")
 

@@ -61,7 +61,7 @@ class LLM:
   """
 
   def __init__(self, model: str | None = None, *, dtype: str = _DEFAULTS["dtype"],
-               block_size: int = _DEFAULTS["block_size"],
+               block_size: int | None = _DEFAULTS["block_size"],
                device_kv_gib: float | None = _DEFAULTS["device_kv_gib"],
                host_pool_gib: float = _DEFAULTS["host_pool_gib"],
                max_model_len: int = _DEFAULTS["max_model_len"],
@@ -87,6 +87,7 @@ class LLM:
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                hisparse=hisparse, **engine_kwargs)
     self.engine = Engine(self.config)
+    self.config = self.engine.config  # with the block size resolved
     self.log_every_steps = log_every_steps
     self._request_ids = itertools.count()
 

@@ -72,6 +72,10 @@ class Request:
       default_factory=lambda: {"device": 0, "hot": 0, "host": 0})
   num_swapped_in_blocks: int = 0  # blocks brought back from host, counted once as "host"
   num_output_tokens_reported: int = 0  # for incremental outputs
+  # Incremental detokenization (models.tokenizer.DecodeStream): the output's text so far,
+  # extended by each new token's piece (no whole-output decode per step).
+  detokenizer: object | None = None
+  output_text: str = ""
 
   @property
   def num_prompt_tokens(self) -> int:
@@ -79,7 +83,17 @@ class Request:
 
   @property
   def all_token_ids(self) -> list[int]:
+    """A new list of prompt + output tokens (O(context): not for the per-step path)."""
     return self.prompt_token_ids + self.output_token_ids
+
+  def token_slice(self, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output, copying only those (O(end - start))."""
+    num_prompt = len(self.prompt_token_ids)
+    if end <= num_prompt:
+      return self.prompt_token_ids[start:end]
+    if start >= num_prompt:
+      return self.output_token_ids[start - num_prompt:end - num_prompt]
+    return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
   @property
   def num_tokens(self) -> int:
@@ -99,7 +113,9 @@ class RequestOutput:
   """What a request produced: the whole output so far, and its figures.
 
   `new_token_ids` are the tokens added since the previous output of this request
-  (Engine.step streams them); `finished` is set exactly once.
+  (Engine.step streams them); `finished` is set exactly once. As vLLM's cumulative
+  outputs do, `prompt_token_ids` and `token_ids` are the request's own lists (no copy
+  per step): `token_ids` grows while the request runs; copy it to keep a snapshot.
   """
 
   request_id: str

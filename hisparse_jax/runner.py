@@ -86,6 +86,10 @@ class StepMetadata:
   hot_rows: jax.Array | None = None  # [num_seqs] hot-state row; >= rows: none
   hot_reset: jax.Array | None = None  # bool [num_seqs]: start the row empty
   step: jax.Array | None = None  # int32 scalar: decode-step clock of the hot buffers
+  # Static sizes of the dense attention call (KernelOps.ragged_hints of the rows' query
+  # lengths), as sorted (name, value) pairs: part of the compiled program's key.
+  ragged_hints: tuple[tuple[str, int], ...] = dataclasses.field(
+      default=(), metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +228,7 @@ class ModelRunner:
     offset = 0
     for i, chunk in enumerate(chunks):
       request, n = chunk.request, chunk.num_tokens
-      tokens = request.all_token_ids[chunk.start:chunk.start + n]
-      input_ids[offset:offset + n] = tokens
+      input_ids[offset:offset + n] = request.token_slice(chunk.start, chunk.start + n)
       positions[offset:offset + n] = np.arange(chunk.start, chunk.start + n)
       slot_ids[offset:offset + n] = chunk.slot_ids
       cu_q_lens[i] = offset
@@ -260,7 +263,11 @@ class ModelRunner:
         hot_reset[:n] = tiers.hot_reset
       hisparse_meta = dict(host_tables=host_tables, hot_slots=hot_slots, hot_rows=hot_rows,
                            hot_reset=hot_reset, step=np.int32(self.step_clock))
-    meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta)
+    # Sparse rows are not in the dense call (kv_len 0 there), so their query counts not.
+    dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows) if not sparse]
+    hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
+    meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
+                        ragged_hints=hints)
     return StepBatch(input_ids, positions, meta, logits_indices, temperature, top_p, top_k,
                      seeds, counters, len(chunks), blocks_attended)
 
@@ -434,7 +441,7 @@ def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
     out = ops.ragged_paged_attention(
         q[0], _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype),
         metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
-        sliding_window=config.sliding_window)
+        sliding_window=config.sliding_window, **dict(metadata.ragged_hints))
     return out[None], (k_pages, v_pages)
   cache = dict(kv_cache)
   k_pages, v_pages = ops.write_kv(
@@ -483,17 +490,19 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv
       res.load_device_ids, device_sharding=sparse.device_sharding,
       host_sharding=sparse.host_sharding)
   k_view, v_view = _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype)
-  # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows are
-  # cut to one key there (their output is replaced below). A step with no dense row (a
-  # batch of long decodes) skips the call: its cost follows the block-table width, not
-  # the lengths (measured: 408 of 463 ms per layer at 64k tokens for length-1 rows).
-  dense_lens = jnp.where(is_sparse, 1, metadata.kv_lens)
+  # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows get
+  # no key there (their output is replaced below). A step with no dense row (a batch of
+  # long decodes) skips the call: the reference's and the Pallas kernel's cost follows
+  # the block-table width, not the lengths (measured: 408 of 463 ms per layer at 64k
+  # tokens for length-1 rows).
+  dense_lens = jnp.where(is_sparse, 0, metadata.kv_lens)
   any_dense = jnp.any(~is_sparse & (metadata.kv_lens > 0))
   out = lax.cond(
       any_dense,
       lambda: ops.ragged_paged_attention(q, k_view, v_view, tables, dense_lens,
                                          metadata.cu_q_lens,
-                                         sliding_window=config.sliding_window).astype(q.dtype),
+                                         sliding_window=config.sliding_window,
+                                         **dict(metadata.ragged_hints)).astype(q.dtype),
       lambda: jnp.zeros_like(q))
   # attend: the newest, partly filled block is last (indexer order).
   lengths = jnp.where(is_sparse, sel.lengths, 0)

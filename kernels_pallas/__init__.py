@@ -5,8 +5,10 @@ head_dim]``; block 0 is the null block (padding in block tables). Dense and top-
 sparse attention are the same kernel: a sparse block table lists only the selected
 blocks.
 
-Public API (each kernel file ends with its pure-jnp ``*_reference``, which is also
-the jit-compiled "xla" backend with the same signature):
+Public API (each kernel file ends with its pure-jnp ``*_reference``, the
+jit-compiled "reference" backend with the same signature; :mod:`kernels_pallas.
+xla_attention` holds the "xla" backend's attention, the same contracts shaped for
+XLA:CPU, tested against the references):
 
 * ``paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
   soft_cap=None, interpret=None)`` -- decode, split-K with a log-sum-exp combine.
@@ -19,8 +21,8 @@ the jit-compiled "xla" backend with the same signature):
   ``bounds [num_blocks, 2, num_kv_heads, head_dim]`` (0 = min, 1 = max), donated.
 
 Backend choice lives in :mod:`kernels_pallas.backend` alone. The engine calls
-``ops(backend=None)``: ``"auto"``/``None`` gives the XLA references on CPU (and
-TPU) and the Pallas kernels on GPU; ``"pallas"``/``"xla"`` force one. A kernel's
+``ops(backend=None)``: ``"auto"``/``None`` gives the xla backend on CPU (and TPU) and
+the Pallas kernels on GPU; ``"pallas"``/``"xla"``/``"reference"`` force one. A kernel's
 own ``interpret=None`` means interpret mode on CPU (tests), compiled (Triton) on
 GPU.
 
@@ -37,6 +39,7 @@ from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention_reference,
 )
 from kernels_pallas.write_kv import write_kv, write_kv_reference
+from kernels_pallas.xla_attention import paged_attention_xla, ragged_paged_attention_xla
 
 __all__ = [
     "KernelOps",
@@ -45,8 +48,10 @@ __all__ = [
     "ops",
     "paged_attention",
     "paged_attention_reference",
+    "paged_attention_xla",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
     "resolve_backend",
     "resolve_interpret",
     "write_kv",

@@ -295,6 +295,8 @@ def ragged_paged_attention_reference(
   p = jnp.where(valid5, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   denom = p.sum(axis=-1, keepdims=True)
   p = p / jnp.where(denom > 0, denom, 1.0)
+  # Masked V rows are zeroed: 0 * NaN is NaN, and an unused slot may hold anything.
+  v = jnp.where((key < kv_len[:, :, None])[:, 0, :, None, None], v, 0.0)
   o = jnp.einsum("thgqk,tkhd->tqhgd", p, v, precision=lax.Precision.HIGHEST)
   o = o.reshape(num_tiles * block_q, num_q_heads, head_dim)[token_row]
   # Tokens past cu_q_lens[-1] (padding) map to a row of some tile; zero them explicitly.

@@ -44,6 +44,10 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def decode_stream(self, *, skip_special_tokens: bool = True) -> DecodeStream:
+    """An incremental detokenizer of one output (see DecodeStream)."""
+    return DecodeStream(self.backend, skip_special_tokens=skip_special_tokens)
+
   def token_to_id(self, token: str) -> int | None:
     return self.backend.token_to_id(token)
 
@@ -79,6 +83,21 @@ class Tokenizer:
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids,
                pad_token_id=merged.get("pad_token_id"))
+
+
+class DecodeStream:
+  """Text of a growing token sequence, one token at a time (the `tokenizers` library's
+  streaming decoder): `step(id)` returns the text the new token adds, "" while it only
+  starts a multi-byte character. The concatenated pieces equal `decode` of all the ids
+  (with an incomplete trailing character held back until it completes), at O(1) work
+  per token instead of a decode of the whole output."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, *, skip_special_tokens: bool = True):
+    self._tokenizer = tokenizer
+    self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+
+  def step(self, token_id: int) -> str:
+    return self._stream.step(self._tokenizer, int(token_id)) or ""
 
 
 def _special_tokens_from_config(path: str) -> dict[str, str]:

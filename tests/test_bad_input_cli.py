@@ -204,7 +204,7 @@ def test_capacity_refusals_name_the_flag(good_checkpoint, capsys):
   # A device budget that cannot hold one request of --max_model_len: 107,374 bytes are
   # 26 blocks of 4 KiB, one of them the null block; 512 tokens need 32.
   assert _main_in_process("capacity", f"--model={good_checkpoint}", "--max_model_len=512",
-                          "--device_kv_gib=0.0001") == 2
+                          "--device_kv_gib=0.0001", "--block_size=16") == 2
   _assert_one_line(capsys.readouterr().err, (
       "hisparse-jax capacity: error: --device_kv_gib: the device KV budget of 107,374 bytes = "
       "0.00 GiB (--device_kv_gib) holds 25 usable blocks after the null block and 0 bytes "

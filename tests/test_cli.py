@@ -29,3 +29,20 @@ def test_no_command_prints_usage():
   r = _cli()
   assert r.returncode == 2
   assert "usage: hisparse-jax COMMAND" in r.stderr
+
+
+def test_engine_flag_defaults_are_the_engine_config_defaults():
+  # cli.py does not import the engine (so `--help` stays light): its defaults are copies.
+  import dataclasses
+
+  from absl import flags
+
+  from hisparse_jax import cli  # noqa: F401 (defines the flags)
+  from hisparse_jax.engine import EngineConfig
+
+  fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+  shared = [name for name in fields if name in flags.FLAGS]
+  assert {"max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+          "host_pool_gib", "dtype"} <= set(shared)
+  for name in set(shared) - {"hisparse", "model"}:  # (a bool flag; a preset name)
+    assert flags.FLAGS[name].default == fields[name], name

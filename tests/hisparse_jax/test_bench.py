@@ -13,7 +13,7 @@ import pytest
 from matplotlib import image as plt_image
 
 from hisparse_jax import bench_cmd
-from hisparse_jax.bench import common, decode, report
+from hisparse_jax.bench import common, decode, engine_vs_vllm, report
 from hisparse_jax.kv_pool import KVCacheSpec
 from kernels_pallas import bench as kernel_bench
 
@@ -32,6 +32,8 @@ def smoke(tmp_path_factory):
     # Interpret-mode kernels cost time per grid step: a smaller "small" size keeps this
     # smoke run short (kernels_pallas.bench itself is what the suite runs either way).
     mp.setitem(kernel_bench.SIZES, "small", kernel_bench.Size(2, 4, 2, 16, 8, 4, 16, "float32"))
+    # The vLLM peer's venv is not part of `make test`: a second engine process stands in.
+    mp.setattr(engine_vs_vllm, "PEER", "hisparse")
     bench_cmd.run_suites(list(bench_cmd.SUITES), "smoke", 16, out, plot)
   with open(out) as f:
     return json.load(f), plot
@@ -73,6 +75,33 @@ def test_decode_fields(smoke):
     assert r["blocks_attended_dense"] == r["context"] // d["block_size"]
   assert set(d["bytes_bound_by_block_size"]) == {str(b) for b in decode.BOUND_BLOCK_SIZES}
   assert len(d["profile"]) == 4 and isinstance(d["goal_met"], bool)
+
+
+def test_engine_vs_vllm_fields(smoke):
+  e = smoke[0]["suites"]["engine_vs_vllm"]
+  assert e["peer"] == "hisparse" and set(e["engines"]) == {"hisparse_jax", "vllm"}
+  (name, w), = e["workloads"].items()
+  size = engine_vs_vllm.SIZES["smoke"].workloads[name]
+  assert w["workload"] == {"num_prompts": size.num_prompts, "prompt_len": size.prompt_len,
+                           "new_tokens": size.new_tokens}
+  assert w["tokens_identical"] is True
+  rows = w["rows"]
+  for row in rows.values():
+    assert _positive(row["median_s"], row["tokens_per_s"], row["ttft_p50_ms"])
+    assert row["tokens_per_s"] == pytest.approx(
+        size.num_prompts * size.new_tokens / row["median_s"])
+  assert w["speed_vs_vllm"] == pytest.approx(
+      rows["hisparse_jax"]["tokens_per_s"] / rows["vllm"]["tokens_per_s"])
+
+
+def test_engine_vs_vllm_names_the_first_differing_token():
+  same = [[5, 6, 7], [8, 9]]
+  assert engine_vs_vllm._first_difference(same, [[5, 6, 7], [8, 9]]) is None
+  assert engine_vs_vllm._first_difference(same, [[5, 6, 7], [8, 4]]) == (
+      "request 1, output token 1: [9] vs [4]")
+  prompts = engine_vs_vllm.make_prompts(engine_vs_vllm.Workload(3, 40, 1), seed=0)
+  assert [len(p) for p in prompts] == [40, 40, 40] and all(p[0] == 1 for p in prompts)
+  assert prompts == engine_vs_vllm.make_prompts(engine_vs_vllm.Workload(3, 40, 1), seed=0)
 
 
 def test_bytes_bound_by_hand():

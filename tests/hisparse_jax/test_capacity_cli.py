@@ -124,17 +124,19 @@ def test_capacity_on_the_default_model():
   head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
   bytes_per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
                      * head_dim * 4)  # float32 KV by default
-  device_blocks = 2**26 // (16 * bytes_per_token) - 1  # 64 MiB, less the null block
-  host_blocks = 2**27 // (16 * bytes_per_token) - 1  # 128 MiB
+  bs = 128  # the default block size on CPU (engine.default_block_size)
+  device_blocks = 2**26 // (bs * bytes_per_token) - 1  # 64 MiB, less the null block
+  host_blocks = 2**27 // (bs * bytes_per_token) - 1  # 128 MiB
   lines = _capacity_lines(result.stderr)
   assert len(lines) == 3
   assert lines[0].startswith(
-      f"KV cache capacity [memory_kind=device]: 0.06 GiB = {device_blocks:,} blocks x 16 "
-      f"tokens = {device_blocks * 16:,} tokens; {bytes_per_token:,} bytes per token")
+      f"KV cache capacity [memory_kind=device]: 0.06 GiB = {device_blocks:,} blocks x {bs} "
+      f"tokens = {device_blocks * bs:,} tokens; {bytes_per_token:,} bytes per token")
   assert lines[1].startswith(
-      f"KV cache capacity [memory_kind=pinned_host]: 0.12 GiB = {host_blocks:,} blocks x 16 "
-      f"tokens = {host_blocks * 16:,} tokens; {bytes_per_token:,} bytes per token")
+      f"KV cache capacity [memory_kind=pinned_host]: 0.12 GiB = {host_blocks:,} blocks x {bs} "
+      f"tokens = {host_blocks * bs:,} tokens; {bytes_per_token:,} bytes per token")
   assert lines[2] == (
-      f"KV cache capacity [total]: {(device_blocks + host_blocks) * 16:,} tokens; max "
-      f"concurrency for 2,048 tokens per request: {(device_blocks + host_blocks) / 128:.2f}x "
-      f"(device only: {device_blocks / 128:.2f}x)")
+      f"KV cache capacity [total]: {(device_blocks + host_blocks) * bs:,} tokens; max "
+      f"concurrency for 2,048 tokens per request: "
+      f"{(device_blocks + host_blocks) * bs / 2048:.2f}x "
+      f"(device only: {device_blocks * bs / 2048:.2f}x)")

@@ -9,6 +9,7 @@ max_model_len 64, 4 sequences and 64 tokens per step, 12 usable device blocks (9
 import dataclasses
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -402,3 +403,21 @@ def test_bfloat16_cache_stored_as_uint16_matches_a_bfloat16_reference():
   add_all(engine, prompts, SamplingParams(max_tokens=10))
   outputs = run(engine)
   assert _tokens(outputs) == reference_greedy(model, prompts, 10)
+
+
+@pytest.mark.parametrize("kernel_backend", ["xla", "reference"])
+def test_nan_filled_free_blocks_change_no_token(reference, kernel_backend):
+  # A freed block may hold anything (an earlier request's activations overflowed): every
+  # slot a request does not own yet is NaN or inf, and its tokens are still the reference's.
+  engine = make_engine(kernel_backend=kernel_backend)
+  pool = engine.device_pool
+  free = np.asarray(engine.block_manager.device_pool.free_block_ids() + [0])
+  poisoned = []
+  for i, a in enumerate(pool.arrays()):
+    a = np.array(a)
+    a[free] = np.nan if i % 2 == 0 else np.inf  # K NaN, V inf
+    poisoned.append(jax.device_put(a, pool.sharding))
+  pool.set_arrays(poisoned)
+  add_all(engine, PROMPTS, GREEDY)
+  assert _tokens(run(engine)) == reference
+  assert_all_blocks_free(engine)

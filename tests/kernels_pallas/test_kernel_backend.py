@@ -13,17 +13,25 @@ def test_cpu_defaults():
   assert backend.resolve_backend(None) == "xla"
   assert backend.resolve_backend("auto") == "xla"
   assert backend.resolve_backend("pallas") == "pallas"
+  assert backend.resolve_backend("reference") == "reference"
   with pytest.raises(ValueError, match="'triton'"):
     backend.resolve_backend("triton")
 
 
-def test_ops_binds_kernels_or_references():
-  auto, pallas, xla = (kernels_pallas.ops(b) for b in (None, "pallas", "xla"))
-  assert auto.backend == "xla" and pallas.backend == "pallas"
+def test_ops_binds_kernels_xla_attention_or_references():
+  auto, pallas, xla, ref = (kernels_pallas.ops(b) for b in (None, "pallas", "xla", "reference"))
+  assert auto.backend == "xla" and pallas.backend == "pallas" and ref.backend == "reference"
   assert pallas.paged_attention is kernels_pallas.paged_attention
-  assert xla.paged_attention is kernels_pallas.paged_attention_reference
+  assert xla.paged_attention is kernels_pallas.paged_attention_xla
+  assert xla.ragged_paged_attention is kernels_pallas.ragged_paged_attention_xla
+  assert ref.paged_attention is kernels_pallas.paged_attention_reference
+  assert ref.ragged_paged_attention is kernels_pallas.ragged_paged_attention_reference
   assert auto.write_kv is kernels_pallas.write_kv_reference
   assert pallas.block_key_bounds is kernels_pallas.block_key_bounds
+  # Static sizes of the ragged call: the xla backend's prefill tiles, nothing elsewhere.
+  assert xla.ragged_hints([1, 37, 1, 300]) == {"prefill_tile": 256, "num_prefill_tiles": 4}
+  assert xla.ragged_hints([1, 1]) == {"prefill_tile": 16, "num_prefill_tiles": 0}
+  assert ref.ragged_hints([1, 37]) == {} and pallas.ragged_hints([5]) == {}
 
 
 def test_triton_size_check_names_bad_sizes():

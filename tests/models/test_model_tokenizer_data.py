@@ -95,3 +95,43 @@ def test_offset_copy_supervises_only_content_matched_tokens():
     np.testing.assert_array_equal(tokens[supervised + 1], tokens[sep - n + 1:sep])
     starts.add(sep - n)
   assert len(starts) > 10  # the copy starts at many offsets: position alone cannot solve it
+
+
+def _streamed(tok, ids):
+  """The text after each token of an incremental detokenization."""
+  stream, text, out = tok.decode_stream(), "", []
+  for t in ids:
+    text += stream.step(t)
+    out.append(text)
+  return out
+
+
+def test_decode_stream_equals_a_full_decode_for_every_prefix(tok_dir):
+  tok = Tokenizer.from_dir(tok_dir)
+  ids = tok.encode(data.make_retrieval_prompts(1, 80, seed=5)[0].text)
+  ids = ids[:5] + [data.EOS_ID] + ids[5:]  # a special token in the middle is skipped
+  assert _streamed(tok, ids) == [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+
+
+def test_decode_stream_holds_back_a_character_split_across_tokens():
+  # A byte-level BPE with no merges: every non-ASCII character is several byte tokens.
+  import tokenizers
+  from tokenizers import decoders, pre_tokenizers
+  from tokenizers import models as tok_models
+
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  backend = tokenizers.Tokenizer(tok_models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=[])
+  text = "naïve 日本語 🙂 done"
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text and len(ids) == len(text.encode())
+  streamed = _streamed(tok, ids)
+  split = 0
+  for i, got in enumerate(streamed):
+    full = tok.decode(ids[:i + 1])
+    # An incomplete trailing character decodes as U+FFFD; the stream holds it back instead.
+    split += full.endswith("\ufffd")
+    assert got == full.rstrip("\ufffd"), (i, got, full)
+  assert split >= 8 and streamed[-1] == text

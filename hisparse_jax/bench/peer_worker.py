@@ -1,0 +1,138 @@
+"""One engine in its own process, serving generate calls for `engine_vs_vllm`.
+
+Run as a script (not `-m`), by either virtual environment's Python:
+
+    .venv/bin/python hisparse_jax/bench/peer_worker.py --engine=hisparse --model=DIR ...
+    .venv-vllm/bin/python hisparse_jax/bench/peer_worker.py --engine=vllm --model=DIR ...
+
+The vLLM peer's environment has no jax and no hisparse_jax, so this file imports only
+the standard library at the top and the engine it drives inside its function.
+
+Protocol (JSON lines): after the engine is built the worker prints `{"ready": ...}`;
+each line on stdin is `{"prompts": [[token ids], ...], "max_tokens": N}`; each answer is
+`{"seconds": S, "token_ids": [[...], ...], "ttft_s": [...], "itl_s": [...]}`: the wall
+time from the first request added to the last token out, the greedy tokens of each
+request, each request's time to first token, and the gap before every later token. An
+empty line (or EOF) ends the worker. Engine logs go to stderr; stdout carries only the
+protocol.
+
+Both engines are driven the same way: every request added at once, then `step()` until
+none is unfinished, each new token timestamped when its step returns it (vLLM with
+`output_kind=DELTA`, as its server streams; this engine's `step()` streams always).
+Greedy, `ignore_eos`, prefix caching off in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _drive(add, step, has_unfinished, prompts, max_tokens):
+  """Adds every prompt, steps to the end; `step()` yields (index, num new tokens, new
+  token ids) per request that advanced."""
+  start = time.perf_counter()
+  for i, prompt in enumerate(prompts):
+    add(i, prompt, max_tokens)
+  token_ids = [[] for _ in prompts]
+  last = [None] * len(prompts)
+  ttft, itl = [None] * len(prompts), []
+  while has_unfinished():
+    events = list(step())
+    now = time.perf_counter()
+    for i, new in events:
+      if not new:
+        continue
+      if last[i] is None:
+        ttft[i] = now - start
+        itl.extend([0.0] * (len(new) - 1))  # tokens that came with the first one
+      else:
+        itl.extend([(now - last[i]) / len(new)] * len(new))
+      last[i] = now
+      token_ids[i].extend(new)
+  return {"seconds": time.perf_counter() - start, "token_ids": token_ids, "ttft_s": ttft,
+          "itl_s": itl}
+
+
+def _hisparse(args):
+  from hisparse_jax.engine import Engine, EngineConfig
+  from hisparse_jax.sampling import SamplingParams
+
+  engine = Engine(EngineConfig(model=args.model, dtype="float32",
+                               max_model_len=args.max_model_len, enable_prefix_caching=False))
+  ids: dict[str, int] = {}
+
+  def add(i, prompt, max_tokens):
+    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    ids[rid] = i
+
+  def step():
+    for out in engine.step():
+      yield ids[out.request_id], list(out.new_token_ids)
+
+  info = {"engine": "hisparse_jax", "max_num_seqs": engine.config.max_num_seqs,
+          "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+  return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
+
+
+def _vllm(args):
+  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
+  import vllm
+  from vllm import LLM, SamplingParams
+  from vllm.inputs import TokensPrompt
+  from vllm.sampling_params import RequestOutputKind
+
+  llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
+            enable_prefix_caching=False, seed=0)
+  engine = llm.llm_engine
+  ids: dict[str, int] = {}
+  counter = iter(range(1 << 62))
+
+  def add(i, prompt, max_tokens):
+    rid = str(next(counter))
+    ids[rid] = i
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA))
+
+  def step():
+    for out in engine.step():
+      yield ids[out.request_id], list(out.outputs[0].token_ids)
+
+  config = engine.vllm_config.scheduler_config
+  info = {"engine": "vllm", "vllm_version": vllm.__version__,
+          "max_num_seqs": config.max_num_seqs,
+          "max_num_batched_tokens": config.max_num_batched_tokens,
+          "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+  return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--engine", choices=("hisparse", "vllm"), required=True)
+  parser.add_argument("--model", required=True)
+  parser.add_argument("--max_model_len", type=int, required=True)
+  parser.add_argument("--vllm_kv_cache_gib", type=int, default=4)
+  args = parser.parse_args()
+  # The protocol gets its own copy of stdout; fd 1 becomes stderr, so nothing the engine
+  # or its child processes print reaches the protocol stream.
+  protocol = os.fdopen(os.dup(1), "w")
+  sys.stdout.flush()
+  os.dup2(2, 1)
+  info, generate = (_hisparse if args.engine == "hisparse" else _vllm)(args)
+  protocol.write(json.dumps({"ready": info}) + "\n")
+  protocol.flush()
+  for line in sys.stdin:
+    if not line.strip():
+      break
+    call = json.loads(line)
+    protocol.write(json.dumps(generate(call["prompts"], call["max_tokens"])) + "\n")
+    protocol.flush()
+
+
+if __name__ == "__main__":  # vLLM starts worker processes: the guard it requires
+  main()

@@ -1,0 +1,272 @@
+"""The XLA backend's attention: what the engine runs where Pallas does not compile (CPU).
+
+Same contracts as the Pallas kernels (`paged_attention`, `ragged_paged_attention`), in
+jnp, shaped for XLA:CPU. Each sequence's KV is read once per call, straight from the
+pages, in key chunks of `blocks_per_step` blocks with an online softmax (flash attention
+in jnp); nothing is gathered per query tile or per query head:
+
+  decode rows (one query each):  one loop over key chunks for every row at once; its trip
+                                 count follows the longest row, not the table width
+  prefill rows (q_len > 1):      query tiles of `prefill_tile` tokens (lax.map); a tile
+                                 loops over exactly the key chunks its causal (and
+                                 sliding-window) range touches
+  GQA:  the query heads of one KV head are folded into the rows of one matmul
+        ([num_kv_heads, group * rows, head_dim] x [num_kv_heads, keys, head_dim]), so
+        K/V are never repeated in memory.
+
+Masked keys contribute nothing whatever the unused slots of a block hold (NaN or inf
+from an earlier owner included): their scores are masked, their probabilities are 0 and
+their V rows are zeroed before the product.
+
+Host-known sizes keep the compiled shapes small: `prefill_plan(q_lens)` gives the static
+`(prefill_tile, num_prefill_tiles)` of a batch (0 tiles: no prefill work compiled).
+The pure-jnp references of each kernel file stay the references; tests hold this
+module to them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas import common
+from kernels_pallas.paged_attention import _check as _check_paged
+from kernels_pallas.ragged_paged_attention import _check as _check_ragged
+
+# Keys per inner-loop step: a chunk of DECODE_KEYS / PREFILL_KEYS tokens (whole blocks).
+# Measured on a 2-core x86 CPU (tokens/s of the engine on the default model): decode
+# chunks of 128 keys keep a batch's gathered chunk in L2; prefill tiles of 256 queries
+# against 512 keys make matmuls big enough for both cores.
+DECODE_KEYS = 128
+PREFILL_KEYS = 512
+PREFILL_TILE = 256
+MIN_PREFILL_TILE = 16
+
+
+def prefill_plan(q_lens: Sequence[int], max_tile: int = PREFILL_TILE) -> tuple[int, int]:
+  """(prefill_tile, num_prefill_tiles) for rows of these query lengths (host side).
+
+  Rows with one query are decode rows (no tile). The tile is the longest prefill row
+  rounded up to a power of two (at least MIN_PREFILL_TILE, at most `max_tile`); the tile
+  count is rounded up to a power of two, so a run compiles few shapes.
+  """
+  multi = [int(n) for n in q_lens if n > 1]
+  if not multi:
+    return MIN_PREFILL_TILE, 0
+  tile = min(max(common.next_power_of_2(max(multi)), MIN_PREFILL_TILE), max_tile)
+  return tile, common.next_power_of_2(sum(common.cdiv(n, tile) for n in multi))
+
+
+def ragged_hints(q_lens: Sequence[int]) -> dict[str, int]:
+  """`ragged_paged_attention_xla`'s static sizes for rows of these query lengths."""
+  tile, num_tiles = prefill_plan(q_lens)
+  return {"prefill_tile": tile, "num_prefill_tiles": num_tiles}
+
+
+def _blocks_per_step(keys: int, block_size: int) -> int:
+  return max(1, keys // block_size)
+
+
+def _online_softmax_step(carry, s, valid, v, dot_pv):
+  """One key chunk of an online softmax. s [..., keys] scores; valid like s; v the
+  chunk's V (masked rows already zeroed); dot_pv(p, v) -> the [..., head_dim] update."""
+  m_prev, l_prev, acc_prev = carry
+  s = jnp.where(valid, s, common.MASK_VALUE)
+  m_next = jnp.maximum(m_prev, s.max(axis=-1))
+  alpha = jnp.exp(m_prev - m_next)
+  p = jnp.where(valid, jnp.exp(s - m_next[..., None]), 0.0)
+  l_next = alpha * l_prev + p.sum(axis=-1)
+  return m_next, l_next, alpha[..., None] * acc_prev + dot_pv(p, v)
+
+
+def _finish(l, acc):
+  return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+def _cap(s, soft_cap):
+  return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale, soft_cap,
+                 blocks_per_step):
+  """One query per row over keys [starts, lengths) of its table. q [B, Hq, D] -> f32."""
+  batch, num_q_heads, head_dim = q.shape
+  _, block_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  nb = blocks_per_step
+  keys = nb * block_size
+  tables = jnp.pad(block_tables, ((0, 0), (0, (-block_tables.shape[1]) % nb)))
+  qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+  live = lengths > starts
+  first = jnp.min(jnp.where(live, starts // keys, tables.shape[1]))
+  last = jnp.max(jnp.where(live, (lengths + keys - 1) // keys, 0))
+
+  def body(j, carry):
+    ids = lax.dynamic_slice_in_dim(tables, j * nb, nb, axis=1)  # [B, nb]
+    k = k_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
+    v = v_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
+    pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+    valid = (pos < lengths[:, None]) & (pos >= starts[:, None])  # [B, keys]
+    v = jnp.where(valid[:, :, None, None], v, 0.0)
+    s = _cap(jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST),
+             soft_cap)
+    return _online_softmax_step(
+        carry, s, valid[:, None, None, :], v,
+        lambda p, v: jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST))
+
+  init = (jnp.full((batch, num_kv_heads, group), common.MASK_VALUE, jnp.float32),
+          jnp.zeros((batch, num_kv_heads, group), jnp.float32),
+          jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
+  _, l, acc = lax.fori_loop(first, last, body, init)
+  return _finish(l, acc).reshape(batch, num_q_heads, head_dim)
+
+
+def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale,
+                   soft_cap, sliding_window, tile, num_tiles, blocks_per_step):
+  """Rows with q_len > 1 in query tiles; returns (out [num_tiles, tile, Hq, D] f32,
+  dst [num_tiles, tile]: the flat token row of each output, num_tokens = none)."""
+  num_tokens, num_q_heads, head_dim = q.shape
+  _, block_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  batch = kv_lens.shape[0]
+  nb = blocks_per_step
+  keys = nb * block_size
+  tables = jnp.pad(block_tables, ((0, 0), (0, (-block_tables.shape[1]) % nb)))
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  tiles_per_row = jnp.where(q_lens > 1, (q_lens + tile - 1) // tile, 0)
+  cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                              jnp.cumsum(tiles_per_row, dtype=jnp.int32)])
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  row = jnp.minimum(jnp.searchsorted(cu_tiles[1:], t, side="right"), batch - 1)
+  used = t < cu_tiles[batch]
+  q_start = (t - cu_tiles[row]) * tile  # first query of the tile, inside its row's chunk
+  n_q = jnp.where(used, jnp.clip(q_lens[row] - q_start, 0, tile), 0)
+  first_token = cu_q_lens[row] + q_start
+  first_pos = kv_lens[row] - q_lens[row] + q_start  # KV position of the tile's first query
+  i = jnp.arange(tile, dtype=jnp.int32)
+
+  def one_tile(x):
+    row, first_token, first_pos, n_q = x
+    kv_len = kv_lens[row]
+    src = jnp.clip(first_token + i, 0, num_tokens - 1)
+    qt = q[src].astype(jnp.float32) * sm_scale  # [tile, Hq, D]
+    # [num_kv_heads, group * tile, D]: row r = g * tile + query i.
+    qt = qt.reshape(tile, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(
+        num_kv_heads, group * tile, head_dim)
+    q_pos = jnp.tile(first_pos + i, group)[:, None]  # [rows, 1]
+    q_valid = jnp.tile(i < n_q, group)[:, None]
+    end = jnp.minimum(first_pos + n_q, kv_len)  # keys < end
+    start = jnp.int32(0)
+    if sliding_window is not None:
+      start = jnp.maximum(first_pos - sliding_window + 1, 0)
+    table = tables[row]
+
+    def body(j, carry):
+      ids = lax.dynamic_slice_in_dim(table, j * nb, nb)
+      k = k_pages[ids].reshape(keys, num_kv_heads, head_dim).astype(jnp.float32)
+      v = v_pages[ids].reshape(keys, num_kv_heads, head_dim).astype(jnp.float32)
+      k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+      v = jnp.where((k_pos < kv_len).reshape(keys, 1, 1), v, 0.0).transpose(1, 0, 2)
+      s = lax.dot_general(qt, k.transpose(1, 0, 2), (((2,), (2,)), ((0,), (0,))),
+                          precision=lax.Precision.HIGHEST)  # [H, rows, keys]
+      valid = (k_pos <= q_pos) & (k_pos < kv_len) & q_valid
+      if sliding_window is not None:
+        valid &= k_pos > q_pos - sliding_window
+      return _online_softmax_step(
+          carry, _cap(s, soft_cap), valid[None], v,
+          lambda p, v: lax.dot_general(p, v, (((2,), (1,)), ((0,), (0,))),
+                                       precision=lax.Precision.HIGHEST))
+
+    rows = group * tile
+    init = (jnp.full((num_kv_heads, rows), common.MASK_VALUE, jnp.float32),
+            jnp.zeros((num_kv_heads, rows), jnp.float32),
+            jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
+    num_steps = jnp.where(n_q > 0, (end + keys - 1) // keys, 0)
+    _, l, acc = lax.fori_loop(jnp.minimum(start // keys, num_steps), num_steps, body, init)
+    out = _finish(l, acc).reshape(num_kv_heads, group, tile, head_dim)
+    return out.transpose(2, 0, 1, 3).reshape(tile, num_q_heads, head_dim)
+
+  out = lax.map(one_tile, (row, first_token, first_pos, n_q))
+  dst = jnp.where(i[None, :] < n_q[:, None], first_token[:, None] + i[None, :], num_tokens)
+  return out, dst
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
+                                             "interpret", "prefill_tile",
+                                             "num_prefill_tiles"))
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [total_q_tokens, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
+    kv_lengths: jax.Array,  # int32 [batch]
+    cu_q_lens: jax.Array,  # int32 [batch + 1]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool | None = None,
+    prefill_tile: int = PREFILL_TILE,
+    num_prefill_tiles: int | None = None,
+) -> jax.Array:
+  """`ragged_paged_attention`'s contract, computed as decode rows plus prefill tiles.
+
+  prefill_tile, num_prefill_tiles: static sizes from `prefill_plan` over the rows' query
+  lengths (host-known); None tiles = enough for any lengths (slow: for tests).
+  """
+  del interpret
+  _check_ragged(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window)
+  num_tokens, num_q_heads, head_dim = q.shape
+  block_size = k_pages.shape[1]
+  batch = kv_lengths.shape[0]
+  scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+  if num_prefill_tiles is None:
+    num_prefill_tiles = common.cdiv(num_tokens, prefill_tile) + batch
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  # Decode rows: the row's one query at KV position kv_len - 1.
+  is_decode = q_lens == 1
+  lengths = jnp.where(is_decode, kv_lengths, 0)
+  starts = jnp.zeros_like(lengths)
+  if sliding_window is not None:
+    starts = jnp.maximum(lengths - sliding_window, 0)
+  first_rows = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)
+  out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+  dec = _decode_rows(q[first_rows], k_pages, v_pages, block_tables, lengths, starts,
+                     sm_scale=scale, soft_cap=soft_cap,
+                     blocks_per_step=_blocks_per_step(DECODE_KEYS, block_size))
+  out = out.at[jnp.where(is_decode, first_rows, num_tokens)].set(dec, mode="drop")
+  if num_prefill_tiles:
+    tiles, dst = _prefill_tiles(
+        q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sm_scale=scale,
+        soft_cap=soft_cap, sliding_window=sliding_window, tile=prefill_tile,
+        num_tiles=num_prefill_tiles,
+        blocks_per_step=_blocks_per_step(PREFILL_KEYS, block_size))
+    out = out.at[dst.reshape(-1)].set(tiles.reshape(-1, num_q_heads, head_dim), mode="drop")
+  return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
+def paged_attention_xla(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
+    lengths: jax.Array,  # int32 [batch]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """`paged_attention`'s contract: one query per row over its first `lengths` keys."""
+  del interpret
+  _check_paged(q, k_pages, v_pages, block_tables, lengths)
+  head_dim = q.shape[-1]
+  scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+  out = _decode_rows(q, k_pages, v_pages, block_tables, lengths, jnp.zeros_like(lengths),
+                     sm_scale=scale, soft_cap=soft_cap,
+                     blocks_per_step=_blocks_per_step(DECODE_KEYS, k_pages.shape[1]))
+  return out.astype(q.dtype)
