@@ -72,6 +72,11 @@ from hisparse_jax.block_plans import (  # noqa: F401 (re-exported)
     as_block_ids,
 )
 from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
+
+# The token id of a slot appended before its token is known (the engine's steps overlap:
+# a decode is planned while the token it computes is still being sampled); `set_token`
+# fills it in. A block holding a pending token is not hashed (cached) until then.
+PENDING_TOKEN = -1
 from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
 
 
@@ -91,6 +96,7 @@ class _SeqState:
   # `table_version` changes whenever an entry of `block_ids` is replaced (appends do not
   # change it); the mirror is valid for `mirror_version` and its first `mirror_len`
   # entries.
+  pending: int | None = None  # position of the PENDING_TOKEN in token_ids, if any
   table_version: int = 0
   mirror: np.ndarray | None = None
   mirror_len: int = 0
@@ -378,7 +384,8 @@ class BlockManager:
                          hashes: list[BlockHash] | None = None) -> None:
     if not self.enable_prefix_caching:
       return
-    num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+    known = len(seq.token_ids) if seq.pending is None else seq.pending
+    num_full = min(num_computed_tokens, known) // self.block_size
     start = len(seq.block_hashes)
     if num_full <= start:
       return
@@ -418,10 +425,32 @@ class BlockManager:
       seq.block_ids[-1] = dst_id
       seq.replaced_blocks()
       copy = (src_id, dst_id)
+    if token_id == PENDING_TOKEN:
+      if seq.pending is not None:
+        raise ValueError(f"{seq_id!r} already has a pending token at {seq.pending}")
+      seq.pending = position
     seq.token_ids.append(int(token_id))
     self._cache_full_blocks(seq, len(seq.token_ids))
     slot_id = seq.block_ids[-1] * self.block_size + position % self.block_size
     return AppendResult(slot_id=slot_id, copy=copy)
+
+  def pending_position(self, seq_id: Hashable) -> int | None:
+    """Position of the sequence's pending token (None: none, or no such sequence)."""
+    seq = self._seqs.get(seq_id)
+    return None if seq is None else seq.pending
+
+  def set_token(self, seq_id: Hashable, position: int, token_id: int) -> None:
+    """Fills in the pending token at `position` (appended as PENDING_TOKEN) once it is
+    known; its block is cached then if it is full (its K/V is computed by the step that
+    was planned with it, which runs before any later step that could hit it)."""
+    seq = self._seq(seq_id)
+    if seq.pending != position:
+      raise ValueError(f"{seq_id!r} has no pending token at {position} (pending: "
+                       f"{seq.pending})")
+    seq.token_ids[position] = int(token_id)
+    seq.pending = None
+    if not seq.swapped:
+      self._cache_full_blocks(seq, len(seq.token_ids))
 
   def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
     """The child shares all of the parent's device blocks (ref_cnt += 1 each)."""
@@ -430,6 +459,8 @@ class BlockManager:
       raise ValueError(f"sequence {child_id!r} already has blocks")
     if parent.offloaded:
       raise ValueError(f"sequence {parent_id!r} is offloaded (HiSparse); it cannot be forked")
+    if parent.pending is not None:
+      raise ValueError(f"sequence {parent_id!r} has a pending token; fork it once it is known")
     self.device_pool.touch(parent.block_ids)
     self._seqs[child_id] = _SeqState(
         list(parent.token_ids), list(parent.block_ids), list(parent.block_hashes),

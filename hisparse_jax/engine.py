@@ -32,7 +32,7 @@ from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVCacheSpec
 from hisparse_jax.metrics import MetricsRegistry
 from hisparse_jax.request import Request, RequestOutput, RequestStatus, check_prompt
-from hisparse_jax.runner import ModelRunner, SparseTiers
+from hisparse_jax.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
 from hisparse_jax.sampling import SamplingParams
 from hisparse_jax.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.transfer import TransferEngine
@@ -101,6 +101,16 @@ class EngineConfig:
             f"hisparse: selection={self.hisparse.selection!r} is not available in the engine "
             "yet (it needs attention per KV head over per-head tables); use "
             "selection='shared'")
+
+
+@dataclasses.dataclass(frozen=True)
+class _InflightStep:
+  """A dispatched step whose tokens are not read back yet."""
+
+  out: SchedulerOutput
+  batch: StepBatch
+  handle: StepHandle
+  start: float  # perf_counter at dispatch
 
 
 class Engine:
@@ -174,11 +184,12 @@ class Engine:
     self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                enable_chunked_prefill=config.enable_chunked_prefill,
-                               hisparse=config.hisparse)
+                               hisparse=config.hisparse, max_model_len=config.max_model_len)
     # HiSparse: the runner's hot-buffer state row of each offloaded request.
     self._hot_rows: dict[str, int] = {}
     self._free_hot_rows = list(range(self.runner.num_hot_rows))
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
+    self._inflight: _InflightStep | None = None  # dispatched, tokens not read back yet
     self._finished_outputs: list[RequestOutput] = []
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
@@ -240,11 +251,17 @@ class Engine:
   # --- One step ------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one engine step; returns the outputs of requests that advanced or finished."""
+    """Runs one engine step; returns the outputs of requests that advanced or finished.
+
+    Steps overlap (vLLM V1's async scheduling): this call plans and dispatches step t,
+    then reads back step t - 1's tokens and postprocesses them while step t runs on the
+    device. A decode in step t whose token step t - 1 is still sampling reads it there, on
+    the device; the host learns each token one call later. A request that stops on a
+    token of step t - 1 may have a row in step t: that row is dropped.
+    """
     self.transfer.poll()
     out = self.scheduler.schedule()
-    outputs = {}
-    tokens, moved, start = None, False, 0.0
+    dispatched, moved = None, False
     try:
       self._move_blocks(out)
       moved = True
@@ -254,27 +271,52 @@ class Engine:
         batch = self.runner.build_batch(out.chunks,
                                         self.block_manager.block_tables(seq_ids, width),
                                         self._sparse_tiers(seq_ids, width))
-        start = time.perf_counter()
-        tokens = self.runner.execute(batch)
+        prev = self._inflight.handle.tokens if self._inflight is not None else None
+        dispatched = _InflightStep(out, batch, self.runner.dispatch(batch, prev),
+                                   time.perf_counter())
     except Exception as e:  # a failed step ends only the requests it held
-      self.block_manager.finish_step()
+      self.block_manager.finish_step()  # (its transfers, if any, are dispatched)
       self._fail_step(out, moved, e)
     else:
       self.block_manager.finish_step()
-      if tokens is not None:
-        self.stats.on_step(out, time.perf_counter() - start, self.block_manager)
-        counts = self.runner.last_counts
-        for i, (chunk, token) in enumerate(zip(out.chunks, tokens)):
-          self._postprocess(chunk, int(token), int(batch.blocks_attended[i]),
-                            counts[:, i] if counts is not None and batch.metadata.sparse_rows[i]
-                            else None)
-          outputs[chunk.request.request_id] = chunk.request
+      if dispatched is not None:
+        for i, chunk in enumerate(out.chunks):
+          if chunk.samples:
+            chunk.request.num_inflight += 1
+            chunk.request.inflight_row = i
+    outputs: dict[str, Request] = {}
+    previous, self._inflight = self._inflight, dispatched
+    if previous is not None:
+      self._complete(previous, outputs)
+    if self._inflight is not None and self.scheduler.num_unfinished == 0:
+      # Nothing left to run: the step in flight holds rows of finished requests only.
+      last, self._inflight = self._inflight, None
+      self._complete(last, outputs)
     self.num_steps += 1
     result = [self._output(r) for r in outputs.values() if not r.is_finished]
     result += self._finished_outputs
     self._finished_outputs = []
     self.stats.on_usage(self.block_manager, self.scheduler)
     return result
+
+  def _complete(self, step: _InflightStep, outputs: dict[str, Request]) -> None:
+    """Reads back a dispatched step's tokens (waits for it) and postprocesses its rows."""
+    try:
+      tokens, counts = self.runner.collect(step.handle)
+    except Exception as e:  # the step failed on the device: its requests end
+      self._fail_step(step.out, True, e)
+      return
+    self.stats.on_step(step.out, time.perf_counter() - step.start, self.block_manager)
+    sparse_rows = step.batch.metadata.sparse_rows
+    for i, (chunk, token) in enumerate(zip(step.out.chunks, tokens)):
+      request = chunk.request
+      if chunk.samples:
+        request.num_inflight -= 1
+      if request.is_finished:  # stopped (or aborted) before this row came back
+        continue
+      self._postprocess(chunk, int(token), int(step.batch.blocks_attended[i]),
+                        counts[:, i] if counts is not None and sparse_rows[i] else None)
+      outputs[request.request_id] = request
 
   def _fail_step(self, out: SchedulerOutput, moved: bool, error: Exception) -> None:
     """Finishes (reason "error") the requests whose KV the failed step may have spoiled.
@@ -338,7 +380,6 @@ class Engine:
     `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row: where its
     selected blocks came from, per layer (counted here as the mean over layers)."""
     request = chunk.request
-    request.num_computed_tokens = chunk.start + chunk.num_tokens
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
     if sparse_counts is None:
@@ -362,7 +403,10 @@ class Engine:
     else:
       self.stats.on_token_gap(now - request.last_token_time)
     request.last_token_time = now
+    position = request.num_prompt_tokens + len(request.output_token_ids)
     request.output_token_ids.append(token)
+    if self.block_manager.pending_position(request.request_id) == position:
+      self.block_manager.set_token(request.request_id, position, token)  # a decode planned it
     if request.detokenizer is not None:
       request.output_text += request.detokenizer.step(token)
     self.stats.on_generated(1)
@@ -370,7 +414,7 @@ class Engine:
     if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
       self._finish(request, "stop")
     elif (len(request.output_token_ids) >= sp.max_tokens
-          or request.num_tokens >= self.config.max_model_len):
+          or position + 1 >= self.config.max_model_len):
       self._finish(request, "length")
 
   def _finish(self, request: Request, reason: str, error: str | None = None) -> None:

@@ -5,9 +5,16 @@
                                         v
                        FINISHED (stop | length | abort | error)
 
-`num_computed_tokens` counts the tokens whose K/V are in the cache. A running
-request computes its prompt (in chunks), then one token per step: the token sampled
-in step t has its K/V computed in step t + 1.
+`num_computed_tokens` counts the tokens whose K/V are in the cache once the steps
+scheduled so far have run (the scheduler advances it when it schedules a chunk). A
+running request computes its prompt (in chunks), then one token per step: the token
+sampled in step t has its K/V computed in step t + 1.
+
+Steps overlap (Engine.step dispatches step t + 1 before it reads step t's tokens), so
+a request may have one sampled token not known on the host yet: `num_inflight` (0 or 1)
+counts it. `num_tokens` includes it (positions and block slots are planned with it);
+`output_token_ids` holds only the known tokens, and step t + 1 takes the pending one
+from step t's output on the device (row `inflight_row` of that step).
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class Request:
   # extended by each new token's piece (no whole-output decode per step).
   detokenizer: object | None = None
   output_text: str = ""
+  num_inflight: int = 0  # sampled by a dispatched step, not read back yet
+  inflight_row: int = -1  # the row of that step that samples it
 
   @property
   def num_prompt_tokens(self) -> int:
@@ -97,7 +106,13 @@ class Request:
 
   @property
   def num_tokens(self) -> int:
-    return len(self.prompt_token_ids) + len(self.output_token_ids)
+    """Prompt + output tokens, the one in flight included."""
+    return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+  def reaches_length(self, max_model_len: int) -> bool:
+    """Whether the tokens sampled so far (in flight included) end it by length."""
+    return (len(self.output_token_ids) + self.num_inflight >= self.sampling_params.max_tokens
+            or self.num_tokens >= max_model_len)
 
   @property
   def is_prefilling(self) -> bool:

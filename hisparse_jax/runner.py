@@ -107,6 +107,9 @@ class StepBatch:
   """Host-side arrays of one step, already padded."""
 
   input_ids: np.ndarray  # int32 [num_tokens]
+  # int32 [num_tokens]: row of the previous step's sampled tokens that is this token (a
+  # decode of a token still in flight), -1 = input_ids holds it.
+  token_src: np.ndarray
   positions: np.ndarray  # int32 [num_tokens]
   metadata: StepMetadata  # numpy leaves
   logits_indices: np.ndarray  # int32 [num_seqs]: row of each sequence's last token
@@ -123,6 +126,16 @@ class StepBatch:
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHandle:
+  """A dispatched step: its results stay on the device until `ModelRunner.collect`."""
+
+  tokens: jax.Array  # int32 [max_num_seqs]: sampled token of each row (rows past num_seqs: 0)
+  counts: jax.Array  # int32 [layers, rows, 5] (HiSparse), else [0]
+  num_seqs: int
+  sparse: bool  # whether `counts` are read back
 
 
 class ModelRunner:
@@ -184,6 +197,8 @@ class ModelRunner:
     self._copy_to_host_index = _copy_program_between()
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
+    # The previous-step tokens of a step that reads none (its token_src is all -1).
+    self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), device_pool.sharding)
 
   @property
   def reserved_bytes(self) -> int:
@@ -211,6 +226,7 @@ class ModelRunner:
     b_pad = bucket(len(chunks), 4, self.max_num_seqs)
     w_pad = bucket(block_tables.shape[1], 4, self.max_blocks_per_seq)
     input_ids = np.zeros(t_pad, np.int32)
+    token_src = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
     slot_ids = np.full(t_pad, -1, np.int32)
     tables = np.zeros((b_pad, w_pad), np.int32)
@@ -228,7 +244,11 @@ class ModelRunner:
     offset = 0
     for i, chunk in enumerate(chunks):
       request, n = chunk.request, chunk.num_tokens
-      input_ids[offset:offset + n] = request.token_slice(chunk.start, chunk.start + n)
+      if request.num_inflight and chunk.start + n == request.num_tokens:
+        # A decode of the token the previous step is still sampling: read it there.
+        token_src[offset] = request.inflight_row
+      else:
+        input_ids[offset:offset + n] = request.token_slice(chunk.start, chunk.start + n)
       positions[offset:offset + n] = np.arange(chunk.start, chunk.start + n)
       slot_ids[offset:offset + n] = chunk.slot_ids
       cu_q_lens[i] = offset
@@ -237,7 +257,7 @@ class ModelRunner:
       sp = request.sampling_params
       temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
       seeds[i] = request.seed
-      counters[i] = len(request.output_token_ids)
+      counters[i] = len(request.output_token_ids) + request.num_inflight
       num_blocks = -(-kv_lens[i] // self.block_size)
       # A sparse row decodes one token past the prefill (an output token); prefill
       # chunks, even of one token (after a prefix-cache hit), stay dense, so a prompt's
@@ -268,31 +288,49 @@ class ModelRunner:
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints)
-    return StepBatch(input_ids, positions, meta, logits_indices, temperature, top_p, top_k,
-                     seeds, counters, len(chunks), blocks_attended)
+    return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
+                     top_k, seeds, counters, len(chunks), blocks_attended)
 
   # --- Device side ---------------------------------------------------------------
 
-  def execute(self, batch: StepBatch) -> np.ndarray:
-    """Runs the step; returns int32 [batch.num_seqs] sampled tokens (one host sync).
+  def dispatch(self, batch: StepBatch, prev_tokens: jax.Array | None = None) -> StepHandle:
+    """Starts the step on the device and returns at once (JAX dispatches asynchronously).
 
-    A batch of greedy requests only runs a program without the random draws (argmax):
-    the threefry draws cost as much compile time as the whole tiny forward.
+    `prev_tokens`: the previous step's `StepHandle.tokens`, where the batch's `token_src`
+    rows read their input token (None: no such row). A batch of greedy requests only
+    runs a program without the random draws (argmax): the threefry draws cost as much
+    compile time as the whole tiny forward.
     """
     greedy_only = not np.any(batch.temperature > 0)
     self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
                               batch.metadata.block_tables.shape[1], greedy_only))
+    if prev_tokens is None:
+      if np.any(batch.token_src >= 0):
+        raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
+      prev_tokens = self._no_tokens
     host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
     tokens, arrays, self.bounds, self.hot_state, counts = self._step(
         self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
-        self.host_bounds, batch.input_ids, batch.positions, batch.metadata,
-        batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
-        batch.counters, greedy_only=greedy_only)
+        self.host_bounds, batch.input_ids, batch.token_src, prev_tokens, batch.positions,
+        batch.metadata, batch.logits_indices, batch.temperature, batch.top_p, batch.top_k,
+        batch.seeds, batch.counters, greedy_only=greedy_only,
+        num_token_rows=self.max_num_seqs)
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1
-      self.last_counts = np.asarray(counts)[:, :batch.num_seqs]
-    return np.asarray(tokens)[:batch.num_seqs]
+    return StepHandle(tokens, counts, batch.num_seqs, self.hisparse is not None)
+
+  def collect(self, handle: StepHandle) -> tuple[np.ndarray, np.ndarray | None]:
+    """Waits for a dispatched step: (int32 [num_seqs] sampled tokens, the HiSparse counts
+    [layers, num_seqs, 5] (COUNT_FIELDS) or None). The step's only device-to-host read."""
+    tokens = np.asarray(handle.tokens)[:handle.num_seqs]
+    counts = np.asarray(handle.counts)[:, :handle.num_seqs] if handle.sparse else None
+    self.last_counts = counts
+    return tokens, counts
+
+  def execute(self, batch: StepBatch) -> np.ndarray:
+    """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
+    return self.collect(self.dispatch(batch))[0]
 
   def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
     """host_bounds[host_ids] := bounds[device_ids], every layer (blocks written to the
@@ -345,7 +383,8 @@ def _step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storag
   attn_fn = functools.partial(_attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
                               sparse)
   forward = functools.partial(_forward, graphdef, attn_fn)
-  return jax.jit(forward, donate_argnums=(1, 2, 3), static_argnames=("greedy_only",))
+  return jax.jit(forward, donate_argnums=(1, 2, 3),
+                 static_argnames=("greedy_only", "num_token_rows"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,9 +427,12 @@ def _copy_blocks(arrays, src, dst):
 
 
 def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
-             host_bounds, input_ids, positions, metadata: StepMetadata, logits_indices,
-             temperature, top_p, top_k, seeds, counters, *, greedy_only: bool):
+             host_bounds, input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
+             logits_indices, temperature, top_p, top_k, seeds, counters, *, greedy_only: bool,
+             num_token_rows: int):
   model = nnx.merge(graphdef, params)
+  # Tokens still in flight on the host come from the previous step's output.
+  input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
   num_layers = len(kv_arrays) // 2
   if bounds:  # HiSparse: each layer's cache is a dict (see _attend)
     kv_caches = [dict(k=kv_arrays[i], v=kv_arrays[num_layers + i], bounds=bounds[i],
@@ -407,6 +449,8 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   else:
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     tokens = sample(logits, temperature, top_p, top_k, keys)
+  # One shape for every step (the next step reads it as prev_tokens).
+  tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:
     new_arrays = (tuple(c["k"] for c in kv_caches) + tuple(c["v"] for c in kv_caches))
     new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))

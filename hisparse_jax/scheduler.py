@@ -42,7 +42,7 @@ import dataclasses
 
 import numpy as np
 
-from hisparse_jax.block_manager import BlockManager, SwapInPlan, SwapOutPlan
+from hisparse_jax.block_manager import PENDING_TOKEN, BlockManager, SwapInPlan, SwapOutPlan
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.request import Request, RequestStatus
 
@@ -95,7 +95,7 @@ class Scheduler:
 
   def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-               hisparse: HiSparseConfig | None = None):
+               hisparse: HiSparseConfig | None = None, max_model_len: int | None = None):
     if max_num_seqs < 1:
       raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_num_batched_tokens < 1:
@@ -105,6 +105,7 @@ class Scheduler:
     self.max_num_batched_tokens = max_num_batched_tokens
     self.enable_chunked_prefill = enable_chunked_prefill
     self.hisparse = hisparse
+    self.max_model_len = max_model_len if max_model_len is not None else float("inf")
     self.hot_buffer_blocks = (hisparse.blocks(block_manager.block_size).hot_buffer_blocks
                               if hisparse is not None else 0)
     self.waiting: collections.deque[Request] = collections.deque()
@@ -142,6 +143,10 @@ class Scheduler:
       budget = self._schedule_swapped(out, budget)
     if not self.swapped:
       self._schedule_waiting(out, budget)
+    # The step will compute these tokens: the next schedule() plans past them, whether or
+    # not this step's results are back (steps overlap).
+    for chunk in out.chunks:
+      chunk.request.num_computed_tokens = chunk.start + chunk.num_tokens
     return out
 
   def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
@@ -195,7 +200,10 @@ class Scheduler:
   def _decode(self, request: Request, out: SchedulerOutput) -> ScheduledChunk:
     if self.is_sparse_decoder(request):
       self._write_through(request, out)
-    result = self.bm.append_slot(request.request_id, request.output_token_ids[-1])
+    # The token whose K/V this step computes: the last sampled one, unless it is still in
+    # flight (then the step reads it from the previous step's output on the device).
+    token = PENDING_TOKEN if request.num_inflight else request.output_token_ids[-1]
+    result = self.bm.append_slot(request.request_id, token)
     if result.copy is not None:
       out.copies.append(result.copy)
     return ScheduledChunk(request, request.num_tokens - 1, 1,
@@ -239,6 +247,9 @@ class Scheduler:
           out.chunks.append(chunk)
           budget -= chunk.num_tokens
         continue
+      if request.reaches_length(self.max_model_len):  # its token in flight is its last
+        kept.append(request)
+        continue
       while (not self.bm.can_append(request.request_id)
              and not (self.hisparse is not None and self._make_room(1, out))):
         victim = queue.pop() if queue else None
@@ -256,6 +267,8 @@ class Scheduler:
   def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
     while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
       request = self.swapped[0]
+      if request.num_inflight:  # preempted while its token was in flight: next step
+        break
       # Only when it can also run now: the device must hold its blocks AND the block its
       # next token may open (counted without device prefix hits, conservatively). A
       # request swapped in without room to decode would swap itself out again at once,
@@ -293,6 +306,8 @@ class Scheduler:
   def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
     while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
       request = self.waiting[0]
+      if request.num_inflight:  # recomputed while its token was in flight: next step
+        break
       tokens = request.all_token_ids  # a recomputed request re-reads its outputs too
       spare = len(self.running)
       needed = -(-len(tokens) // self.bm.block_size)

@@ -7,6 +7,10 @@ max_model_len 4,096, prefix caching off, every other setting at its default), ge
 same prompts (token ids) and generate greedily with `ignore_eos`. Runs alternate: each
 workload runs once in each engine to warm up (compiles), then `reps` rounds, each round
 both engines in turn (who goes first rotates); the other process sits idle meanwhile.
+After every run the suite waits until that engine's processes are quiet (under 5% of a
+core over 100 ms): vLLM's worker keeps a core busy for about a second after a generate
+call returns (measured: 1.0 CPU-second), which would otherwise slow the next run of the
+other engine.
 
     decode_heavy    8 prompts x   512 tokens, 128 new each
     prefill_heavy  32 prompts x 1,024 tokens,  64 new each
@@ -33,6 +37,7 @@ import tempfile
 import time
 
 import numpy as np
+import psutil
 
 from hisparse_jax.bench import common
 
@@ -104,6 +109,7 @@ class Worker:
          f"--max_model_len={MAX_MODEL_LEN}"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         cwd=log_dir)
+    self._ps = psutil.Process(self.proc.pid)
     self.info = self._read(STARTUP_TIMEOUT_S)["ready"]
 
   def _read(self, timeout_s: float) -> dict:
@@ -124,7 +130,35 @@ class Worker:
   def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
     self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
     self.proc.stdin.flush()
-    return self._read(CALL_TIMEOUT_S)
+    result = self._read(CALL_TIMEOUT_S)
+    result["settle_s"] = self.settle()
+    return result
+
+  def settle(self, interval_s: float = 0.1, max_busy: float = 0.05,
+             timeout_s: float = 10.0) -> float:
+    """Waits until the worker's processes use under `max_busy` of a core over
+    `interval_s`; returns the seconds waited."""
+    start = time.perf_counter()
+    procs = [self._ps] + self._ps.children(recursive=True)
+
+    def cpu_seconds():
+      total = 0.0
+      for p in procs:
+        try:
+          t = p.cpu_times()
+          total += t.user + t.system
+        except psutil.Error:
+          pass
+      return total
+
+    before = cpu_seconds()
+    while time.perf_counter() - start < timeout_s:
+      time.sleep(interval_s)
+      now = cpu_seconds()
+      if now - before < max_busy * interval_s:
+        break
+      before = now
+    return time.perf_counter() - start
 
   def close(self) -> None:
     if self.proc.poll() is None:

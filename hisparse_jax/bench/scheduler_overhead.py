@@ -1,13 +1,19 @@
 """Suite `scheduler_overhead`: host microseconds per decode step per sequence.
 
 An engine on the default model with `num_seqs` (256) requests of short prompts, all
-running and decoding. Per engine step, wall time minus the time inside
-`ModelRunner.execute` (the jitted step: dispatch, device work, the token sync) is the
-host side: schedule, block bookkeeping, build_batch, postprocess, metrics. The runner's
-`execute`, the scheduler's `schedule` and the runner's `build_batch` are wrapped on the
-instance with a timer (the engine is not modified). JSON `host_us_per_seq_step` =
-median host time of a decode step / running sequences, plus the split, and a cProfile of
-a few more steps (`profile`: the functions with the most own time) naming what dominates.
+running and decoding. The engine's steps overlap (the host plans step t while the device
+runs step t - 1), so the host's time in a step is the step's wall time minus the time it
+waits for the device (`ModelRunner.collect` blocking): schedule, block bookkeeping,
+build_batch, dispatch, postprocess, metrics. The runner's `collect` and `build_batch`
+and the scheduler's `schedule` are wrapped on the instance with a timer (the engine is
+not modified). JSON `host_us_per_seq_step` = median host time of a decode step / running
+sequences, plus the split, and a cProfile of a few more steps (`profile`: the functions
+with the most own time) naming what dominates.
+
+Second table (`by_context`): the same measurement for `context_seqs` sequences decoding
+at about 256 and about 4,096 tokens of context, and `host_ratio_long_vs_short`: the host
+work of a step must not grow with the context (goal: within 1.2x). The long prompts share
+a prefix (prefix caching), so only one of them is prefilled in full.
 """
 
 from __future__ import annotations
@@ -32,90 +38,140 @@ class Size:
   warmup_steps: int  # decode steps not measured (compiles of growing block-table widths)
   measured_steps: int
   profiled_steps: int  # then this many steps under cProfile (its overhead kept apart)
+  context_seqs: int  # sequences of the by-context rows
+  contexts: tuple[int, ...]  # their prompt lengths
 
 
 SIZES = {
     "full": Size(num_seqs=256, prompt_len=16, warmup_steps=20, measured_steps=40,
-                 profiled_steps=5),
+                 profiled_steps=5, context_seqs=64, contexts=(256, 4096)),
     "smoke": Size(num_seqs=8, prompt_len=8, warmup_steps=2, measured_steps=3,
-                  profiled_steps=1),
+                  profiled_steps=1, context_seqs=4, contexts=(16, 64)),
 }
 
 
-def _profile(engine: Engine, size: Size, top: int = 8) -> list[dict]:
-  """cProfile over `profiled_steps` more decode steps: the functions with the most own
-  time (microseconds per step per sequence, profiler overhead included)."""
+def _profile(engine: Engine, steps: int, num_seqs: int, top: int = 8) -> list[dict]:
+  """cProfile over `steps` more decode steps: the functions with the most own time
+  (microseconds per step per sequence, profiler overhead included)."""
   profiler = cProfile.Profile()
   profiler.enable()
-  for _ in range(size.profiled_steps):
+  for _ in range(steps):
     engine.step()
   profiler.disable()
   stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, ..)
   rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-  per = size.profiled_steps * size.num_seqs
+  per = steps * num_seqs
   return [{"function": f"{os.path.basename(file)}:{line}({name})", "calls_per_step":
-           calls / size.profiled_steps, "own_us_per_seq_step": own / per * 1e6}
+           calls / steps, "own_us_per_seq_step": own / per * 1e6}
           for (file, line, name), (_, calls, own, _, _) in rows]
+
+
+def _engine(num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+            seed: int) -> Engine:
+  kv_gib = 1.1 * num_seqs * max_model_len * 1024 / 2**30 + 0.01  # 1 KiB per token (f32)
+  return Engine(EngineConfig(max_model_len=max_model_len, max_num_seqs=num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             device_kv_gib=kv_gib, host_pool_gib=0.01, seed=seed))
+
+
+def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int):
+  """Steps until `num_seqs` requests decode together; then times `measured` decode steps
+  after `warmup` of them. Returns (wall, wait, schedule, build_batch) seconds per step."""
+  collect = engine.runner.collect = common.CallTimer(engine.runner.collect)
+  build = engine.runner.build_batch = common.CallTimer(engine.runner.build_batch)
+  schedule = engine.scheduler.schedule = common.CallTimer(engine.scheduler.schedule)
+  samples, decode_steps = [], 0
+  while decode_steps < warmup + measured:
+    start = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - start
+    running = engine.scheduler.running
+    parts = (collect.take(), schedule.take(), build.take())
+    if len(running) == num_seqs and all(not r.is_prefilling for r in running):
+      decode_steps += 1
+      if decode_steps > warmup:
+        samples.append((wall, *parts))
+    if not engine.has_unfinished_requests():
+      raise ValueError(f"never {num_seqs} sequences decoding at once")
+  return [np.asarray(x) for x in zip(*samples)]
+
+
+def _add(engine: Engine, prompts: list[list[int]], max_tokens: int) -> None:
+  params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+  for prompt in prompts:
+    engine.add_request(prompt_token_ids=prompt, sampling_params=params)
+
+
+def _by_context(size: Size, seed: int) -> dict:
+  """Host time per decode step of `context_seqs` sequences at each context length."""
+  rows = {}
+  rng = np.random.default_rng(seed)
+  steps = size.warmup_steps + size.measured_steps + 2
+  for context in size.contexts:
+    engine = _engine(size.context_seqs, context + steps + 1, 2048, seed)
+    vocab = engine.model_config.vocab_size
+    shared = rng.integers(3, vocab, context - 1).tolist()
+    prompts = [shared + [int(t)] for t in rng.integers(3, vocab, size.context_seqs)]
+    _add(engine, prompts[:1], steps)
+    while engine.requests[next(iter(engine.requests))].is_prefilling:
+      engine.step()  # the first prompt fills the prefix cache; the others hit it
+    _add(engine, prompts[1:], steps)
+    wall, wait, *_ = _decode_steps(engine, size.context_seqs, size.warmup_steps,
+                                   size.measured_steps)
+    rows[str(context)] = {
+        "host_us_per_step": float(np.median(wall - wait)) * 1e6,
+        "host_us_per_seq_step": float(np.median(wall - wait)) / size.context_seqs * 1e6,
+        "step_ms": float(np.median(wall)) * 1e3}
+  short, long = (rows[str(c)]["host_us_per_step"] for c in (min(size.contexts),
+                                                            max(size.contexts)))
+  return {"rows": rows, "num_seqs": size.context_seqs,
+          "host_ratio_long_vs_short": long / short, "goal_ratio": 1.2}
 
 
 def run(size_name: str = "full", seed: int = 0) -> dict:
   size = SIZES[size_name]
   max_tokens = size.warmup_steps + size.measured_steps + size.profiled_steps + 2
-  max_model_len = size.prompt_len + max_tokens
-  engine = Engine(EngineConfig(max_model_len=max_model_len, max_num_seqs=size.num_seqs,
-                               max_num_batched_tokens=size.num_seqs * size.prompt_len,
-                               device_kv_gib=0.125, host_pool_gib=0.01, seed=seed))
-  execute = engine.runner.execute = common.CallTimer(engine.runner.execute)
-  build = engine.runner.build_batch = common.CallTimer(engine.runner.build_batch)
-  schedule = engine.scheduler.schedule = common.CallTimer(engine.scheduler.schedule)
+  engine = _engine(size.num_seqs, size.prompt_len + max_tokens,
+                   size.num_seqs * size.prompt_len, seed)
   rng = np.random.default_rng(seed)
-  params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-  for _ in range(size.num_seqs):
-    engine.add_request(prompt_token_ids=rng.integers(3, engine.model_config.vocab_size,
-                                                     size.prompt_len).tolist(),
-                       sampling_params=params)
-  samples = []
-  decode_steps = 0
-  while decode_steps < size.warmup_steps + size.measured_steps:
-    start = time.perf_counter()
-    engine.step()
-    wall = time.perf_counter() - start
-    running = len(engine.scheduler.running)
-    in_decode = all(not r.is_prefilling for r in engine.scheduler.running)
-    parts = (execute.take(), schedule.take(), build.take())
-    if running == size.num_seqs and in_decode:
-      decode_steps += 1
-      if decode_steps > size.warmup_steps:
-        samples.append((wall, *parts))
-  if not samples:
-    raise ValueError(f"never {size.num_seqs} sequences decoding at once")
-  profile = _profile(engine, size)
-  wall, exe, sched, build_s = (np.asarray(x) for x in zip(*samples))
-  host = wall - exe
+  vocab = engine.model_config.vocab_size
+  _add(engine, [rng.integers(3, vocab, size.prompt_len).tolist()
+                for _ in range(size.num_seqs)], max_tokens)
+  wall, wait, sched, build_s = _decode_steps(engine, size.num_seqs, size.warmup_steps,
+                                             size.measured_steps)
+  profile = _profile(engine, size.profiled_steps, size.num_seqs)
+  host = wall - wait
   n = size.num_seqs
 
   def us(seconds):  # median over the measured steps, per sequence, in microseconds
     return float(np.median(seconds)) / n * 1e6
 
   return {
-      "host_us_per_seq_step": us(host),
+      "host_us_per_seq_step": us(host), "goal_host_us_per_seq_step": 20.0,
       "split_us_per_seq_step": {"schedule": us(sched), "build_batch": us(build_s),
-                                "rest (block moves, postprocess, metrics)":
+                                "rest (block moves, dispatch, postprocess, metrics)":
                                     us(host - sched - build_s)},
-      "execute_us_per_seq_step": us(exe), "step_ms": float(np.median(wall)) * 1e3,
+      "wait_us_per_seq_step": us(wait), "step_ms": float(np.median(wall)) * 1e3,
       "host_fraction_of_step": float(np.median(host / wall)), "running_seqs": n,
-      "measured_steps": len(samples), "config": dataclasses.asdict(size),
-      "profile": profile,
-      "model": "hisparse-tiny (default)"}
+      "measured_steps": len(wall), "config": dataclasses.asdict(size),
+      "profile": profile, "by_context": _by_context(size, seed),
+      "model": "hisparse-tiny (default)", "block_size": engine.config.block_size}
 
 
 def format_table(result: dict) -> str:
   rows = [(k, v) for k, v in result["split_us_per_seq_step"].items()]
   rows += [("host total", result["host_us_per_seq_step"]),
-           ("execute (jitted step)", result["execute_us_per_seq_step"])]
+           ("waiting for the device", result["wait_us_per_seq_step"])]
   profile = common.format_table(
       ["cProfile: most own time", "calls/step", "us/seq/step"],
       [(p["function"], p["calls_per_step"], p["own_us_per_seq_step"]) for p in result["profile"]])
+  ctx = result["by_context"]
+  by_context = common.format_table(
+      [f"context ({ctx['num_seqs']} sequences)", "host us/step", "host us/seq/step", "step ms"],
+      [(k, r["host_us_per_step"], r["host_us_per_seq_step"], r["step_ms"])
+       for k, r in ctx["rows"].items()])
   return (common.format_table(["per decode step, per sequence", "us"], rows)
           + f"\n{result['running_seqs']} running sequences, step {result['step_ms']:.2f} ms, "
-          f"host {100 * result['host_fraction_of_step']:.0f}% of it\n{profile}")
+          f"host {100 * result['host_fraction_of_step']:.0f}% of it\n{profile}\n{by_context}\n"
+          f"host time per step, longest vs shortest context: "
+          f"{ctx['host_ratio_long_vs_short']:.2f}x (goal <= {ctx['goal_ratio']})")

@@ -140,8 +140,13 @@ def test_engine_vs_hf_same_tokens(smoke):
 
 def test_scheduler_overhead_fields(smoke):
   s = smoke[0]["suites"]["scheduler_overhead"]
-  assert _positive(s["host_us_per_seq_step"], s["execute_us_per_seq_step"])
+  assert _positive(s["host_us_per_seq_step"]) and s["wait_us_per_seq_step"] >= 0
   assert s["measured_steps"] == s["config"]["measured_steps"]
+  ctx = s["by_context"]
+  assert list(ctx["rows"]) == [str(c) for c in s["config"]["contexts"]]
+  assert all(_positive(r["host_us_per_step"], r["step_ms"]) for r in ctx["rows"].values())
+  rows = [ctx["rows"][str(c)]["host_us_per_step"] for c in s["config"]["contexts"]]
+  assert ctx["host_ratio_long_vs_short"] == pytest.approx(rows[-1] / rows[0])
   assert s["running_seqs"] == s["config"]["num_seqs"]
   assert 1 <= len(s["profile"]) <= 8 and all("function" in p for p in s["profile"])
 

@@ -285,16 +285,16 @@ def test_bad_engine_config_is_refused():
 
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(reference):
   engine = make_engine()
-  execute = engine.runner.execute
+  dispatch = engine.runner.dispatch  # the jitted step starts here
   calls = []
 
-  def failing(batch):
+  def failing(batch, prev_tokens=None):
     calls.append(batch.num_seqs)
     if len(calls) == 2:
       raise RuntimeError("injected")
-    return execute(batch)
+    return dispatch(batch, prev_tokens)
 
-  engine.runner.execute = failing
+  engine.runner.dispatch = failing
   add_all(engine, PROMPTS[:2], GREEDY)
   outputs = run(engine)
   assert {o.finish_reason for o in outputs.values()} == {"error"}

@@ -72,7 +72,7 @@ FAULTS = {
     "h2d transfer": ("transfer", "_dispatch", lambda d, *_: d == m.DIRECTION_H2D, True),
     "copy-on-write copies": ("runner", "copy_blocks", None, True),
     "batch building": ("runner", "build_batch", None, False),
-    "jitted step": ("runner", "execute", None, False),
+    "jitted step": ("runner", "dispatch", None, False),
 }
 
 
@@ -112,15 +112,15 @@ def test_faults_in_a_row_lose_no_request(reference):
   # Every third jitted step fails: each request either finishes normally with its
   # unfaulted tokens or ends once with "error"; nothing is lost, nothing leaks.
   engine = make_engine()
-  execute, count = engine.runner.execute, []
+  dispatch, count = engine.runner.dispatch, []
 
-  def flaky(batch):
+  def flaky(batch, prev_tokens=None):
     count.append(1)
     if len(count) % 3 == 0:
-      raise Injected("execute failed")
-    return execute(batch)
+      raise Injected("dispatch failed")
+    return dispatch(batch, prev_tokens)
 
-  engine.runner.execute = flaky
+  engine.runner.dispatch = flaky
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine)
   assert sorted(outputs) == sorted(f"r{i}" for i in range(len(PROMPTS)))
@@ -131,6 +131,6 @@ def test_faults_in_a_row_lose_no_request(reference):
     if out.finish_reason == "length":
       assert out.token_ids == reference[i]
     else:
-      assert out.error == "Injected: execute failed"
+      assert out.error == "Injected: dispatch failed"
       assert out.token_ids == reference[i][:len(out.token_ids)]
   assert_all_blocks_free(engine)
