@@ -72,12 +72,12 @@ from hisparse_jax.block_plans import (  # noqa: F401 (re-exported)
     as_block_ids,
 )
 from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
+from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
 
 # The token id of a slot appended before its token is known (the engine's steps overlap:
 # a decode is planned while the token it computes is still being sampled); `set_token`
 # fills it in. A block holding a pending token is not hashed (cached) until then.
 PENDING_TOKEN = -1
-from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
 
 
 @dataclasses.dataclass
