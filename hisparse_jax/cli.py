@@ -65,6 +65,8 @@ flags.DEFINE_string(
 flags.DEFINE_integer("max_num_seqs", 256, "Most requests running in one step.")
 flags.DEFINE_integer("max_num_batched_tokens", 2048,
                      "Most tokens (prefill chunks + decodes) computed in one step.")
+flags.DEFINE_bool("async_scheduling", True, "Plan and dispatch each step while the previous "
+                  "one runs on the device (tokens come back one step later).")
 flags.DEFINE_integer("max_new_tokens", 16,
                      "Tokens to generate per prompt (a prompts_file line's max_tokens wins).")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")

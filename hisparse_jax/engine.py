@@ -65,7 +65,10 @@ class EngineConfig:
   max_num_batched_tokens: int = 2048
   enable_chunked_prefill: bool = True
   enable_prefix_caching: bool = True
-  kernel_backend: str | None = None  # "auto" (None), "pallas" or "xla"
+  kernel_backend: str | None = None  # "auto" (None), "pallas", "xla" or "reference"
+  # Overlap the host's work for step t + 1 with the device's step t (vLLM V1's async
+  # scheduling); False finishes each step within its step() call.
+  async_scheduling: bool = True
   seed: int = 0
   hisparse: HiSparseConfig | None = None  # None: dense attention only
 
@@ -288,8 +291,10 @@ class Engine:
     previous, self._inflight = self._inflight, dispatched
     if previous is not None:
       self._complete(previous, outputs)
-    if self._inflight is not None and self.scheduler.num_unfinished == 0:
-      # Nothing left to run: the step in flight holds rows of finished requests only.
+    if self._inflight is not None and (self.scheduler.num_unfinished == 0
+                                       or not self.config.async_scheduling):
+      # Without async scheduling, or with nothing left to run (the step in flight holds
+      # rows of finished requests only), the step completes now.
       last, self._inflight = self._inflight, None
       self._complete(last, outputs)
     self.num_steps += 1
@@ -306,17 +311,22 @@ class Engine:
     except Exception as e:  # the step failed on the device: its requests end
       self._fail_step(step.out, True, e)
       return
-    self.stats.on_step(step.out, time.perf_counter() - step.start, self.block_manager)
+    now = time.perf_counter()  # every row's token arrives now
+    self.stats.on_step(step.out, now - step.start, self.block_manager)
     sparse_rows = step.batch.metadata.sparse_rows
-    for i, (chunk, token) in enumerate(zip(step.out.chunks, tokens)):
+    tally = engine_metrics.StepTally()
+    for i, (chunk, token, num_blocks) in enumerate(zip(
+        step.out.chunks, tokens.tolist(), step.batch.blocks_attended.tolist())):
       request = chunk.request
       if chunk.samples:
         request.num_inflight -= 1
       if request.is_finished:  # stopped (or aborted) before this row came back
         continue
-      self._postprocess(chunk, int(token), int(step.batch.blocks_attended[i]),
+      self._postprocess(chunk, token, num_blocks, now, tally,
                         counts[:, i] if counts is not None and sparse_rows[i] else None)
       outputs[request.request_id] = request
+    spec = self.device_pool.spec
+    self.stats.on_tally(tally, spec.bytes_per_block // spec.num_layers)
 
   def _fail_step(self, out: SchedulerOutput, moved: bool, error: Exception) -> None:
     """Finishes (reason "error") the requests whose KV the failed step may have spoiled.
@@ -374,47 +384,50 @@ class Engine:
       self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]), device_ids)
       self.runner.refresh_bounds(device_ids)  # the key bounds follow the pages
 
-  def _postprocess(self, chunk, token: int, num_blocks: int,
+  def _postprocess(self, chunk, token: int, num_blocks: int, now: float,
+                   tally: engine_metrics.StepTally,
                    sparse_counts: np.ndarray | None = None) -> None:
     """`num_blocks`: blocks the chunk's attention read (all of them, or the selected);
     `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row: where its
-    selected blocks came from, per layer (counted here as the mean over layers)."""
+    selected blocks came from, per layer (counted here as the mean over layers). The
+    step's metrics go to `tally` (recorded once per step)."""
     request = chunk.request
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
+    selected = request.blocks_selected
     if sparse_counts is None:
-      sources = {"device": num_blocks - from_host, "hot": 0, "host": from_host}
+      tally.add_blocks(num_blocks - from_host, 0, from_host)
+      selected["device"] += num_blocks - from_host
+      selected["host"] += from_host
     else:
       layers = sparse_counts.shape[0]
       device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
-      sources = {"device": device / layers, "hot": hot / layers, "host": host / layers}
-      self.stats.on_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash,
-                               bytes_per_block_layer=self.device_pool.spec.bytes_per_block
-                               // self.device_pool.spec.num_layers)
-    for source, n in sources.items():
-      request.blocks_selected[source] += n
-    self.stats.on_blocks(**sources)
+      tally.add_blocks(device / layers, hot / layers, host / layers)
+      tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
+      selected["device"] += device / layers
+      selected["hot"] += hot / layers
+      selected["host"] += host / layers
     if not chunk.samples:
       return
-    now = time.perf_counter()
     if request.first_token_time is None:
       request.first_token_time = now
-      self.stats.on_first_token(now - request.arrival_time)
+      tally.ttft.append(now - request.arrival_time)
     else:
-      self.stats.on_token_gap(now - request.last_token_time)
+      tally.token_gaps.append(now - request.last_token_time)
     request.last_token_time = now
-    position = request.num_prompt_tokens + len(request.output_token_ids)
-    request.output_token_ids.append(token)
-    if self.block_manager.pending_position(request.request_id) == position:
-      self.block_manager.set_token(request.request_id, position, token)  # a decode planned it
+    output = request.output_token_ids
+    position = len(request.prompt_token_ids) + len(output)
+    output.append(token)
+    tally.generated += 1
+    if request.pending_in_blocks:  # a decode was planned with this token pending
+      request.pending_in_blocks = False
+      self.block_manager.set_token(request.request_id, position, token)
     if request.detokenizer is not None:
       request.output_text += request.detokenizer.step(token)
-    self.stats.on_generated(1)
     sp = request.sampling_params
     if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
       self._finish(request, "stop")
-    elif (len(request.output_token_ids) >= sp.max_tokens
-          or position + 1 >= self.config.max_model_len):
+    elif len(output) >= sp.max_tokens or position + 1 >= self.config.max_model_len:
       self._finish(request, "length")
 
   def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
@@ -440,8 +453,7 @@ class Engine:
         token_ids=request.output_token_ids, new_token_ids=new, text=request.output_text,
         finished=request.is_finished, finish_reason=request.finish_reason,
         error=request.error, time_to_first_token_s=ttft, decode_tokens_per_s=decode_tps,
-        blocks_selected=dict(request.blocks_selected),
-        num_preemptions=request.num_preemptions)
+        blocks_selected=request.blocks_selected, num_preemptions=request.num_preemptions)
 
   # --- Figures -------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
 
 from __future__ import annotations
 
+import dataclasses
+
 from hisparse_jax import metrics as m
 from hisparse_jax.metrics import MetricsRegistry
 
@@ -125,6 +127,18 @@ class EngineMetrics:
       self.prefix_hits.inc(pool.prefix_cache_hits - self._seen_hits[kind], memory_kind=kind)
       self._seen_hits[kind] = pool.prefix_cache_hits
 
+  def on_tally(self, tally: StepTally, bytes_per_block_layer: int) -> None:
+    """Records what one step's rows added (one update per series, not one per row)."""
+    self.on_blocks(**tally.blocks)
+    if tally.hot_buffer is not None:
+      self.on_hot_buffer(**tally.hot_buffer, bytes_per_block_layer=bytes_per_block_layer)
+    if tally.ttft:
+      self.ttft.observe_many(tally.ttft)
+    if tally.token_gaps:
+      self.inter_token.observe_many(tally.token_gaps)
+    if tally.generated:
+      self.generation_tokens.inc(tally.generated)
+
   def on_blocks(self, *, device: int = 0, hot: int = 0, host: int = 0) -> None:
     for source, n in (("device", device), ("hot", hot), ("host", host)):
       if n:
@@ -168,3 +182,28 @@ class EngineMetrics:
     self.num_requests.set(len(scheduler.running), state="running")
     self.num_requests.set(len(scheduler.waiting), state="waiting")
     self.num_requests.set(len(scheduler.swapped), state="swapped")
+
+
+@dataclasses.dataclass
+class StepTally:
+  """What the rows of one step add to the metrics, summed on the host as rows are
+  postprocessed and recorded by `EngineMetrics.on_tally` once per step."""
+
+  blocks: dict[str, float] = dataclasses.field(
+      default_factory=lambda: {"device": 0, "hot": 0, "host": 0})
+  hot_buffer: dict[str, int] | None = None  # hits, misses, evictions, thrash (HiSparse)
+  ttft: list[float] = dataclasses.field(default_factory=list)
+  token_gaps: list[float] = dataclasses.field(default_factory=list)
+  generated: int = 0
+
+  def add_blocks(self, device: float, hot: float, host: float) -> None:
+    blocks = self.blocks
+    blocks["device"] += device
+    blocks["hot"] += hot
+    blocks["host"] += host
+
+  def add_hot_buffer(self, **counts: int) -> None:
+    if self.hot_buffer is None:
+      self.hot_buffer = dict.fromkeys(counts, 0)
+    for name, n in counts.items():
+      self.hot_buffer[name] += n

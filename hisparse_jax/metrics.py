@@ -171,6 +171,19 @@ class Histogram(_Metric):
       series.window.append(float(value))
     self._prom_child(values).observe(value)
 
+  def observe_many(self, values: Sequence[float], **labels: str) -> None:
+    """`observe` of each value, the label lookups and the lock taken once."""
+    key = self._values(labels)
+    values = [float(v) for v in values]
+    with self._lock:
+      series = self._series.setdefault(key, _HistogramSeries())
+      series.count += len(values)
+      series.sum += sum(values)
+      series.window.extend(values)
+    child = self._prom_child(key)
+    for value in values:
+      child.observe(value)
+
   def count(self, **labels: str) -> int:
     series = self._series.get(self._values(labels))
     return series.count if series else 0

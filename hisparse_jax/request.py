@@ -85,6 +85,9 @@ class Request:
   output_text: str = ""
   num_inflight: int = 0  # sampled by a dispatched step, not read back yet
   inflight_row: int = -1  # the row of that step that samples it
+  # Whether the block manager holds that token as PENDING_TOKEN (a decode was planned
+  # with it before it was read back); the engine fills it in when it arrives.
+  pending_in_blocks: bool = False
 
   @property
   def num_prompt_tokens(self) -> int:
@@ -129,8 +132,9 @@ class RequestOutput:
 
   `new_token_ids` are the tokens added since the previous output of this request
   (Engine.step streams them); `finished` is set exactly once. As vLLM's cumulative
-  outputs do, `prompt_token_ids` and `token_ids` are the request's own lists (no copy
-  per step): `token_ids` grows while the request runs; copy it to keep a snapshot.
+  outputs do, `prompt_token_ids`, `token_ids` and `blocks_selected` are the request's own
+  objects (no copy per step): they grow while the request runs; copy them to keep a
+  snapshot.
   """
 
   request_id: str

@@ -204,6 +204,7 @@ class Scheduler:
     # flight (then the step reads it from the previous step's output on the device).
     token = PENDING_TOKEN if request.num_inflight else request.output_token_ids[-1]
     result = self.bm.append_slot(request.request_id, token)
+    request.pending_in_blocks = token == PENDING_TOKEN
     if result.copy is not None:
       out.copies.append(result.copy)
     return ScheduledChunk(request, request.num_tokens - 1, 1,

@@ -43,7 +43,7 @@ from kernels_pallas.ragged_paged_attention import _check as _check_ragged
 # against 512 keys make matmuls big enough for both cores.
 DECODE_KEYS = 128
 PREFILL_KEYS = 512
-PREFILL_TILE = 256
+PREFILL_TILE = 128
 MIN_PREFILL_TILE = 16
 
 
@@ -72,15 +72,31 @@ def _blocks_per_step(keys: int, block_size: int) -> int:
 
 
 def _online_softmax_step(carry, s, valid, v, dot_pv):
-  """One key chunk of an online softmax. s [..., keys] scores; valid like s; v the
-  chunk's V (masked rows already zeroed); dot_pv(p, v) -> the [..., head_dim] update."""
+  """One key chunk of an online softmax. s [..., keys] scores; valid like s, or None when
+  every key of the chunk counts for every row (no mask: the selects cost as much as the
+  exp); v the chunk's V (masked rows already zeroed); dot_pv(p, v) -> the [..., head_dim]
+  update."""
   m_prev, l_prev, acc_prev = carry
-  s = jnp.where(valid, s, common.MASK_VALUE)
+  if valid is not None:
+    s = jnp.where(valid, s, common.MASK_VALUE)
   m_next = jnp.maximum(m_prev, s.max(axis=-1))
   alpha = jnp.exp(m_prev - m_next)
-  p = jnp.where(valid, jnp.exp(s - m_next[..., None]), 0.0)
+  p = jnp.exp(s - m_next[..., None])
+  if valid is not None:
+    p = jnp.where(valid, p, 0.0)
   l_next = alpha * l_prev + p.sum(axis=-1)
   return m_next, l_next, alpha[..., None] * acc_prev + dot_pv(p, v)
+
+
+def _split_loop(lo, full_lo, full_hi, hi, body, carry):
+  """fori_loop over chunks [lo, hi): body(j, carry, masked) with masked=False on the
+  chunks [full_lo, full_hi) where no key needs a mask (in order, so the result is the
+  masked loop's)."""
+  full_lo = jnp.clip(full_lo, lo, hi)
+  full_hi = jnp.clip(full_hi, full_lo, hi)
+  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def _finish(l, acc):
@@ -102,27 +118,36 @@ def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale
   tables = jnp.pad(block_tables, ((0, 0), (0, (-block_tables.shape[1]) % nb)))
   qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
   live = lengths > starts
-  first = jnp.min(jnp.where(live, starts // keys, tables.shape[1]))
+  big = tables.shape[1] + 1
+  first = jnp.min(jnp.where(live, starts // keys, big))
   last = jnp.max(jnp.where(live, (lengths + keys - 1) // keys, 0))
+  # Chunks inside every live row's [start, length): no mask (rows that are not live
+  # compute garbage there and are zeroed at the end).
+  full_lo = jnp.max(jnp.where(live, (starts + keys - 1) // keys, 0))
+  full_hi = jnp.min(jnp.where(live, lengths // keys, big))
 
-  def body(j, carry):
+  def body(j, carry, masked):
     ids = lax.dynamic_slice_in_dim(tables, j * nb, nb, axis=1)  # [B, nb]
     k = k_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
     v = v_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
-    pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-    valid = (pos < lengths[:, None]) & (pos >= starts[:, None])  # [B, keys]
-    v = jnp.where(valid[:, :, None, None], v, 0.0)
+    valid = None
+    if masked:
+      pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+      valid = (pos < lengths[:, None]) & (pos >= starts[:, None])  # [B, keys]
+      v = jnp.where(valid[:, :, None, None], v, 0.0)
+      valid = valid[:, None, None, :]
     s = _cap(jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST),
              soft_cap)
     return _online_softmax_step(
-        carry, s, valid[:, None, None, :], v,
+        carry, s, valid, v,
         lambda p, v: jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST))
 
   init = (jnp.full((batch, num_kv_heads, group), common.MASK_VALUE, jnp.float32),
           jnp.zeros((batch, num_kv_heads, group), jnp.float32),
           jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
-  _, l, acc = lax.fori_loop(first, last, body, init)
-  return _finish(l, acc).reshape(batch, num_q_heads, head_dim)
+  _, l, acc = _split_loop(first, full_lo, full_hi, last, body, init)
+  out = _finish(l, acc).reshape(batch, num_q_heads, head_dim)
+  return jnp.where(live[:, None, None], out, 0.0)
 
 
 def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale,
@@ -165,19 +190,22 @@ def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
       start = jnp.maximum(first_pos - sliding_window + 1, 0)
     table = tables[row]
 
-    def body(j, carry):
+    def body(j, carry, masked):
       ids = lax.dynamic_slice_in_dim(table, j * nb, nb)
       k = k_pages[ids].reshape(keys, num_kv_heads, head_dim).astype(jnp.float32)
       v = v_pages[ids].reshape(keys, num_kv_heads, head_dim).astype(jnp.float32)
-      k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-      v = jnp.where((k_pos < kv_len).reshape(keys, 1, 1), v, 0.0).transpose(1, 0, 2)
+      valid = None
+      if masked:
+        k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+        v = jnp.where((k_pos < kv_len).reshape(keys, 1, 1), v, 0.0)
+        valid = (k_pos <= q_pos) & (k_pos < kv_len) & q_valid
+        if sliding_window is not None:
+          valid &= k_pos > q_pos - sliding_window
+        valid = valid[None]
       s = lax.dot_general(qt, k.transpose(1, 0, 2), (((2,), (2,)), ((0,), (0,))),
                           precision=lax.Precision.HIGHEST)  # [H, rows, keys]
-      valid = (k_pos <= q_pos) & (k_pos < kv_len) & q_valid
-      if sliding_window is not None:
-        valid &= k_pos > q_pos - sliding_window
       return _online_softmax_step(
-          carry, _cap(s, soft_cap), valid[None], v,
+          carry, _cap(s, soft_cap), valid, v.transpose(1, 0, 2),
           lambda p, v: lax.dot_general(p, v, (((2,), (1,)), ((0,), (0,))),
                                        precision=lax.Precision.HIGHEST))
 
@@ -186,7 +214,13 @@ def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
             jnp.zeros((num_kv_heads, rows), jnp.float32),
             jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
     num_steps = jnp.where(n_q > 0, (end + keys - 1) // keys, 0)
-    _, l, acc = lax.fori_loop(jnp.minimum(start // keys, num_steps), num_steps, body, init)
+    # Chunks at or before the tile's first query and inside the context need no mask
+    # (rows past n_q are dropped); with a sliding window every chunk is masked.
+    full_hi = jnp.minimum(first_pos + 1, kv_len) // keys
+    if sliding_window is not None:
+      full_hi = jnp.int32(0)
+    lo = jnp.minimum(start // keys, num_steps)
+    _, l, acc = _split_loop(lo, lo, full_hi, num_steps, body, init)
     out = _finish(l, acc).reshape(num_kv_heads, group, tile, head_dim)
     return out.transpose(2, 0, 1, 3).reshape(tile, num_q_heads, head_dim)
 

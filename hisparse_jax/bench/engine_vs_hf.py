@@ -116,8 +116,8 @@ def _engine_generate(engine: Engine, prompts: np.ndarray, num_new: int) -> np.nd
 
 def _attention_profile(engine: Engine, batch, reps: int) -> dict:
   """Attention of one layer at the shapes of the engine's last (decode) step: the ragged
-  kernel the step calls (tiles of REFERENCE_BLOCK_Q query rows on CPU) against the paged
-  decode kernel (one query per sequence) over the same block tables."""
+  kernel the step calls (with the step's static sizes) against the paged decode kernel
+  (one query per sequence) over the same block tables."""
   ops = engine.runner.ops
   meta = batch.metadata
   num_seqs = batch.num_seqs
@@ -129,9 +129,10 @@ def _attention_profile(engine: Engine, batch, reps: int) -> dict:
   k, v = pool.from_storage(pool.k[0]), pool.from_storage(pool.v[0])
   tables, kv_lens = jnp.asarray(meta.block_tables), jnp.asarray(meta.kv_lens)
   cu_q_lens = jnp.asarray(meta.cu_q_lens)
+  hints = dict(meta.ragged_hints)  # the static sizes the step passed
   times = common.interleaved({
       "ragged_paged_attention (what the step calls)":
-          lambda: ops.ragged_paged_attention(q, k, v, tables, kv_lens, cu_q_lens),
+          lambda: ops.ragged_paged_attention(q, k, v, tables, kv_lens, cu_q_lens, **hints),
       "paged_attention (one query per sequence)":
           lambda: ops.paged_attention(q[:num_seqs], k, v, tables[:num_seqs],
                                       kv_lens[:num_seqs])}, max(reps, 20))

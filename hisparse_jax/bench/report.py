@@ -40,11 +40,24 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
     rows.append(("engine_vs_hf", "`tokens_per_s_ratio_vs_hf`",
                  _fmt(e["tokens_per_s_ratio_vs_hf"]), ">= 1.0"))
     rows.append(("engine_vs_hf", "`tokens_per_s_ratio_vs_dense_jax`",
-                 _fmt(e["tokens_per_s_ratio_vs_dense_jax"]), "-"))
+                 _fmt(e["tokens_per_s_ratio_vs_dense_jax"]), ">= 0.8"))
+  if "engine_vs_vllm" in suites:
+    v = suites["engine_vs_vllm"]
+    for name, w in v["workloads"].items():
+      shape = f"{w['workload']['num_prompts']} x {w['workload']['prompt_len']:,} + " \
+              f"{w['workload']['new_tokens']}"
+      rows.append(("engine_vs_vllm", f"`speed_vs_vllm` {name} ({shape})",
+                   _fmt(w["speed_vs_vllm"]), f">= {v['goal_speed_vs_vllm']}"))
   if "scheduler_overhead" in suites:
     s = suites["scheduler_overhead"]
     rows.append(("scheduler_overhead", f"`host_us_per_seq_step` at {s['running_seqs']} seqs",
-                 _fmt(s["host_us_per_seq_step"]), "-"))
+                 _fmt(s["host_us_per_seq_step"]), f"<= {s['goal_host_us_per_seq_step']}"))
+    c = s["by_context"]
+    short, long = min(map(int, c["rows"])), max(map(int, c["rows"]))
+    rows.append(("scheduler_overhead", f"host time per step, {long:,} vs {short:,} tokens "
+                 f"of context ({c['num_seqs']} seqs, caches flushed alike; as run "
+                 f"{_fmt(c['host_ratio_long_vs_short_warm'])})",
+                 _fmt(c["host_ratio_long_vs_short"]), f"<= {c['goal_ratio']}"))
   if "kernel" in suites:
     for name, k in suites["kernel"]["summary"].items():
       rows.append(("kernel", f"{name}: {k['pallas_impl']} / jnp reference time",
@@ -62,6 +75,20 @@ def markdown(result: dict) -> str:
            f"{m['date_utc']}.", "",
            "| suite | figure | value | goal |", "|---|---|---|---|"]
   lines += [f"| {s} | {f} | {v} | {g} |" for s, f, v, g in summary_rows(result)]
+  if "engine_vs_vllm" in result["suites"]:
+    v = result["suites"]["engine_vs_vllm"]
+    engines = v["engines"]
+    lines += ["", f"Against vLLM {engines['vllm'].get('vllm_version', '')} (CPU build, its "
+              f"own process and venv), greedy, prefix caching off, max_model_len "
+              f"{v['max_model_len']:,}, median of {v['reps']} alternated rounds, greedy tokens "
+              "identical in every round:", "",
+              "| workload | engine | s | output tokens/s | TTFT p50 ms | ITL p50 ms |",
+              "|---|---|---|---|---|---|"]
+    for name, w in v["workloads"].items():
+      for engine, r in w["rows"].items():
+        lines.append(f"| {name} | {engine} | {_fmt(r['median_s'])} | "
+                     f"{_fmt(r['tokens_per_s'])} | {_fmt(r['ttft_p50_ms'])} | "
+                     f"{_fmt(r['itl_p50_ms'])} |")
   if "decode_sparse_vs_dense" in result["suites"]:
     d = result["suites"]["decode_sparse_vs_dense"]
     lines += ["", f"Decode step, batch {d['batch']}, block size {d['block_size']}, top-k "

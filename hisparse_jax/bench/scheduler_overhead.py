@@ -1,19 +1,30 @@
 """Suite `scheduler_overhead`: host microseconds per decode step per sequence.
 
 An engine on the default model with `num_seqs` (256) requests of short prompts, all
-running and decoding. The engine's steps overlap (the host plans step t while the device
-runs step t - 1), so the host's time in a step is the step's wall time minus the time it
-waits for the device (`ModelRunner.collect` blocking): schedule, block bookkeeping,
-build_batch, dispatch, postprocess, metrics. The runner's `collect` and `build_batch`
-and the scheduler's `schedule` are wrapped on the instance with a timer (the engine is
-not modified). JSON `host_us_per_seq_step` = median host time of a decode step / running
-sequences, plus the split, and a cProfile of a few more steps (`profile`: the functions
-with the most own time) naming what dominates.
+running and decoding, with `async_scheduling=False`: each step's host work (schedule,
+block bookkeeping, build_batch, dispatch, postprocess, metrics) then runs while the
+device is idle, so it is measured alone: the step's wall time minus the time it waits
+for the device (`ModelRunner.collect` blocking). With async scheduling (the default) the
+same work overlaps the device's previous step and competes with it for the two cores
+and memory bandwidth: `async_step_ms` and `async_host_us_per_seq_step` show that run.
+The runner's `collect` and `build_batch` and the scheduler's `schedule` are wrapped on
+the instance with a timer (the engine is not modified). JSON `host_us_per_seq_step` =
+median host time of a decode step / running sequences, plus the split, and a cProfile
+of a few more steps (`profile`: the functions with the most own time) naming what
+dominates.
 
 Second table (`by_context`): the same measurement for `context_seqs` sequences decoding
-at about 256 and about 4,096 tokens of context, and `host_ratio_long_vs_short`: the host
-work of a step must not grow with the context (goal: within 1.2x). The long prompts share
-a prefix (prefix caching), so only one of them is prefilled in full.
+up to 256 and up to 4,096 tokens of context (prompts of that length less the tokens they
+decode), and `host_ratio_long_vs_short`: the host work of a step must not grow with the
+context (goal: within 1.2x). A long-context step streams its KV (134 MB per step at
+4,096 tokens x 64 sequences) through the CPU caches and evicts the host's working set,
+which by itself slows the postprocessing that follows (measured: 956 -> 1,315 us per
+step at 256 tokens when a 64 MiB read is inserted after each step). So each row is
+measured twice: as it runs (`host_us_per_step`), and with the caches flushed the same
+way after every step in both rows (a 64 MiB read inside the device wait,
+`host_us_per_step_cold`): the ratio of the cold rows compares the host's work alone.
+The long prompts share a prefix (prefix caching), so only one of them is prefilled in
+full.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ SIZES = {
     "full": Size(num_seqs=256, prompt_len=16, warmup_steps=20, measured_steps=40,
                  profiled_steps=5, context_seqs=64, contexts=(256, 4096)),
     "smoke": Size(num_seqs=8, prompt_len=8, warmup_steps=2, measured_steps=3,
-                  profiled_steps=1, context_seqs=4, contexts=(16, 64)),
+                  profiled_steps=1, context_seqs=4, contexts=(48, 96)),
 }
 
 
@@ -67,26 +78,50 @@ def _profile(engine: Engine, steps: int, num_seqs: int, top: int = 8) -> list[di
 
 
 def _engine(num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-            seed: int) -> Engine:
-  kv_gib = 1.1 * num_seqs * max_model_len * 1024 / 2**30 + 0.01  # 1 KiB per token (f32)
+            seed: int, async_scheduling: bool = False) -> Engine:
+  # 1 KiB per token (f32); room for every request's blocks plus the admission's spare
+  # block per running request (blocks of up to 128 tokens).
+  kv_gib = 1.1 * num_seqs * (max_model_len + 2 * 128) * 1024 / 2**30 + 0.01
   return Engine(EngineConfig(max_model_len=max_model_len, max_num_seqs=num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             device_kv_gib=kv_gib, host_pool_gib=0.01, seed=seed))
+                             device_kv_gib=kv_gib, host_pool_gib=0.01, seed=seed,
+                             async_scheduling=async_scheduling))
 
 
-def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int):
+FLUSH_BYTES = 64 * 2**20
+
+
+def _flushing(collect):
+  """`collect`, then a read of FLUSH_BYTES: the caches are cold for the postprocessing."""
+  junk = np.ones(FLUSH_BYTES // 4, np.float32)
+
+  def flushing_collect(handle):
+    out = collect(handle)
+    junk.sum()
+    return out
+
+  return flushing_collect
+
+
+def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int,
+                  flush: bool = False):
   """Steps until `num_seqs` requests decode together; then times `measured` decode steps
-  after `warmup` of them. Returns (wall, wait, schedule, build_batch) seconds per step."""
-  collect = engine.runner.collect = common.CallTimer(engine.runner.collect)
+  after `warmup` of them. Returns (wall, wait, schedule, build_batch, host thread CPU)
+  seconds per step. `flush`: the caches are flushed after every step (inside the wait)."""
+  collect = engine.runner.collect
+  if flush:
+    collect = _flushing(collect)
+  collect = engine.runner.collect = common.CallTimer(collect)
   build = engine.runner.build_batch = common.CallTimer(engine.runner.build_batch)
   schedule = engine.scheduler.schedule = common.CallTimer(engine.scheduler.schedule)
   samples, decode_steps = [], 0
   while decode_steps < warmup + measured:
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     engine.step()
     wall = time.perf_counter() - start
+    cpu = time.thread_time() - cpu_start
     running = engine.scheduler.running
-    parts = (collect.take(), schedule.take(), build.take())
+    parts = (collect.take(), schedule.take(), build.take(), cpu)
     if len(running) == num_seqs and all(not r.is_prefilling for r in running):
       decode_steps += 1
       if decode_steps > warmup:
@@ -106,39 +141,54 @@ def _by_context(size: Size, seed: int) -> dict:
   """Host time per decode step of `context_seqs` sequences at each context length."""
   rows = {}
   rng = np.random.default_rng(seed)
-  steps = size.warmup_steps + size.measured_steps + 2
+  # More tokens than measured: the first request (prefilled alone) decodes while the
+  # others prefill, and must still run when they all decode.
+  steps = size.warmup_steps + size.measured_steps + 32
   for context in size.contexts:
-    engine = _engine(size.context_seqs, context + steps + 1, 2048, seed)
-    vocab = engine.model_config.vocab_size
-    shared = rng.integers(3, vocab, context - 1).tolist()
-    prompts = [shared + [int(t)] for t in rng.integers(3, vocab, size.context_seqs)]
-    _add(engine, prompts[:1], steps)
-    while engine.requests[next(iter(engine.requests))].is_prefilling:
-      engine.step()  # the first prompt fills the prefix cache; the others hit it
-    _add(engine, prompts[1:], steps)
-    wall, wait, *_ = _decode_steps(engine, size.context_seqs, size.warmup_steps,
-                                   size.measured_steps)
-    rows[str(context)] = {
-        "host_us_per_step": float(np.median(wall - wait)) * 1e6,
-        "host_us_per_seq_step": float(np.median(wall - wait)) / size.context_seqs * 1e6,
-        "step_ms": float(np.median(wall)) * 1e3}
-  short, long = (rows[str(c)]["host_us_per_step"] for c in (min(size.contexts),
-                                                            max(size.contexts)))
+    row = {}
+    for flush in (False, True):
+      # The context grows to `context` tokens (the default model's longest is 4,096).
+      engine = _engine(size.context_seqs, context, 2048, seed)
+      vocab = engine.model_config.vocab_size
+      shared = rng.integers(3, vocab, context - steps - 1).tolist()
+      prompts = [shared + [int(t)] for t in rng.integers(3, vocab, size.context_seqs)]
+      _add(engine, prompts[:1], steps)
+      while engine.requests[next(iter(engine.requests))].is_prefilling:
+        engine.step()  # the first prompt fills the prefix cache; the others hit it
+      _add(engine, prompts[1:], steps)
+      wall, wait, _, _, cpu = _decode_steps(engine, size.context_seqs, size.warmup_steps,
+                                            size.measured_steps, flush=flush)
+      suffix = "_cold" if flush else ""
+      row[f"host_us_per_step{suffix}"] = float(np.median(wall - wait)) * 1e6
+      if not flush:
+        row["host_us_per_seq_step"] = row["host_us_per_step"] / size.context_seqs
+        row["host_cpu_us_per_step"] = float(np.median(cpu)) * 1e6
+        row["step_ms"] = float(np.median(wall)) * 1e3
+    rows[str(context)] = row
+  short, long = (rows[str(c)] for c in (min(size.contexts), max(size.contexts)))
   return {"rows": rows, "num_seqs": size.context_seqs,
-          "host_ratio_long_vs_short": long / short, "goal_ratio": 1.2}
+          "host_ratio_long_vs_short": long["host_us_per_step_cold"]
+          / short["host_us_per_step_cold"],
+          "host_ratio_long_vs_short_warm": long["host_us_per_step"] / short["host_us_per_step"],
+          "goal_ratio": 1.2, "flush_bytes": FLUSH_BYTES}
 
 
-def run(size_name: str = "full", seed: int = 0) -> dict:
-  size = SIZES[size_name]
+def _short_prompts(size: Size, seed: int, async_scheduling: bool):
   max_tokens = size.warmup_steps + size.measured_steps + size.profiled_steps + 2
   engine = _engine(size.num_seqs, size.prompt_len + max_tokens,
-                   size.num_seqs * size.prompt_len, seed)
+                   size.num_seqs * size.prompt_len, seed, async_scheduling)
   rng = np.random.default_rng(seed)
   vocab = engine.model_config.vocab_size
   _add(engine, [rng.integers(3, vocab, size.prompt_len).tolist()
                 for _ in range(size.num_seqs)], max_tokens)
-  wall, wait, sched, build_s = _decode_steps(engine, size.num_seqs, size.warmup_steps,
-                                             size.measured_steps)
+  return engine, _decode_steps(engine, size.num_seqs, size.warmup_steps, size.measured_steps)
+
+
+def run(size_name: str = "full", seed: int = 0) -> dict:
+  size = SIZES[size_name]
+  _, (a_wall, a_wait, *_) = _short_prompts(size, seed, async_scheduling=True)
+  engine, (wall, wait, sched, build_s, cpu) = _short_prompts(size, seed,
+                                                            async_scheduling=False)
   profile = _profile(engine, size.profiled_steps, size.num_seqs)
   host = wall - wait
   n = size.num_seqs
@@ -151,7 +201,10 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
       "split_us_per_seq_step": {"schedule": us(sched), "build_batch": us(build_s),
                                 "rest (block moves, dispatch, postprocess, metrics)":
                                     us(host - sched - build_s)},
-      "wait_us_per_seq_step": us(wait), "step_ms": float(np.median(wall)) * 1e3,
+      "wait_us_per_seq_step": us(wait), "host_cpu_us_per_seq_step": us(cpu),
+      "step_ms": float(np.median(wall)) * 1e3,
+      "async_step_ms": float(np.median(a_wall)) * 1e3,
+      "async_host_us_per_seq_step": us(a_wall - a_wait),
       "host_fraction_of_step": float(np.median(host / wall)), "running_seqs": n,
       "measured_steps": len(wall), "config": dataclasses.asdict(size),
       "profile": profile, "by_context": _by_context(size, seed),
@@ -161,17 +214,23 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
 def format_table(result: dict) -> str:
   rows = [(k, v) for k, v in result["split_us_per_seq_step"].items()]
   rows += [("host total", result["host_us_per_seq_step"]),
+           ("(host thread CPU time)", result["host_cpu_us_per_seq_step"]),
            ("waiting for the device", result["wait_us_per_seq_step"])]
   profile = common.format_table(
       ["cProfile: most own time", "calls/step", "us/seq/step"],
       [(p["function"], p["calls_per_step"], p["own_us_per_seq_step"]) for p in result["profile"]])
   ctx = result["by_context"]
   by_context = common.format_table(
-      [f"context ({ctx['num_seqs']} sequences)", "host us/step", "host us/seq/step", "step ms"],
-      [(k, r["host_us_per_step"], r["host_us_per_seq_step"], r["step_ms"])
-       for k, r in ctx["rows"].items()])
+      [f"context ({ctx['num_seqs']} sequences)", "host us/step", "host us/seq/step",
+       "host thread CPU us/step", "host us/step, cold caches", "step ms"],
+      [(k, r["host_us_per_step"], r["host_us_per_seq_step"], r["host_cpu_us_per_step"],
+        r["host_us_per_step_cold"], r["step_ms"]) for k, r in ctx["rows"].items()])
   return (common.format_table(["per decode step, per sequence", "us"], rows)
-          + f"\n{result['running_seqs']} running sequences, step {result['step_ms']:.2f} ms, "
-          f"host {100 * result['host_fraction_of_step']:.0f}% of it\n{profile}\n{by_context}\n"
+          + f"\n{result['running_seqs']} running sequences, step {result['step_ms']:.2f} ms "
+          f"one at a time, host {100 * result['host_fraction_of_step']:.0f}% of it; with async "
+          f"scheduling {result['async_step_ms']:.2f} ms, host "
+          f"{result['async_host_us_per_seq_step']:.1f} us/seq overlapping the device\n"
+          f"{profile}\n{by_context}\n"
           f"host time per step, longest vs shortest context: "
-          f"{ctx['host_ratio_long_vs_short']:.2f}x (goal <= {ctx['goal_ratio']})")
+          f"{ctx['host_ratio_long_vs_short']:.2f}x with the caches flushed alike (goal <= "
+          f"{ctx['goal_ratio']}), {ctx['host_ratio_long_vs_short_warm']:.2f}x as it runs")

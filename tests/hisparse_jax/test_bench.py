@@ -145,8 +145,11 @@ def test_scheduler_overhead_fields(smoke):
   ctx = s["by_context"]
   assert list(ctx["rows"]) == [str(c) for c in s["config"]["contexts"]]
   assert all(_positive(r["host_us_per_step"], r["step_ms"]) for r in ctx["rows"].values())
-  rows = [ctx["rows"][str(c)]["host_us_per_step"] for c in s["config"]["contexts"]]
-  assert ctx["host_ratio_long_vs_short"] == pytest.approx(rows[-1] / rows[0])
+  rows = [ctx["rows"][str(c)] for c in s["config"]["contexts"]]
+  assert ctx["host_ratio_long_vs_short"] == pytest.approx(
+      rows[-1]["host_us_per_step_cold"] / rows[0]["host_us_per_step_cold"])
+  assert ctx["host_ratio_long_vs_short_warm"] == pytest.approx(
+      rows[-1]["host_us_per_step"] / rows[0]["host_us_per_step"])
   assert s["running_seqs"] == s["config"]["num_seqs"]
   assert 1 <= len(s["profile"]) <= 8 and all("function" in p for p in s["profile"])
 

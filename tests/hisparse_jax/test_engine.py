@@ -104,6 +104,20 @@ def test_swap_preemption_gives_the_tokens_of_an_unpressured_run(concurrent, refe
   assert tokens == _tokens(outputs) == reference
 
 
+def test_overlapped_steps_equal_one_step_at_a_time(concurrent, reference):
+  # Async scheduling (the default) plans step t + 1 before step t's tokens are on the
+  # host: the same requests one step at a time give the same tokens, and the tokens of
+  # each step come back one call later (so one more step() call in all).
+  engine, outputs = concurrent
+  sync = make_engine(async_scheduling=False)
+  add_all(sync, PROMPTS, GREEDY)
+  sync_outputs = run(sync)
+  assert _tokens(sync_outputs) == _tokens(outputs) == reference
+  assert sync.metrics()["hisparse_preemptions_total"] > 0
+  assert sync.num_steps < engine.num_steps
+  assert sync._inflight is None and engine._inflight is None
+
+
 def test_every_block_is_free_after_all_finish(concurrent):
   engine, outputs = concurrent
   assert sorted(outputs) == sorted(f"r{i}" for i in range(len(PROMPTS)))

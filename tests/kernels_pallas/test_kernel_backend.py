@@ -29,7 +29,7 @@ def test_ops_binds_kernels_xla_attention_or_references():
   assert auto.write_kv is kernels_pallas.write_kv_reference
   assert pallas.block_key_bounds is kernels_pallas.block_key_bounds
   # Static sizes of the ragged call: the xla backend's prefill tiles, nothing elsewhere.
-  assert xla.ragged_hints([1, 37, 1, 300]) == {"prefill_tile": 256, "num_prefill_tiles": 4}
+  assert xla.ragged_hints([1, 37, 1, 300]) == {"prefill_tile": 128, "num_prefill_tiles": 4}
   assert xla.ragged_hints([1, 1]) == {"prefill_tile": 16, "num_prefill_tiles": 0}
   assert ref.ragged_hints([1, 37]) == {} and pallas.ragged_hints([5]) == {}
 

@@ -98,8 +98,9 @@ def test_paged_xla_matches_reference_on_grid(rng, ratio, block_size, head_dim, d
 def test_prefill_plan_sizes():
   assert prefill_plan([1, 1, 0]) == (16, 0)  # decode rows only: no prefill work compiled
   assert prefill_plan([1, 5]) == (16, 1)
-  assert prefill_plan([300, 1, 37]) == (256, 4)  # 2 + 1 tiles, rounded up to 4
-  assert prefill_plan([1024, 1024]) == (256, 8)
+  assert prefill_plan([300, 1, 37], max_tile=256) == (256, 4)  # 2 + 1 tiles, rounded up
+  assert prefill_plan([1024, 1024], max_tile=256) == (256, 8)
+  assert prefill_plan([1024, 1024]) == (128, 16)  # the default tile, PREFILL_TILE
   assert prefill_plan([2, 3, 4], max_tile=256) == (16, 4)
 
 
