@@ -3,7 +3,7 @@
 Usage::
 
   hisparse-jax bench [--suite=NAME|all] [--out=FILE.json] [--bench_size=full|smoke]
-      [--bench_plot=FILE.png] [--block_size=16]
+      [--bench_plot=FILE.png] [--block_size=16 (decode_sparse_vs_dense)]
 
 Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
 `format_table(dict) -> str`):
@@ -113,6 +113,9 @@ def main(argv: list[str]) -> int:
   if FLAGS.bench_plot and "decode_sparse_vs_dense" not in names:
     raise ValueError("--bench_plot: the plot comes from the decode_sparse_vs_dense suite, "
                      f"which --suite={FLAGS.suite} does not run")
-  run_suites(names, FLAGS.bench_size, FLAGS.block_size, FLAGS.out, FLAGS.bench_plot,
+  # --block_size sizes the HiSparse suite (decode_sparse_vs_dense); unset, HiSparse's
+  # default block size.
+  block_size = FLAGS.block_size if FLAGS.block_size is not None else 16
+  run_suites(names, FLAGS.bench_size, block_size, FLAGS.out, FLAGS.bench_plot,
              command=" ".join(["hisparse-jax", *sys.argv[1:]]))
   return 0

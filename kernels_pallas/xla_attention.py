@@ -61,10 +61,18 @@ def prefill_plan(q_lens: Sequence[int], max_tile: int = PREFILL_TILE) -> tuple[i
   return tile, common.next_power_of_2(sum(common.cdiv(n, tile) for n in multi))
 
 
+def decode_rows_bucket(num_decode_rows: int) -> int:
+  """Static count of decode rows a call computes: a multiple of 8 up to 64, of 32 past
+  it (a batch's padding rows and prefill rows are not computed as decode rows)."""
+  step = 8 if num_decode_rows <= 64 else 32
+  return common.round_up(num_decode_rows, step)
+
+
 def ragged_hints(q_lens: Sequence[int]) -> dict[str, int]:
   """`ragged_paged_attention_xla`'s static sizes for rows of these query lengths."""
   tile, num_tiles = prefill_plan(q_lens)
-  return {"prefill_tile": tile, "num_prefill_tiles": num_tiles}
+  return {"prefill_tile": tile, "num_prefill_tiles": num_tiles,
+          "num_decode_rows": decode_rows_bucket(sum(int(n) == 1 for n in q_lens))}
 
 
 def _blocks_per_step(keys: int, block_size: int) -> int:
@@ -231,7 +239,7 @@ def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
                                              "interpret", "prefill_tile",
-                                             "num_prefill_tiles"))
+                                             "num_prefill_tiles", "num_decode_rows"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [total_q_tokens, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -246,11 +254,13 @@ def ragged_paged_attention_xla(
     interpret: bool | None = None,
     prefill_tile: int = PREFILL_TILE,
     num_prefill_tiles: int | None = None,
+    num_decode_rows: int | None = None,
 ) -> jax.Array:
   """`ragged_paged_attention`'s contract, computed as decode rows plus prefill tiles.
 
-  prefill_tile, num_prefill_tiles: static sizes from `prefill_plan` over the rows' query
-  lengths (host-known); None tiles = enough for any lengths (slow: for tests).
+  prefill_tile, num_prefill_tiles, num_decode_rows: static sizes from `ragged_hints`
+  over the rows' query lengths (host-known); None = enough for any lengths (slower: for
+  tests). num_decode_rows must be at least the number of rows with one query.
   """
   del interpret
   _check_ragged(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window)
@@ -261,18 +271,22 @@ def ragged_paged_attention_xla(
   if num_prefill_tiles is None:
     num_prefill_tiles = common.cdiv(num_tokens, prefill_tile) + batch
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-  # Decode rows: the row's one query at KV position kv_len - 1.
-  is_decode = q_lens == 1
-  lengths = jnp.where(is_decode, kv_lengths, 0)
-  starts = jnp.zeros_like(lengths)
-  if sliding_window is not None:
-    starts = jnp.maximum(lengths - sliding_window, 0)
-  first_rows = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)
   out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
-  dec = _decode_rows(q[first_rows], k_pages, v_pages, block_tables, lengths, starts,
-                     sm_scale=scale, soft_cap=soft_cap,
-                     blocks_per_step=_blocks_per_step(DECODE_KEYS, block_size))
-  out = out.at[jnp.where(is_decode, first_rows, num_tokens)].set(dec, mode="drop")
+  # Decode rows (one query, at KV position kv_len - 1), gathered into num_decode_rows.
+  num_decode_rows = batch if num_decode_rows is None else min(num_decode_rows, batch)
+  if num_decode_rows:
+    (rows,) = jnp.nonzero(q_lens == 1, size=num_decode_rows, fill_value=batch)
+    is_decode = rows < batch
+    rows = jnp.minimum(rows, batch - 1)
+    lengths = jnp.where(is_decode, kv_lengths[rows], 0)
+    starts = jnp.zeros_like(lengths)
+    if sliding_window is not None:
+      starts = jnp.maximum(lengths - sliding_window, 0)
+    tokens = jnp.minimum(cu_q_lens[rows], num_tokens - 1)
+    dec = _decode_rows(q[tokens], k_pages, v_pages, block_tables[rows], lengths, starts,
+                       sm_scale=scale, soft_cap=soft_cap,
+                       blocks_per_step=_blocks_per_step(DECODE_KEYS, block_size))
+    out = out.at[jnp.where(is_decode, tokens, num_tokens)].set(dec, mode="drop")
   if num_prefill_tiles:
     tiles, dst = _prefill_tiles(
         q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sm_scale=scale,

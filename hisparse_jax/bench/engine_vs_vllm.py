@@ -68,7 +68,7 @@ class Size:
 SIZES = {
     "full": Size({"decode_heavy": Workload(8, 512, 128),
                   "prefill_heavy": Workload(32, 1024, 64),
-                  "long": Workload(4, 3000, 64)}, reps=5),
+                  "long": Workload(4, 3000, 64)}, reps=7),
     "smoke": Size({"tiny": Workload(2, 24, 4)}, reps=1),
 }
 

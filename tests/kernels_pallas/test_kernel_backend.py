@@ -29,8 +29,11 @@ def test_ops_binds_kernels_xla_attention_or_references():
   assert auto.write_kv is kernels_pallas.write_kv_reference
   assert pallas.block_key_bounds is kernels_pallas.block_key_bounds
   # Static sizes of the ragged call: the xla backend's prefill tiles, nothing elsewhere.
-  assert xla.ragged_hints([1, 37, 1, 300]) == {"prefill_tile": 128, "num_prefill_tiles": 4}
-  assert xla.ragged_hints([1, 1]) == {"prefill_tile": 16, "num_prefill_tiles": 0}
+  assert xla.ragged_hints([1, 37, 1, 300]) == {"prefill_tile": 128, "num_prefill_tiles": 4,
+                                               "num_decode_rows": 8}
+  assert xla.ragged_hints([1, 1]) == {"prefill_tile": 16, "num_prefill_tiles": 0,
+                                      "num_decode_rows": 8}
+  assert xla.ragged_hints([37])["num_decode_rows"] == 0  # no decode work compiled
   assert ref.ragged_hints([1, 37]) == {} and pallas.ragged_hints([5]) == {}
 
 

@@ -18,7 +18,7 @@ from kernels_pallas import (
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
-from kernels_pallas.xla_attention import prefill_plan, ragged_hints
+from kernels_pallas.xla_attention import decode_rows_bucket, prefill_plan, ragged_hints
 
 NUM_BLOCKS = 96
 
@@ -50,7 +50,9 @@ def test_ragged_xla_matches_reference_on_grid(rng, ratio, block_size, head_dim, 
   q_lens = np.diff(np.asarray(args[5]))
   ref = ragged_paged_attention_reference(*args)
   # The engine's sizes (ragged_hints), small tiles (many per row), and the None default.
-  for hints in (ragged_hints(q_lens), {"prefill_tile": 16, "num_prefill_tiles": 16}, {}):
+  # (and more decode rows than needed).
+  for hints in (ragged_hints(q_lens), {"prefill_tile": 16, "num_prefill_tiles": 16,
+                                       "num_decode_rows": 16}, {}):
     out = ragged_paged_attention_xla(*args, **hints)
     chex.assert_shape(out, args[0].shape)
     chex.assert_type(out, args[0].dtype)
@@ -93,6 +95,11 @@ def test_paged_xla_matches_reference_on_grid(rng, ratio, block_size, head_dim, d
   ref = paged_attention_reference(*args)
   assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= lib.TOL[dtype]
   np.testing.assert_array_equal(np.asarray(out[lengths.index(0)], np.float32), 0.0)
+
+
+def test_decode_rows_bucket():
+  assert [decode_rows_bucket(n) for n in (0, 1, 8, 9, 64, 65, 100, 256)] == [
+      0, 8, 8, 16, 64, 96, 128, 256]
 
 
 def test_prefill_plan_sizes():
