@@ -60,7 +60,7 @@ from hisparse_jax import indexer, resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseBlocks, HiSparseConfig
 from hisparse_jax.kv_pool import KVPool
-from hisparse_jax.sampling import sample
+from hisparse_jax.sampling import greedy, sample
 from hisparse_jax.scheduler import ScheduledChunk
 
 
@@ -445,7 +445,7 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
   if greedy_only:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = greedy(logits)
   else:
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     tokens = sample(logits, temperature, top_p, top_k, keys)

@@ -51,6 +51,17 @@ def request_key(seed: int, num_generated: int) -> jax.Array:
 
 
 @jax.jit
+def greedy(logits: jax.Array) -> jax.Array:
+  """int32 [batch]: the first index of each row's largest logit (jnp.argmax's answer),
+  as a max and a min over indices: two vectorized reductions, where XLA:CPU's argmax is
+  one scalar (value, index) reduction (measured 74 us for [32, 1031])."""
+  logits = jnp.where(jnp.isnan(logits), jnp.inf, logits)  # argmax picks a NaN first
+  vocab = logits.shape[-1]
+  best = logits.max(axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  return jnp.min(jnp.where(logits == best, index, vocab), axis=-1)
+
+
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
            keys: jax.Array) -> jax.Array:
   """Samples one token per row.
@@ -68,7 +79,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
   batch, vocab = logits.shape
   chex.assert_shape([temperature, top_p, top_k], (batch,))
   logits = logits.astype(jnp.float32)
-  greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_ids = greedy(logits)
 
   safe_t = jnp.where(temperature > 0, temperature, 1.0)
   scaled = logits / safe_t[:, None]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax.sampling import SamplingParams, request_key, sample
+from hisparse_jax.sampling import SamplingParams, greedy, request_key, sample
 
 
 def _keys(seeds, step=0):
@@ -23,6 +23,17 @@ def _run(logits, temperature, top_p=1.0, top_k=0, seeds=None):
 def test_greedy_is_argmax(rng):
   logits = rng.normal(size=(5, 33))
   np.testing.assert_array_equal(_run(logits, 0.0), logits.argmax(-1))
+
+
+def test_greedy_picks_the_first_largest_like_argmax(rng):
+
+
+  logits = rng.normal(size=(6, 1031)).astype(np.float32)
+  logits[1, [3, 700]] = 50.0  # ties: the first index
+  logits[2, :] = 1.0
+  logits[3, 9] = np.inf
+  logits[4, [5, 8]] = np.nan  # argmax takes the first NaN
+  np.testing.assert_array_equal(greedy(jnp.asarray(logits)), jnp.argmax(logits, axis=-1))
 
 
 def test_top_k_one_is_greedy_at_any_temperature(rng):
