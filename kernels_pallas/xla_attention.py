@@ -96,15 +96,13 @@ def _online_softmax_step(carry, s, valid, v, dot_pv):
   return m_next, l_next, alpha[..., None] * acc_prev + dot_pv(p, v)
 
 
-def _split_loop(lo, full_lo, full_hi, hi, body, carry):
+def _split_loop(lo, mid, hi, body, carry):
   """fori_loop over chunks [lo, hi): body(j, carry, masked) with masked=False on the
-  chunks [full_lo, full_hi) where no key needs a mask (in order, so the result is the
-  masked loop's)."""
-  full_lo = jnp.clip(full_lo, lo, hi)
-  full_hi = jnp.clip(full_hi, full_lo, hi)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+  chunks [lo, mid) where no key needs a mask (in order, so the result is the masked
+  loop's)."""
+  mid = jnp.clip(mid, lo, hi)
+  carry = lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
 
 
 def _finish(l, acc):
@@ -117,45 +115,49 @@ def _cap(s, soft_cap):
 
 def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale, soft_cap,
                  blocks_per_step):
-  """One query per row over keys [starts, lengths) of its table. q [B, Hq, D] -> f32."""
+  """One query per row over keys [starts, lengths) of its table (starts None: from 0).
+  q [B, Hq, D] -> f32."""
   batch, num_q_heads, head_dim = q.shape
   _, block_size, num_kv_heads, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   nb = blocks_per_step
   keys = nb * block_size
-  tables = jnp.pad(block_tables, ((0, 0), (0, (-block_tables.shape[1]) % nb)))
+  tables = block_tables
+  if block_tables.shape[1] % nb:
+    tables = jnp.pad(block_tables, ((0, 0), (0, (-block_tables.shape[1]) % nb)))
   qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
-  live = lengths > starts
-  big = tables.shape[1] + 1
-  first = jnp.min(jnp.where(live, starts // keys, big))
+  if starts is None:  # (no sliding window)
+    live, first = lengths > 0, 0
+  else:
+    live = lengths > starts
+    first = jnp.min(jnp.where(live, starts // keys, tables.shape[1]))
   last = jnp.max(jnp.where(live, (lengths + keys - 1) // keys, 0))
-  # Chunks inside every live row's [start, length): no mask (rows that are not live
-  # compute garbage there and are zeroed at the end).
-  full_lo = jnp.max(jnp.where(live, (starts + keys - 1) // keys, 0))
-  full_hi = jnp.min(jnp.where(live, lengths // keys, big))
 
-  def body(j, carry, masked):
-    ids = lax.dynamic_slice_in_dim(tables, j * nb, nb, axis=1)  # [B, nb]
+  def body(j, carry):
+    # (One mask for every chunk: a decode row's mask is [B, keys], cheap beside the
+    # chunk's gather; splitting the loop into masked and unmasked chunks measured slower.)
+    if nb == 1:
+      ids = lax.dynamic_index_in_dim(tables, j, axis=1, keepdims=False)  # [B]
+    else:
+      ids = lax.dynamic_slice_in_dim(tables, j * nb, nb, axis=1)  # [B, nb]
     k = k_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
     v = v_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
-    valid = None
-    if masked:
-      pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-      valid = (pos < lengths[:, None]) & (pos >= starts[:, None])  # [B, keys]
-      v = jnp.where(valid[:, :, None, None], v, 0.0)
-      valid = valid[:, None, None, :]
+    pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+    valid = pos < lengths[:, None]  # [B, keys]
+    if starts is not None:
+      valid &= pos >= starts[:, None]
+    v = jnp.where(valid[:, :, None, None], v, 0.0)
     s = _cap(jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST),
              soft_cap)
     return _online_softmax_step(
-        carry, s, valid, v,
+        carry, s, valid[:, None, None, :], v,
         lambda p, v: jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST))
 
   init = (jnp.full((batch, num_kv_heads, group), common.MASK_VALUE, jnp.float32),
           jnp.zeros((batch, num_kv_heads, group), jnp.float32),
           jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
-  _, l, acc = _split_loop(first, full_lo, full_hi, last, body, init)
-  out = _finish(l, acc).reshape(batch, num_q_heads, head_dim)
-  return jnp.where(live[:, None, None], out, 0.0)
+  _, l, acc = lax.fori_loop(first, last, body, init)
+  return _finish(l, acc).reshape(batch, num_q_heads, head_dim)
 
 
 def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale,
@@ -228,7 +230,7 @@ def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
     if sliding_window is not None:
       full_hi = jnp.int32(0)
     lo = jnp.minimum(start // keys, num_steps)
-    _, l, acc = _split_loop(lo, lo, full_hi, num_steps, body, init)
+    _, l, acc = _split_loop(lo, full_hi, num_steps, body, init)
     out = _finish(l, acc).reshape(num_kv_heads, group, tile, head_dim)
     return out.transpose(2, 0, 1, 3).reshape(tile, num_q_heads, head_dim)
 
@@ -279,7 +281,7 @@ def ragged_paged_attention_xla(
     is_decode = rows < batch
     rows = jnp.minimum(rows, batch - 1)
     lengths = jnp.where(is_decode, kv_lengths[rows], 0)
-    starts = jnp.zeros_like(lengths)
+    starts = None
     if sliding_window is not None:
       starts = jnp.maximum(lengths - sliding_window, 0)
     tokens = jnp.minimum(cu_q_lens[rows], num_tokens - 1)
@@ -314,7 +316,7 @@ def paged_attention_xla(
   _check_paged(q, k_pages, v_pages, block_tables, lengths)
   head_dim = q.shape[-1]
   scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
-  out = _decode_rows(q, k_pages, v_pages, block_tables, lengths, jnp.zeros_like(lengths),
-                     sm_scale=scale, soft_cap=soft_cap,
+  out = _decode_rows(q, k_pages, v_pages, block_tables, lengths, None, sm_scale=scale,
+                     soft_cap=soft_cap,
                      blocks_per_step=_blocks_per_step(DECODE_KEYS, k_pages.shape[1]))
   return out.astype(q.dtype)
