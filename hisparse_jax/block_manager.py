@@ -412,13 +412,14 @@ class BlockManager:
   def append_slot(self, seq_id: Hashable, token_id: int) -> AppendResult:
     """Adds one token; a new block when the last is full, a private copy when shared."""
     seq = self._resident(seq_id)
-    if not self.can_append(seq_id):
+    needs_block = self._needs_new_block(seq)
+    if needs_block and self.device_pool.num_free_blocks < 1:
       raise ValueError(f"cannot append to {seq_id!r}: no free device block")
     position = len(seq.token_ids)
     copy = None
     if position % self.block_size == 0:
       seq.block_ids.extend(self.device_pool.allocate(1))
-    elif self._needs_new_block(seq):
+    elif needs_block:
       src_id = seq.block_ids[-1]
       (dst_id,) = self.device_pool.allocate(1)
       self.device_pool.free([src_id])

@@ -1,10 +1,12 @@
 """Suite `scheduler_overhead`: host microseconds per decode step per sequence.
 
 An engine on the default model with `num_seqs` (256) requests of short prompts, all
-running and decoding, with `async_scheduling=False`: each step's host work (schedule,
-block bookkeeping, build_batch, dispatch, postprocess, metrics) then runs while the
-device is idle, so it is measured alone: the step's wall time minus the time it waits
-for the device (`ModelRunner.collect` blocking). With async scheduling (the default) the
+running and decoding, with `async_scheduling=False` and each dispatch waiting for its
+step (`_DeviceWait`): each step's host work (schedule, block bookkeeping, build_batch,
+dispatch, postprocess, metrics) then runs while the device is idle, so it is measured
+alone: the step's wall time minus the time it waits for the device. (Beside a running
+step, the same Python work is up to 2x slower: the device's threads take both cores
+and the memory bandwidth.) With async scheduling (the default) the
 same work overlaps the device's previous step and competes with it for the two cores
 and memory bandwidth: `async_step_ms` and `async_host_us_per_seq_step` show that run.
 The runner's `collect` and `build_batch` and the scheduler's `schedule` are wrapped on
@@ -35,6 +37,7 @@ import os
 import pstats
 import time
 
+import jax
 import numpy as np
 
 from hisparse_jax.bench import common
@@ -103,15 +106,39 @@ def _flushing(collect):
   return flushing_collect
 
 
+class _DeviceWait:
+  """Wraps `ModelRunner.dispatch` so it returns only when the step is done: the host's
+  work then never runs beside the device's (its time waiting is kept in `seconds`)."""
+
+  def __init__(self, dispatch):
+    self.dispatch = dispatch
+    self.seconds: list[float] = []
+
+  def __call__(self, *args, **kwargs):
+    handle = self.dispatch(*args, **kwargs)
+    start = time.perf_counter()
+    jax.block_until_ready(handle.tokens)
+    self.seconds.append(time.perf_counter() - start)
+    return handle
+
+  def take(self) -> float:
+    total, self.seconds = sum(self.seconds), []
+    return total
+
+
 def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int,
-                  flush: bool = False):
+                  flush: bool = False, isolate: bool = False):
   """Steps until `num_seqs` requests decode together; then times `measured` decode steps
   after `warmup` of them. Returns (wall, wait, schedule, build_batch, host thread CPU)
-  seconds per step. `flush`: the caches are flushed after every step (inside the wait)."""
+  seconds per step. `flush`: the caches are flushed after every step (inside the wait);
+  `isolate`: each dispatch waits for its step, so no host work overlaps the device's."""
   collect = engine.runner.collect
   if flush:
     collect = _flushing(collect)
   collect = engine.runner.collect = common.CallTimer(collect)
+  device_wait = None
+  if isolate:
+    device_wait = engine.runner.dispatch = _DeviceWait(engine.runner.dispatch)
   build = engine.runner.build_batch = common.CallTimer(engine.runner.build_batch)
   schedule = engine.scheduler.schedule = common.CallTimer(engine.scheduler.schedule)
   samples, decode_steps = [], 0
@@ -121,7 +148,8 @@ def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int,
     wall = time.perf_counter() - start
     cpu = time.thread_time() - cpu_start
     running = engine.scheduler.running
-    parts = (collect.take(), schedule.take(), build.take(), cpu)
+    wait = collect.take() + (device_wait.take() if device_wait is not None else 0.0)
+    parts = (wait, schedule.take(), build.take(), cpu)
     if len(running) == num_seqs and all(not r.is_prefilling for r in running):
       decode_steps += 1
       if decode_steps > warmup:
@@ -157,7 +185,7 @@ def _by_context(size: Size, seed: int) -> dict:
         engine.step()  # the first prompt fills the prefix cache; the others hit it
       _add(engine, prompts[1:], steps)
       wall, wait, _, _, cpu = _decode_steps(engine, size.context_seqs, size.warmup_steps,
-                                            size.measured_steps, flush=flush)
+                                            size.measured_steps, flush=flush, isolate=True)
       suffix = "_cold" if flush else ""
       row[f"host_us_per_step{suffix}"] = float(np.median(wall - wait)) * 1e6
       if not flush:
@@ -181,7 +209,8 @@ def _short_prompts(size: Size, seed: int, async_scheduling: bool):
   vocab = engine.model_config.vocab_size
   _add(engine, [rng.integers(3, vocab, size.prompt_len).tolist()
                 for _ in range(size.num_seqs)], max_tokens)
-  return engine, _decode_steps(engine, size.num_seqs, size.warmup_steps, size.measured_steps)
+  return engine, _decode_steps(engine, size.num_seqs, size.warmup_steps, size.measured_steps,
+                               isolate=not async_scheduling)
 
 
 def run(size_name: str = "full", seed: int = 0) -> dict:
