@@ -25,6 +25,10 @@ step at 256 tokens when a 64 MiB read is inserted after each step). So each row 
 measured twice: as it runs (`host_us_per_step`), and with the caches flushed the same
 way after every step in both rows (a 64 MiB read inside the device wait,
 `host_us_per_step_cold`): the ratio of the cold rows compares the host's work alone.
+The four engines (two contexts, flushed or not) are stepped in turn, one step each, so
+the machine's slow and fast spells fall on every row alike; switching engines leaves
+every step's caches cold, so these rows' absolute figures are above the first table's
+and only their ratio is the figure.
 The long prompts share a prefix (prefix caching), so only one of them is prefilled in
 full.
 """
@@ -126,37 +130,55 @@ class _DeviceWait:
     return total
 
 
-def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int,
-                  flush: bool = False, isolate: bool = False):
-  """Steps until `num_seqs` requests decode together; then times `measured` decode steps
-  after `warmup` of them. Returns (wall, wait, schedule, build_batch, host thread CPU)
-  seconds per step. `flush`: the caches are flushed after every step (inside the wait);
-  `isolate`: each dispatch waits for its step, so no host work overlaps the device's."""
-  collect = engine.runner.collect
-  if flush:
-    collect = _flushing(collect)
-  collect = engine.runner.collect = common.CallTimer(collect)
-  device_wait = None
-  if isolate:
-    device_wait = engine.runner.dispatch = _DeviceWait(engine.runner.dispatch)
-  build = engine.runner.build_batch = common.CallTimer(engine.runner.build_batch)
-  schedule = engine.scheduler.schedule = common.CallTimer(engine.scheduler.schedule)
-  samples, decode_steps = [], 0
-  while decode_steps < warmup + measured:
+class _Stepper:
+  """Steps one engine and keeps the timings of its decode steps once `num_seqs` requests
+  decode together (after `warmup` of them). `flush`: the caches are flushed after every
+  step (inside the wait); `isolate`: each dispatch waits for its step, so no host work
+  overlaps the device's. Samples: (wall, wait, schedule, build_batch, host thread CPU)
+  seconds of each measured step."""
+
+  def __init__(self, engine: Engine, num_seqs: int, warmup: int, flush: bool = False,
+               isolate: bool = False):
+    self.engine, self.num_seqs, self.warmup = engine, num_seqs, warmup
+    collect = engine.runner.collect
+    if flush:
+      collect = _flushing(collect)
+    self.collect = engine.runner.collect = common.CallTimer(collect)
+    self.device_wait = None
+    if isolate:
+      self.device_wait = engine.runner.dispatch = _DeviceWait(engine.runner.dispatch)
+    self.build = engine.runner.build_batch = common.CallTimer(engine.runner.build_batch)
+    self.schedule = engine.scheduler.schedule = common.CallTimer(engine.scheduler.schedule)
+    self.samples: list[tuple[float, ...]] = []
+    self.decode_steps = 0
+
+  def step(self) -> None:
+    engine = self.engine
     start, cpu_start = time.perf_counter(), time.thread_time()
     engine.step()
     wall = time.perf_counter() - start
     cpu = time.thread_time() - cpu_start
     running = engine.scheduler.running
-    wait = collect.take() + (device_wait.take() if device_wait is not None else 0.0)
-    parts = (wait, schedule.take(), build.take(), cpu)
-    if len(running) == num_seqs and all(not r.is_prefilling for r in running):
-      decode_steps += 1
-      if decode_steps > warmup:
-        samples.append((wall, *parts))
+    wait = self.collect.take() + (self.device_wait.take() if self.device_wait else 0.0)
+    parts = (wait, self.schedule.take(), self.build.take(), cpu)
+    if len(running) == self.num_seqs and all(not r.is_prefilling for r in running):
+      self.decode_steps += 1
+      if self.decode_steps > self.warmup:
+        self.samples.append((wall, *parts))
     if not engine.has_unfinished_requests():
-      raise ValueError(f"never {num_seqs} sequences decoding at once")
-  return [np.asarray(x) for x in zip(*samples)]
+      raise ValueError(f"never {self.num_seqs} sequences decoding at once")
+
+  def arrays(self) -> list[np.ndarray]:
+    return [np.asarray(x) for x in zip(*self.samples)]
+
+
+def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int,
+                  isolate: bool = False) -> list[np.ndarray]:
+  """Times `measured` decode steps of one engine (see _Stepper)."""
+  stepper = _Stepper(engine, num_seqs, warmup, isolate=isolate)
+  while len(stepper.samples) < measured:
+    stepper.step()
+  return stepper.arrays()
 
 
 def _add(engine: Engine, prompts: list[list[int]], max_tokens: int) -> None:
@@ -166,14 +188,15 @@ def _add(engine: Engine, prompts: list[list[int]], max_tokens: int) -> None:
 
 
 def _by_context(size: Size, seed: int) -> dict:
-  """Host time per decode step of `context_seqs` sequences at each context length."""
-  rows = {}
+  """Host time per decode step of `context_seqs` sequences at each context length, as
+  it runs and with the caches flushed alike: four engines stepped in turn (one step
+  each), so the machine's slow and fast spells fall on every row alike."""
   rng = np.random.default_rng(seed)
   # More tokens than measured: the first request (prefilled alone) decodes while the
   # others prefill, and must still run when they all decode.
   steps = size.warmup_steps + size.measured_steps + 32
+  steppers = {}
   for context in size.contexts:
-    row = {}
     for flush in (False, True):
       # The context grows to `context` tokens (the default model's longest is 4,096).
       engine = _engine(size.context_seqs, context, 2048, seed)
@@ -184,15 +207,22 @@ def _by_context(size: Size, seed: int) -> dict:
       while engine.requests[next(iter(engine.requests))].is_prefilling:
         engine.step()  # the first prompt fills the prefix cache; the others hit it
       _add(engine, prompts[1:], steps)
-      wall, wait, _, _, cpu = _decode_steps(engine, size.context_seqs, size.warmup_steps,
-                                            size.measured_steps, flush=flush, isolate=True)
-      suffix = "_cold" if flush else ""
-      row[f"host_us_per_step{suffix}"] = float(np.median(wall - wait)) * 1e6
-      if not flush:
-        row["host_us_per_seq_step"] = row["host_us_per_step"] / size.context_seqs
-        row["host_cpu_us_per_step"] = float(np.median(cpu)) * 1e6
-        row["step_ms"] = float(np.median(wall)) * 1e3
-    rows[str(context)] = row
+      steppers[context, flush] = _Stepper(engine, size.context_seqs, size.warmup_steps,
+                                          flush=flush, isolate=True)
+  while any(len(s.samples) < size.measured_steps for s in steppers.values()):
+    for stepper in steppers.values():
+      if len(stepper.samples) < size.measured_steps:
+        stepper.step()
+  rows = {}
+  for context in size.contexts:
+    wall, wait, _, _, cpu = steppers[context, False].arrays()
+    cold_wall, cold_wait, *_ = steppers[context, True].arrays()
+    host = float(np.median(wall - wait)) * 1e6
+    rows[str(context)] = {
+        "host_us_per_step": host, "host_us_per_seq_step": host / size.context_seqs,
+        "host_cpu_us_per_step": float(np.median(cpu)) * 1e6,
+        "host_us_per_step_cold": float(np.median(cold_wall - cold_wait)) * 1e6,
+        "step_ms": float(np.median(wall)) * 1e3}
   short, long = (rows[str(c)] for c in (min(size.contexts), max(size.contexts)))
   return {"rows": rows, "num_seqs": size.context_seqs,
           "host_ratio_long_vs_short": long["host_us_per_step_cold"]
@@ -209,8 +239,8 @@ def _short_prompts(size: Size, seed: int, async_scheduling: bool):
   vocab = engine.model_config.vocab_size
   _add(engine, [rng.integers(3, vocab, size.prompt_len).tolist()
                 for _ in range(size.num_seqs)], max_tokens)
-  return engine, _decode_steps(engine, size.num_seqs, size.warmup_steps, size.measured_steps,
-                               isolate=not async_scheduling)
+  return engine, _decode_steps(engine, size.num_seqs, size.warmup_steps,
+                               size.measured_steps, isolate=not async_scheduling)
 
 
 def run(size_name: str = "full", seed: int = 0) -> dict:
