@@ -307,10 +307,11 @@ class Engine:
   def _complete(self, step: _InflightStep, outputs: dict[str, Request]) -> None:
     """Reads back a dispatched step's tokens (waits for it) and postprocesses its rows."""
     try:
-      tokens, counts = self.runner.collect(step.handle)
+      result = self.runner.collect(step.handle)
     except Exception as e:  # the step failed on the device: its requests end
       self._fail_step(step.out, True, e)
       return
+    tokens, counts = result.tokens, result.counts
     now = time.perf_counter()  # every row's token arrives now
     self.stats.on_step(step.out, now - step.start, self.block_manager)
     sparse_rows = step.batch.metadata.sparse_rows
@@ -325,6 +326,7 @@ class Engine:
       self._postprocess(chunk, token, num_blocks, now, tally,
                         counts[:, i] if counts is not None and sparse_rows[i] else None)
       outputs[request.request_id] = request
+    tally.loaded_block_layers = result.loaded_block_layers
     spec = self.device_pool.spec
     self.stats.on_tally(tally, spec.bytes_per_block // spec.num_layers)
 

@@ -22,9 +22,11 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
   hisparse_hot_buffer_{lookups,hits,evictions,loads}_total   counters, in block-layers
                                                         (a block of one layer): lookups of
                                                         non-resident selected blocks, hot
-                                                        hits, slots overwritten, loads from
-                                                        the host pool inside the step (also
-                                                        counted in transfer bytes h2d)
+                                                        hits, slots overwritten, misses
+                                                        loaded from the host pool inside the
+                                                        step; transfer bytes h2d count what
+                                                        those loads moved (the misses
+                                                        rounded up to a load size)
   hisparse_hot_buffer_hit_rate                  gauge   hits / lookups so far
   hisparse_requests_total{finish_reason}        counter finished requests
   hisparse_prompt_tokens_total, hisparse_generation_tokens_total   counters
@@ -131,7 +133,10 @@ class EngineMetrics:
     """Records what one step's rows added (one update per series, not one per row)."""
     self.on_blocks(**tally.blocks)
     if tally.hot_buffer is not None:
-      self.on_hot_buffer(**tally.hot_buffer, bytes_per_block_layer=bytes_per_block_layer)
+      self.on_hot_buffer(**tally.hot_buffer)
+    if tally.loaded_block_layers:  # what the step's host loads moved (misses, bucketed)
+      self._registry.get(m.TRANSFER_BYTES_TOTAL).inc(
+          bytes_per_block_layer * tally.loaded_block_layers, direction=m.DIRECTION_H2D)
     if tally.ttft:
       self.ttft.observe_many(tally.ttft)
     if tally.token_gaps:
@@ -148,8 +153,7 @@ class EngineMetrics:
     if n:
       self.offloads.inc(n)
 
-  def on_hot_buffer(self, *, hits: int, misses: int, evictions: int, thrash: int,
-                    bytes_per_block_layer: int) -> None:
+  def on_hot_buffer(self, *, hits: int, misses: int, evictions: int, thrash: int) -> None:
     """Counts of one sparse row of a step, summed over layers (block-layers): hot-buffer
     hits, misses (= loads from the host pool inside the step), evictions, thrash."""
     self.hot_lookups.inc(hits + misses)
@@ -159,8 +163,6 @@ class EngineMetrics:
       self.thrash.inc(thrash)
     if misses:
       self.hot_loads.inc(misses)
-      self._registry.get(m.TRANSFER_BYTES_TOTAL).inc(bytes_per_block_layer * misses,
-                                                     direction=m.DIRECTION_H2D)
     lookups = self.hot_lookups.value()
     self.hot_hit_rate.set(self.hot_hits.value() / lookups if lookups else 0.0)
 
@@ -195,6 +197,7 @@ class StepTally:
   ttft: list[float] = dataclasses.field(default_factory=list)
   token_gaps: list[float] = dataclasses.field(default_factory=list)
   generated: int = 0
+  loaded_block_layers: int = 0  # blocks x layers the step's host loads moved
 
   def add_blocks(self, device: float, hot: float, host: float) -> None:
     blocks = self.blocks

@@ -6,7 +6,7 @@ Owns step 3's "score blocks from summaries -> top-k blocks plus sink and local b
 Score of a block for one query head (`bounds` from kernels_pallas.block_key_bounds)::
 
   score(q, block) = sum_d max(q_d * min_d, q_d * max_d)
-                  = q . (max + min) / 2  +  |q| . (max - min) / 2      (two matmuls)
+                  = q . (max + min) / 2  +  |q| . (max - min) / 2
 
 an upper bound of q . k for every key k of the block (each term bounds q_d * k_d).
 A KV group's score is the max over its query heads (the bound of the group's best
@@ -80,13 +80,13 @@ def block_scores(
     raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                      f"{num_kv_heads}")
   group = num_q_heads // num_kv_heads
-  qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
-  b = bounds.astype(jnp.float32)
-  center = (b[:, :, 1] + b[:, :, 0]) * 0.5  # [batch, max_blocks, num_kv_heads, head_dim]
-  radius = (b[:, :, 1] - b[:, :, 0]) * 0.5
-  s = (jnp.einsum("bhgd,bmhd->bhgm", qg, center, precision=lax.Precision.HIGHEST)
-       + jnp.einsum("bhgd,bmhd->bhgm", jnp.abs(qg), radius, precision=lax.Precision.HIGHEST))
-  return s.max(axis=2)
+  # sum_d max(q_d * min_d, q_d * max_d) as one elementwise reduction over the bounds as
+  # they are laid out (no transposed copy for a matmul; measured 2.2 vs 3.6 ms at 2 x
+  # 4,096 blocks): [batch, 1, kv_heads, group, d] x [batch, blocks, kv_heads, 1, d].
+  qg = q.reshape(batch, 1, num_kv_heads, group, head_dim).astype(jnp.float32)
+  b = bounds.astype(jnp.float32)[:, :, :, :, None, :]  # [batch, blocks, 2, kv_heads, 1, d]
+  s = jnp.maximum(qg * b[:, :, 0], qg * b[:, :, 1]).sum(axis=-1)  # [batch, blocks, kv, g]
+  return s.max(axis=-1).transpose(0, 2, 1)
 
 
 def shared_scores(

@@ -57,6 +57,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from hisparse_jax import transfer
 
@@ -198,26 +199,63 @@ def resolve(
       counts=ResolveCounts(*counts))
 
 
+def load_buckets(max_loads: int, min_bucket: int = 8) -> tuple[int, ...]:
+  """Static sizes a step's host load can take: 0, then powers of two from `min_bucket`
+  up to `max_loads` (the last size). A step moves the smallest size that holds its
+  misses: at most twice the misses, or `min_bucket` blocks."""
+  sizes, n = [0], min(min_bucket, max_loads)
+  while n < max_loads:
+    sizes.append(n)
+    n *= 2
+  return (*sizes, max_loads)
+
+
 def load_blocks(
     host_arrays: tuple[jax.Array, ...],  # pinned_host [num_host_blocks, block_size, h, d]
     device_arrays: tuple[jax.Array, ...],  # device, same layout and order (k..., v...)
     host_ids: jax.Array,  # int32 [n]
-    device_ids: jax.Array,  # int32 [n]; out of range = padding, dropped
+    device_ids: jax.Array,  # int32 [n]; out of range = no load (padding)
     *,
     device_sharding: jax.sharding.Sharding,
     host_sharding: jax.sharding.Sharding,
-) -> tuple[jax.Array, ...]:
-  """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i and j.
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+  """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i with an
+  in-range device id; returns (new device arrays, int32 blocks moved per array).
 
-  Usable inside a jit: the gather of the host arrays runs under
-  compute_on("device_host") and its result is device_put to the device kind, then
-  scattered with mode="drop". It is TransferEngine's swap-in program (transfer.py),
-  called as a nested program, so the two share one mechanism.
+  Moves only what is loaded: the loads are packed to the front and the smallest
+  `load_buckets` size that holds them crosses from the host (`lax.switch` over the static
+  sizes; only the gathered blocks are in the switch, never the pools, which a branch
+  would copy), so the bytes follow the misses; no load moves nothing. The gather is
+  transfer.gather_to_device, the swap-ins' mechanism; the scatter into the pages drops
+  the padding.
   """
   if len(host_arrays) != len(device_arrays) or len(host_arrays) % 2:
     raise ValueError(f"host and device arrays must be the same even number (k..., v...), "
                      f"got {len(host_arrays)} and {len(device_arrays)}")
-  program = transfer._swap_in_program(len(host_arrays) // 2, device_sharding, host_sharding)
-  new_arrays, _ = program(tuple(host_arrays), tuple(device_arrays),
-                          host_ids.astype(jnp.int32), device_ids.astype(jnp.int32))
-  return new_arrays
+  total = host_ids.shape[0]
+  num_device_blocks = device_arrays[0].shape[0]
+  device_ids = device_ids.astype(jnp.int32)
+  loads = (device_ids >= 0) & (device_ids < num_device_blocks)
+  (order,) = jnp.nonzero(loads, size=total, fill_value=total)
+  packed = order < total
+  order = jnp.minimum(order, total - 1)
+  host_packed = jnp.where(packed, host_ids.astype(jnp.int32)[order], 0)
+  device_packed = jnp.where(packed, device_ids[order], num_device_blocks)
+  sizes = load_buckets(total)
+
+  gather = transfer.gather_program(len(host_arrays), device_sharding, host_sharding)
+
+  def fetch(size):  # [total, ...] device blocks; the first `size` from the host
+    def branch(host_arrays, host_ids):
+      if size == 0:
+        return tuple(jnp.zeros((total, *a.shape[1:]), a.dtype) for a in device_arrays)
+      blocks = gather(host_arrays, host_ids[:size])
+      pad = ((0, total - size),) + ((0, 0),) * (device_arrays[0].ndim - 1)
+      return tuple(jnp.pad(b, pad) for b in blocks)
+    return branch
+
+  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), loads.sum(dtype=jnp.int32))
+  blocks = lax.switch(which, [fetch(n) for n in sizes], tuple(host_arrays), host_packed)
+  new_arrays = tuple(d.at[device_packed].set(b, mode="drop")
+                     for d, b in zip(device_arrays, blocks))
+  return new_arrays, jnp.asarray(sizes, jnp.int32)[which]

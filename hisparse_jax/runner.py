@@ -18,15 +18,17 @@ no sequence, padded sequences have length 0.
 
 Attention is `_attend`: the one place where the HiSparse path swaps the dense block
 table for a table of selected blocks. With a HiSparseConfig the runner also keeps, per
-layer, the key bounds of every device block (`bounds`, [num_blocks, 2, num_kv_heads,
-head_dim] float32, donated like the pages), and each layer of the step runs:
+layer, the key bounds of every device block AND every host block in one array
+(`bounds`, [num_device_blocks + num_host_blocks, 2, num_kv_heads, head_dim] float32:
+device block i at row i, host block j at row num_device_blocks + j; donated like the
+pages), and each layer of the step runs:
 
     write_kv -> block_key_bounds(touched blocks)
       dense rows (prefill chunks, short sequences):  ragged_paged_attention(block tables)
       sparse rows (one query token, kv_len > sparse_threshold_tokens):
         select   indexer.select(q, key bounds of each logical block, kv_lens)
-                 -> logical ids [B, k]; a resident block's bounds come from `bounds`
-                 (by device id), a dropped block's from `host_bounds` (by host id)
+                 -> logical ids [B, k]; one gather of `bounds` reads a resident block's
+                 row (by device id) or a dropped block's (by host id)
         resolve  resolver.resolve: resident device block / hot-buffer slot / host miss
                  (LRU slot of that sequence's hot buffer), hot-buffer state per layer
         load     resolver.load_blocks: ONE batched host -> device gather of the misses
@@ -134,8 +136,23 @@ class StepHandle:
 
   tokens: jax.Array  # int32 [max_num_seqs]: sampled token of each row (rows past num_seqs: 0)
   counts: jax.Array  # int32 [layers, rows, 5] (HiSparse), else [0]
+  loaded: jax.Array  # int32 [layers]: blocks the in-step host loads moved (HiSparse)
   num_seqs: int
-  sparse: bool  # whether `counts` are read back
+  sparse: bool  # whether `counts` and `loaded` are read back
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What a step hands back to the host (`ModelRunner.collect`)."""
+
+  tokens: np.ndarray  # int32 [num_seqs] sampled tokens
+  counts: np.ndarray | None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS), HiSparse only
+  loaded: np.ndarray | None  # int32 [layers]: blocks the step's host loads moved, HiSparse
+
+  @property
+  def loaded_block_layers(self) -> int:
+    """Blocks x layers the step's host loads moved (0 without HiSparse)."""
+    return 0 if self.loaded is None else int(self.loaded.sum())
 
 
 class ModelRunner:
@@ -161,11 +178,12 @@ class ModelRunner:
     self.hisparse = hisparse
     self.hisparse_blocks = hisparse.blocks(self.block_size) if hisparse is not None else None
     # Per-layer key bounds of every device block: [num_blocks, 2, num_kv_heads, head_dim].
+    # Per-layer key bounds of every device block (rows [0, num_blocks)) and, with
+    # HiSparse, of every host block (rows num_blocks + host id): [rows, 2, heads, dim].
     self.bounds: tuple[jax.Array, ...] = ()
     # HiSparse: key bounds by host block id (for blocks whose device copy was dropped),
     # and the hot-buffer state, one row per offloaded sequence (rows = max_num_seqs).
     self.host_pool = host_pool
-    self.host_bounds: tuple[jax.Array, ...] = ()
     self.hot_state: tuple[jax.Array, jax.Array, jax.Array] | None = None
     self.num_hot_rows = max_num_seqs
     self.step_clock = 0
@@ -174,12 +192,12 @@ class ModelRunner:
       if host_pool is None:
         raise ValueError("hisparse needs the host pool (host_pool=...)")
       spec = device_pool.spec
-      self.bounds = tuple(_zeros((device_pool.num_blocks, 2, spec.num_kv_heads, spec.head_dim),
-                                 jnp.float32, 0, device_pool.sharding)
-                          for _ in range(spec.num_layers))
-      self.host_bounds = tuple(
-          _zeros((host_pool.num_blocks, 2, spec.num_kv_heads, spec.head_dim), jnp.float32, 0,
-                 device_pool.sharding) for _ in range(spec.num_layers))
+      # Blocks written to the host pool keep their key bounds on the device, so a
+      # dropped block can still be scored.
+      self.bounds = tuple(
+          _zeros((device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
+                  spec.head_dim), jnp.float32, 0, device_pool.sharding)
+          for _ in range(spec.num_layers))
       rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
       self.hot_state = (
           _zeros((*rows, slots), jnp.int32, -1, device_pool.sharding),
@@ -194,7 +212,6 @@ class ModelRunner:
         device_pool.sharding, host_pool.sharding if host_pool is not None else None)
     self._copy = _copy_program()
     self._refresh = _refresh_program(self.ops, device_pool.spec.dtype, self.block_size)
-    self._copy_to_host_index = _copy_program_between()
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
     # The previous-step tokens of a step that reads none (its token_src is all -1).
@@ -209,7 +226,7 @@ class ModelRunner:
   @property
   def indexer_bytes(self) -> int:
     """Device bytes of the indexer's key bounds (by device block and by host block)."""
-    return sum(int(b.nbytes) for b in (*self.bounds, *self.host_bounds))
+    return sum(int(b.nbytes) for b in self.bounds)
 
   # --- Host side -----------------------------------------------------------------
 
@@ -309,39 +326,43 @@ class ModelRunner:
         raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
       prev_tokens = self._no_tokens
     host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
-    tokens, arrays, self.bounds, self.hot_state, counts = self._step(
+    tokens, arrays, self.bounds, self.hot_state, (counts, loaded) = self._step(
         self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
-        self.host_bounds, batch.input_ids, batch.token_src, prev_tokens, batch.positions,
+        batch.input_ids, batch.token_src, prev_tokens, batch.positions,
         batch.metadata, batch.logits_indices, batch.temperature, batch.top_p, batch.top_k,
         batch.seeds, batch.counters, greedy_only=greedy_only,
         num_token_rows=self.max_num_seqs)
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1
-    return StepHandle(tokens, counts, batch.num_seqs, self.hisparse is not None)
+    return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None)
 
-  def collect(self, handle: StepHandle) -> tuple[np.ndarray, np.ndarray | None]:
-    """Waits for a dispatched step: (int32 [num_seqs] sampled tokens, the HiSparse counts
-    [layers, num_seqs, 5] (COUNT_FIELDS) or None). The step's only device-to-host read."""
+  def collect(self, handle: StepHandle) -> StepResult:
+    """Waits for a dispatched step and reads back what the host needs of it (the step's
+    only device-to-host reads)."""
     tokens = np.asarray(handle.tokens)[:handle.num_seqs]
-    counts = np.asarray(handle.counts)[:, :handle.num_seqs] if handle.sparse else None
+    counts, loaded = None, None
+    if handle.sparse:
+      counts = np.asarray(handle.counts)[:, :handle.num_seqs]
+      loaded = np.asarray(handle.loaded)
     self.last_counts = counts
-    return tokens, counts
+    return StepResult(tokens, counts, loaded)
 
   def execute(self, batch: StepBatch) -> np.ndarray:
     """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
-    return self.collect(self.dispatch(batch))[0]
+    return self.collect(self.dispatch(batch)).tokens
 
   def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
-    """host_bounds[host_ids] := bounds[device_ids], every layer (blocks written to the
-    host pool keep their key bounds on the device for the indexer)."""
+    """The bounds rows of `host_ids` := those of `device_ids`, every layer (blocks
+    written to the host pool keep their key bounds on the device for the indexer)."""
     if not self.bounds or len(device_ids) == 0:
       return
     n = bucket(len(device_ids), 4)
     src = np.zeros(n, np.int32)
-    dst = np.full(n, self.host_bounds[0].shape[0], np.int32)  # padding: dropped
-    src[:len(device_ids)], dst[:len(device_ids)] = device_ids, host_ids
-    self.host_bounds = self._copy_to_host_index(self.bounds, self.host_bounds, src, dst)
+    dst = np.full(n, self.bounds[0].shape[0], np.int32)  # padding: out of range, dropped
+    src[:len(device_ids)] = device_ids
+    dst[:len(device_ids)] = self.pool.num_blocks + np.asarray(host_ids)
+    self.bounds = self._copy(self.bounds, src, dst)
 
   def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
     """Copy-on-write: device block src -> dst, every layer, one jitted call."""
@@ -349,7 +370,9 @@ class ModelRunner:
       return
     n = bucket(len(copies), 4)
     src = np.zeros(n, np.int32)
-    dst = np.full(n, self.pool.num_blocks, np.int32)  # padding: out of range, dropped
+    # Padding: out of range of every array (the bounds have the host blocks' rows too).
+    dst = np.full(n, max([self.pool.num_blocks] + [b.shape[0] for b in self.bounds]),
+                  np.int32)
     src[:len(copies)], dst[:len(copies)] = zip(*copies)
     num_pool_arrays = 2 * self.pool.num_layers
     arrays = self._copy((*self.pool.arrays(), *self.bounds), src, dst)
@@ -399,14 +422,6 @@ class _SparseStatic:
 
 
 @functools.cache
-def _copy_program_between():
-  def copy(src_arrays, dst_arrays, src, dst):
-    return tuple(d.at[dst].set(s[src], mode="drop") for s, d in zip(src_arrays, dst_arrays))
-
-  return jax.jit(copy, donate_argnums=(1,))
-
-
-@functools.cache
 def _refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: int):
   del block_size  # part of the cache key only (slots encode it)
 
@@ -427,7 +442,7 @@ def _copy_blocks(arrays, src, dst):
 
 
 def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
-             host_bounds, input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
+             input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
              logits_indices, temperature, top_p, top_k, seeds, counters, *, greedy_only: bool,
              num_token_rows: int):
   model = nnx.merge(graphdef, params)
@@ -437,7 +452,7 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   if bounds:  # HiSparse: each layer's cache is a dict (see _attend)
     kv_caches = [dict(k=kv_arrays[i], v=kv_arrays[num_layers + i], bounds=bounds[i],
                       host_k=host_arrays[i], host_v=host_arrays[num_layers + i],
-                      host_bounds=host_bounds[i], state=tuple(a[i] for a in hot_state))
+                      state=tuple(a[i] for a in hot_state))
                  for i in range(num_layers)]
   else:
     kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i]) for i in range(num_layers)]
@@ -455,9 +470,12 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
     new_arrays = (tuple(c["k"] for c in kv_caches) + tuple(c["v"] for c in kv_caches))
     new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))
     counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
-    return tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state, counts
+    loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
+    return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,
+            (counts, loaded))
   new_arrays = tuple(c[0] for c in kv_caches) + tuple(c[1] for c in kv_caches)
-  return tokens, new_arrays, (), hot_state, jnp.zeros((0,), jnp.int32)
+  return tokens, new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
+                                             jnp.zeros((0,), jnp.int32))
 
 
 def _to_storage(x, kv_dtype, storage_dtype):
@@ -493,9 +511,10 @@ def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
       _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
   bounds = ops.block_key_bounds(cache["bounds"], _from_storage(k_pages, kv_dtype),
                                 metadata.slot_ids)
-  out, k_pages, v_pages, state, counts = _hisparse_attention(
+  out, k_pages, v_pages, state, (counts, loaded) = _hisparse_attention(
       ops, sparse, kv_dtype, q[0], k_pages, v_pages, bounds, cache, metadata, config)
-  return out[None], dict(k=k_pages, v=v_pages, bounds=bounds, state=state, counts=counts)
+  return out[None], dict(k=k_pages, v=v_pages, bounds=bounds, state=state, counts=counts,
+                         loaded=loaded)
 
 
 def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv_dtype, q,
@@ -509,9 +528,11 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv
   tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
   rows = jnp.minimum(metadata.cu_q_lens[:-1], num_tokens - 1)  # the query token of each row
   q_rows = q[rows]  # [num_seqs, num_q_heads, head_dim]
-  # select: key bounds of each logical block, from its device copy or its host copy.
-  resident = (tables != 0)[:, :, None, None, None]
-  table_bounds = jnp.where(resident, bounds[tables], cache["host_bounds"][metadata.host_tables])
+  # select: key bounds of each logical block, from its device copy's row or, once it was
+  # dropped, its host copy's row (one gather).
+  num_device_blocks = k_pages.shape[0]
+  bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + metadata.host_tables)
+  table_bounds = bounds[bounds_rows]
   sel = indexer.select(q_rows, table_bounds, metadata.kv_lens, blocks, sparse.selection)
   # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
   slot_block, last_used, evicted_at = cache["state"]
@@ -528,8 +549,9 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv
                          metadata.hot_slots, metadata.host_tables, metadata.step,
                          num_device_blocks=k_pages.shape[0],
                          thrash_window_steps=sparse.thrash_window_steps)
-  # load: one batched host -> device gather of this layer's misses into their slots.
-  k_pages, v_pages = resolver.load_blocks(
+  # load: one host -> device gather of this layer's misses into their slots, sized to the
+  # misses (none: nothing moves).
+  (k_pages, v_pages), loaded = resolver.load_blocks(
       (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
       res.load_device_ids, device_sharding=sparse.device_sharding,
       host_sharding=sparse.host_sharding)
@@ -561,4 +583,4 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv
   c = res.counts
   counts = jnp.stack([c.resident_hits, c.hot_hits, c.misses, c.evictions, c.thrash], axis=-1)
   counts = jnp.where(is_sparse[:, None], counts, 0).astype(jnp.int32)
-  return out, k_pages, v_pages, new_state, counts
+  return out, k_pages, v_pages, new_state, (counts, loaded)

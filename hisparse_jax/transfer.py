@@ -67,19 +67,40 @@ def _swap_out_program(num_layers: int, device_sharding, host_sharding):
   return jax.jit(swap_out, donate_argnums=(1,), out_shardings=shardings)
 
 
+def gather_to_device(host_arrays, host_ids, *, device_sharding, host_sharding):
+  """Blocks `host_ids` of each host array, as device arrays (traced inside a jit): the
+  gather runs on the host (compute_on("device_host")) and only its result crosses to
+  the device kind. The one host -> device mechanism of swap-ins and HiSparse loads."""
+  host_ids = jax.device_put(host_ids, host_sharding)
+  out = []
+  for host_array in host_arrays:
+    with compute_on("device_host"):
+      blocks = host_array[host_ids]
+    out.append(jax.device_put(blocks, device_sharding))
+  return tuple(out)
+
+
+@functools.cache
+def gather_program(num_arrays: int, device_sharding, host_sharding):
+  """(host arrays, host_ids) -> gather_to_device's device arrays, as a jitted program
+  (a nested call keeps the host computation out of an enclosing switch's closure)."""
+
+  def gather(host_arrays, host_ids):
+    return gather_to_device(host_arrays, host_ids, device_sharding=device_sharding,
+                            host_sharding=host_sharding)
+
+  return jax.jit(gather, out_shardings=tuple([device_sharding] * num_arrays))
+
+
 @functools.cache
 def _swap_in_program(num_layers: int, device_sharding, host_sharding):
   """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
 
   def swap_in(host_arrays, device_arrays, host_ids, device_ids):
-    host_ids = jax.device_put(host_ids, host_sharding)
-    out = []
-    for host_array, device_array in zip(host_arrays, device_arrays):
-      with compute_on("device_host"):
-        blocks = host_array[host_ids]
-      blocks = jax.device_put(blocks, device_sharding)
-      out.append(device_array.at[device_ids].set(blocks, mode="drop"))
-    return tuple(out), device_ids[0]
+    blocks = gather_to_device(host_arrays, host_ids, device_sharding=device_sharding,
+                              host_sharding=host_sharding)
+    out = tuple(d.at[device_ids].set(b, mode="drop") for d, b in zip(device_arrays, blocks))
+    return out, device_ids[0]
 
   shardings = (tuple([device_sharding] * 2 * num_layers), device_sharding)
   return jax.jit(swap_in, donate_argnums=(1,), out_shardings=shardings)

@@ -4,6 +4,9 @@ The input of the training-free block indexer. Layout (decided here)::
 
   bounds: [num_blocks, 2, num_kv_heads, head_dim]
                        ^ 0 = min, 1 = max over the block's valid tokens
+  (or more rows than the pages' blocks: the rows past them are never touched, so a
+  caller may keep other blocks' bounds in the same array, as the engine keeps its host
+  blocks' beside the device blocks')
 
 Block-major like the KV pages, so ``bounds[block_tables]`` gathers the summaries
 of a block table in one gather and a block's summary moves with the block.
@@ -86,10 +89,10 @@ def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret):
 def _check(bounds, k_pages, slot_ids):
   num_blocks, _, num_kv_heads, head_dim = common.check_pages(k_pages, k_pages)
   want = (num_blocks, 2, num_kv_heads, head_dim)
-  if bounds.shape != want:
+  if (bounds.ndim != 4 or bounds.shape[1:] != want[1:] or bounds.shape[0] < num_blocks):
     raise ValueError(
-        f"bounds must be [num_blocks, 2, num_kv_heads, head_dim] = {want} for k_pages shape "
-        f"{k_pages.shape}, got {bounds.shape}")
+        f"bounds must be [num_blocks (or more rows), 2, num_kv_heads, head_dim] = {want} "
+        f"for k_pages shape {k_pages.shape}, got {bounds.shape}")
   if bounds.dtype not in (k_pages.dtype, jnp.float32):
     raise ValueError(f"bounds dtype must be float32 or the keys' {k_pages.dtype}, got "
                      f"{bounds.dtype}")
@@ -134,4 +137,4 @@ def block_key_bounds_reference(
   k_min = jnp.where(valid, k, jnp.inf).min(axis=1)
   k_max = jnp.where(valid, k, -jnp.inf).max(axis=1)
   new = jnp.stack([k_min, k_max], axis=1).astype(bounds.dtype)  # [num_tokens, 2, h, d]
-  return bounds.at[jnp.where(touched, block_id, num_blocks)].set(new, mode="drop")
+  return bounds.at[jnp.where(touched, block_id, bounds.shape[0])].set(new, mode="drop")

@@ -78,7 +78,7 @@ def main():
                            num_device_blocks=num_device_blocks, thrash_window_steps=8)
     if stage == "resolve":
       return res.block_tables, res.state, device_arrays, res.counts.misses
-    device_arrays = resolver.load_blocks(
+    device_arrays, _ = resolver.load_blocks(
         host_arrays, device_arrays, res.load_host_ids, res.load_device_ids,
         device_sharding=device_pool.sharding, host_sharding=host_pool.sharding)
     if stage == "load":

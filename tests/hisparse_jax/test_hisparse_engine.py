@@ -11,8 +11,11 @@ preempted, come back offloaded and read blocks from the host pool. Steps compute
 compiles few programs (compilation is nearly all of its time).
 """
 
+import functools
 import os
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,8 +37,9 @@ from engine_fixtures import (
 
 import kernels_pallas
 import models
-from hisparse_jax import HiSparseConfig, cli, generate_cmd  # noqa: F401 (cli defines the flags)
+from hisparse_jax import HiSparseConfig, cli, generate_cmd, resolver  # noqa: F401 (cli defines the flags)
 from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
 from hisparse_jax.runner import bounds_bytes_per_block
 from hisparse_jax.sampling import SamplingParams
 from models import data
@@ -87,21 +91,23 @@ def _assert_bounds_exact(engine):
       if fill > 0 and block_id != 0:
         slots.append(block_id * bs + fill - 1)
   engine.transfer.wait()
-  for layer, host_bounds in enumerate(engine.runner.host_bounds):
+  num_device_blocks = engine.device_pool.num_blocks
+  for layer, bounds in enumerate(engine.runner.bounds):
+    host_bounds = np.asarray(bounds)[num_device_blocks:]  # host block j: row nd + j
     host_k = jnp.asarray(np.asarray(engine.host_pool.k[layer]))
     full = jnp.asarray(np.arange(host_k.shape[0], dtype=np.int32) * bs + bs - 1)
     expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(host_bounds), host_k,
                                                          full)
-    np.testing.assert_array_equal(np.asarray(host_bounds)[host_ids],
-                                  np.asarray(expected)[host_ids])
-  padded = np.full(engine.device_pool.num_blocks, -1, np.int32)
+    np.testing.assert_array_equal(host_bounds[host_ids], np.asarray(expected)[host_ids])
+  padded = np.full(num_device_blocks, -1, np.int32)
   padded[:len(slots)] = slots
   ids = np.array(slots, np.int64) // bs
   for layer, bounds in enumerate(engine.runner.bounds):
     k_pages = engine.device_pool.k[layer]
-    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(bounds), k_pages,
-                                                         jnp.asarray(padded))
-    np.testing.assert_array_equal(np.asarray(bounds)[ids], np.asarray(expected)[ids])
+    device_bounds = jnp.asarray(np.asarray(bounds)[:num_device_blocks])
+    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(device_bounds),
+                                                         k_pages, jnp.asarray(padded))
+    np.testing.assert_array_equal(np.asarray(device_bounds)[ids], np.asarray(expected)[ids])
   return len(slots) + len(host_ids)
 
 
@@ -145,6 +151,67 @@ def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference):
   assert_all_blocks_free(engine)
 
 
+def test_host_loads_move_the_misses_rounded_up_and_metrics_count_them(reference):
+  # Every step's in-step host loads move, per layer, the smallest load size holding its
+  # misses: nothing when every selected block is resident or hot. The h2d bytes metric is
+  # exactly the swap-ins' blocks plus what those loads moved.
+  engine = _engine(FULL)
+  results, collect = [], engine.runner.collect
+
+  def recording(handle):
+    result = collect(handle)
+    results.append(result)
+    return result
+
+  engine.runner.collect = recording
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine)
+  assert [outputs[f"r{i}"].token_ids for i in range(len(PROMPTS))] == reference
+  sizes = np.asarray(resolver.load_buckets(engine.config.max_num_seqs
+                                           * engine.runner.hisparse_blocks.top_k_blocks))
+  no_miss = with_miss = 0
+  for result in results:
+    misses = result.counts[:, :, 2].sum(axis=1)  # [layers] (COUNT_FIELDS: host)
+    np.testing.assert_array_equal(result.loaded, sizes[np.searchsorted(sizes, misses)])
+    no_miss += int((misses == 0).sum())
+    with_miss += int((misses > 0).sum())
+  assert no_miss > 0 and with_miss > 0
+  m = engine.metrics()
+  spec = engine.device_pool.spec
+  moved = sum(r.loaded_block_layers for r in results)
+  assert m['hisparse_transfer_bytes_total{direction="h2d"}'] == (
+      m['hisparse_transfer_blocks_total{direction="h2d"}'] * spec.bytes_per_block
+      + moved * spec.bytes_per_block // spec.num_layers)
+  assert m["hisparse_hot_buffer_loads_total"] == sum(int(r.counts[:, :, 2].sum())
+                                                     for r in results)
+  assert_all_blocks_free(engine)
+
+
+def test_a_step_without_a_miss_runs_no_host_gather():
+  # The lowered load: a switch over the load sizes (only the gathered blocks inside it,
+  # never the pages) whose no-load branch has no host computation (the others gather
+  # exactly their size from the host pool).
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32",
+                     block_size=4)
+  device_pool, host_pool = KVPool(spec, 16, DEVICE), KVPool(spec, 24, PINNED_HOST)
+  load = jax.jit(functools.partial(resolver.load_blocks, device_sharding=device_pool.sharding,
+                                   host_sharding=host_pool.sharding))
+  ids = jnp.zeros(40, jnp.int32)
+  text = load.lower(host_pool.arrays(), device_pool.arrays(), ids, ids).as_text()
+  case = text[text.index('"stablehlo.case"'):]
+  branches = case[:case.index("}) : (tensor<i32>)")].split("}, {")
+  assert len(branches) == len(resolver.load_buckets(40)) == 5  # 0, 8, 16, 32, 40 blocks
+  assert "func.call" not in branches[0] and "compute_type" not in branches[0]
+  for size, branch in zip((8, 16, 32, 40), branches[1:]):
+    (callee,) = re.findall(r"func.call @(gather\w*)", branch)
+    body = text[text.index(f"func.func private @{callee}("):]
+    body = body[:body.index("\n  }")]
+    gathers = [ln for ln in body.splitlines() if '"stablehlo.gather"' in ln]
+    assert len(gathers) == 2  # K and V
+    for gather in gathers:
+      assert '_xla_compute_type = "host"' in gather and f"tensor<{size}x4x2x8xf32>" in gather
+
+
 def test_hisparse_device_bytes_are_reserved_and_logged():
   engine = _engine(FULL)
   spec = engine.device_pool.spec
@@ -155,10 +222,8 @@ def test_hisparse_device_bytes_are_reserved_and_logged():
   # state rows: layers x max_num_seqs x (2 x 8 slots + 8 max blocks) int32
   assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 4 * (2 * 8 + 8) * 4
   assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
-  for bounds in engine.runner.bounds:
-    assert bounds.shape == (11, 2, 2, 8) and bounds.sharding.memory_kind == "device"
-  for bounds in engine.runner.host_bounds:
-    assert bounds.shape == (engine.host_pool.num_blocks, 2, 2, 8)
+  for bounds in engine.runner.bounds:  # device blocks' rows, then host blocks'
+    assert bounds.shape == (11 + engine.host_pool.num_blocks, 2, 2, 8)
     assert bounds.sharding.memory_kind == "device"
   lines = engine.capacity.log_lines(MAX_MODEL_LEN)
   assert (f"HiSparse: indexer key bounds {num_blocks * spec_bytes:,} bytes + hot-buffer "

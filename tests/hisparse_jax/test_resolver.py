@@ -206,7 +206,9 @@ def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng):
   load = jax.jit(_load_fn(device_pool, host_pool), donate_argnums=(1,))
   host_ids = jnp.array([23, 5, 17, 0, 0], jnp.int32)
   device_ids = jnp.array([3, 9, 14, 16, 99], jnp.int32)  # the last two: padding, dropped
-  device_pool.set_arrays(load(host_pool.arrays(), device_pool.arrays(), host_ids, device_ids))
+  arrays, moved = load(host_pool.arrays(), device_pool.arrays(), host_ids, device_ids)
+  device_pool.set_arrays(arrays)
+  assert int(moved) == 5  # 3 loads: the smallest load size holding them is all 5 entries
   k, v = (np.asarray(a) for a in device_pool.read_blocks(0, range(16)))
   for h, d in ((23, 3), (5, 9), (17, 14)):
     np.testing.assert_array_equal(k[d].view(np.uint32), host_k[h].view(np.uint32))
@@ -214,6 +216,37 @@ def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng):
   untouched = [i for i in range(16) if i not in (3, 9, 14)]
   np.testing.assert_array_equal(k[untouched], before_k[untouched])
   np.testing.assert_array_equal(v[untouched], before_v[untouched])
+
+
+def test_load_buckets_hold_the_loads_in_at_most_twice_their_count():
+  assert resolver.load_buckets(128) == (0, 8, 16, 32, 64, 128)
+  assert resolver.load_buckets(5) == (0, 5)
+  assert resolver.load_buckets(100) == (0, 8, 16, 32, 64, 100)
+
+
+def test_load_blocks_moves_the_loads_rounded_up_and_nothing_without_one(rng):
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+  device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=40)
+  load = jax.jit(_load_fn(device_pool, host_pool), donate_argnums=(1,))
+  num_device = device_pool.num_blocks
+  for num_loads, want_moved in ((0, 0), (1, 8), (8, 8), (9, 16), (20, 32), (33, 40)):
+    host_ids = np.zeros(40, np.int32)
+    device_ids = np.full(40, num_device, np.int32)  # out of range: no load
+    # Loads scattered among the entries (as a resolver's rows leave them).
+    where = np.random.default_rng(num_loads).choice(40, num_loads, replace=False)
+    host_ids[where] = 1 + np.arange(num_loads)
+    device_ids[where] = 1 + np.arange(num_loads) % (num_device - 1)
+    before = np.asarray(device_pool.read_blocks(0, range(num_device))[0])
+    arrays, moved = load(host_pool.arrays(), device_pool.arrays(), jnp.asarray(host_ids),
+                         jnp.asarray(device_ids))
+    device_pool.set_arrays(arrays)
+    assert int(moved) == want_moved, num_loads
+    k = np.asarray(device_pool.read_blocks(0, range(num_device))[0])
+    for h, d in zip(host_ids[where], device_ids[where]):
+      if list(device_ids[where]).count(d) == 1:
+        np.testing.assert_array_equal(k[d], host_k[h])
+    if num_loads == 0:
+      np.testing.assert_array_equal(k, before)
 
 
 def _attend_selected(q, keys, values):
@@ -256,7 +289,7 @@ def test_select_resolve_load_attend_in_one_jit_matches_host_tokens(rng):
     res = resolver.resolve(sel.logical_ids, sel.valid, state, jnp.asarray(resident),
                            slot_device, jnp.asarray(host_ids, jnp.int32), step_id,
                            num_device_blocks=NUM_DEVICE_BLOCKS, thrash_window_steps=2)
-    device_arrays = _load_fn(device_pool, host_pool)(
+    device_arrays, _ = _load_fn(device_pool, host_pool)(
         host_arrays, device_arrays, res.load_host_ids, res.load_device_ids)
     out = kernels_pallas.paged_attention_reference(q, *device_arrays, res.block_tables,
                                                    sel.lengths)

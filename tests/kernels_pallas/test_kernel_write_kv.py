@@ -117,3 +117,18 @@ def test_block_key_bounds_bad_layout_raises(rng):
   bad = jnp.zeros((NUM_BLOCKS, 2, HEAD_DIM, NUM_KV_HEADS), jnp.float32)
   with pytest.raises(ValueError, match=r"\(10, 2, 64, 2\)"):
     block_key_bounds(bad, pool.k_pages, jnp.zeros((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_block_key_bounds_leaves_rows_past_the_pages_untouched(rng, impl):
+  # The engine keeps its host blocks' bounds in the rows past the device blocks'.
+  pool = _pool(rng)
+  num_blocks = pool.k_pages.shape[0]
+  extra = rng.standard_normal((num_blocks + 5, 2, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+  slots = jnp.asarray([3 * BLOCK_SIZE + 1, -1], jnp.int32)  # block 3, two valid tokens
+  out = np.asarray(BOUNDS[impl](jnp.asarray(extra), pool.k_pages, slots))
+  np.testing.assert_array_equal(out[3], _want_bounds(pool.k_np, 3, 2))
+  untouched = [i for i in range(num_blocks + 5) if i != 3]
+  np.testing.assert_array_equal(out[untouched], extra[untouched])
+  with pytest.raises(ValueError, match="or more rows"):
+    BOUNDS[impl](jnp.asarray(extra[:num_blocks - 1]), pool.k_pages, slots)
