@@ -6,7 +6,7 @@ Owns step 3's "score blocks from summaries -> top-k blocks plus sink and local b
 Score of a block for one query head (`bounds` from kernels_pallas.block_key_bounds)::
 
   score(q, block) = sum_d max(q_d * min_d, q_d * max_d)
-                  = q . (max + min) / 2  +  |q| . (max - min) / 2
+                  = q . (max + min) / 2  +  |q| . (max - min) / 2      (one matmul a head)
 
 an upper bound of q . k for every key k of the block (each term bounds q_d * k_d).
 A KV group's score is the max over its query heads (the bound of the group's best
@@ -80,13 +80,20 @@ def block_scores(
     raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                      f"{num_kv_heads}")
   group = num_q_heads // num_kv_heads
-  # sum_d max(q_d * min_d, q_d * max_d) as one elementwise reduction over the bounds as
-  # they are laid out (no transposed copy for a matmul; measured 2.2 vs 3.6 ms at 2 x
-  # 4,096 blocks): [batch, 1, kv_heads, group, d] x [batch, blocks, kv_heads, 1, d].
-  qg = q.reshape(batch, 1, num_kv_heads, group, head_dim).astype(jnp.float32)
-  b = bounds.astype(jnp.float32)[:, :, :, :, None, :]  # [batch, blocks, 2, kv_heads, 1, d]
-  s = jnp.maximum(qg * b[:, :, 0], qg * b[:, :, 1]).sum(axis=-1)  # [batch, blocks, kv, g]
-  return s.max(axis=-1).transpose(0, 2, 1)
+  # Per KV head, one matmul over [center, radius] (contraction 2 x head_dim), the head's
+  # bounds sliced as they are laid out (no transposed copy of the gathered bounds):
+  # measured 1.4 ms against 2.1 (elementwise max) and 3.6 (two batched einsums) at
+  # 2 x 4,096 blocks, 2 KV heads of 64, 4 query heads each.
+  qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
+  b = bounds.astype(jnp.float32)
+  scores = []
+  for h in range(num_kv_heads):
+    lo, hi = b[:, :, 0, h], b[:, :, 1, h]  # [batch, max_blocks, head_dim]
+    kh = jnp.concatenate([(hi + lo) * 0.5, (hi - lo) * 0.5], axis=-1)
+    qh = jnp.concatenate([qg[:, h], jnp.abs(qg[:, h])], axis=-1)  # [batch, group, 2 d]
+    s = jnp.einsum("bgk,bmk->bgm", qh, kh, precision=lax.Precision.HIGHEST)
+    scores.append(s.max(axis=1))
+  return jnp.stack(scores, axis=1)
 
 
 def shared_scores(

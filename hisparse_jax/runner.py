@@ -64,6 +64,7 @@ from hisparse_jax.hisparse_config import HiSparseBlocks, HiSparseConfig
 from hisparse_jax.kv_pool import KVPool
 from hisparse_jax.sampling import greedy, sample
 from hisparse_jax.scheduler import ScheduledChunk
+from kernels_pallas.xla_attention import decode_rows_bucket
 
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
@@ -92,6 +93,9 @@ class StepMetadata:
   # lengths), as sorted (name, value) pairs: part of the compiled program's key.
   ragged_hints: tuple[tuple[str, int], ...] = dataclasses.field(
       default=(), metadata={"static": True})
+  # HiSparse: rows the sparse path computes (a multiple of 8 holding the sparse rows; 0:
+  # no sparse path in the program).
+  num_sparse_rows: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +308,8 @@ class ModelRunner:
     dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows) if not sparse]
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
-                        ragged_hints=hints)
+                        ragged_hints=hints,
+                        num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())))
     return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
                      top_k, seeds, counters, len(chunks), blocks_attended)
 
@@ -519,42 +524,29 @@ def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
 
 def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv_dtype, q,
                         k_pages, v_pages, bounds, cache, metadata: StepMetadata, config):
-  """Dense rows through ragged attention, sparse rows through select -> resolve -> load
-  -> attend. q [num_tokens, num_q_heads, head_dim]; returns (out like q, new pages, new
-  hot-buffer state of this layer, counts [num_seqs, 5])."""
-  blocks = sparse.blocks
+  """Dense rows through ragged attention over their own tables; sparse rows, gathered
+  into `metadata.num_sparse_rows` rows, through select -> resolve -> load -> attend (no
+  sparse row's full table is read; with no sparse row none of it runs). q [num_tokens,
+  num_q_heads, head_dim]; returns (out like q, new pages, new hot-buffer state of this
+  layer, (counts [num_seqs, 5], blocks the host loads moved))."""
   is_sparse = metadata.sparse_rows  # bool [num_seqs]
-  num_tokens = q.shape[0]
+  num_tokens, batch = q.shape[0], is_sparse.shape[0]
   tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
-  rows = jnp.minimum(metadata.cu_q_lens[:-1], num_tokens - 1)  # the query token of each row
-  q_rows = q[rows]  # [num_seqs, num_q_heads, head_dim]
-  # select: key bounds of each logical block, from its device copy's row or, once it was
-  # dropped, its host copy's row (one gather).
-  num_device_blocks = k_pages.shape[0]
-  bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + metadata.host_tables)
-  table_bounds = bounds[bounds_rows]
-  sel = indexer.select(q_rows, table_bounds, metadata.kv_lens, blocks, sparse.selection)
-  # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
-  slot_block, last_used, evicted_at = cache["state"]
-  num_rows, width = slot_block.shape[0], tables.shape[1]
-  own_row = is_sparse & (metadata.hot_rows < num_rows)
-  row = jnp.minimum(metadata.hot_rows, num_rows - 1)
-  fresh = (~own_row | metadata.hot_reset)[:, None]
-  state = resolver.HotBufferState(
-      slot_block=jnp.where(fresh, -1, slot_block[row]),
-      slot_last_used=jnp.where(fresh, resolver.NEVER, last_used[row]),
-      evicted_at=jnp.where(fresh, resolver.NEVER, evicted_at[row, :width]))
-  valid = sel.valid & is_sparse[:, None]
-  res = resolver.resolve(jnp.where(valid, sel.logical_ids, 0), valid, state, tables,
-                         metadata.hot_slots, metadata.host_tables, metadata.step,
-                         num_device_blocks=k_pages.shape[0],
-                         thrash_window_steps=sparse.thrash_window_steps)
-  # load: one host -> device gather of this layer's misses into their slots, sized to the
-  # misses (none: nothing moves).
-  (k_pages, v_pages), loaded = resolver.load_blocks(
-      (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
-      res.load_device_ids, device_sharding=sparse.device_sharding,
-      host_sharding=sparse.host_sharding)
+  counts = jnp.zeros((batch, len(COUNT_FIELDS)), jnp.int32)
+  loaded = jnp.int32(0)
+  new_state = cache["state"]
+  sparse_out = None
+  num_sparse = min(metadata.num_sparse_rows, batch)
+  if num_sparse:
+    (rows,) = jnp.nonzero(is_sparse, size=num_sparse, fill_value=batch)
+    live = rows < batch
+    rows = jnp.minimum(rows, batch - 1)
+    out_rows = jnp.where(live, rows, batch)  # for scatters back to the batch (padding dropped)
+    token = jnp.minimum(metadata.cu_q_lens[rows], num_tokens - 1)  # each row's query token
+    (k_pages, v_pages), new_state, row_counts, loaded, sparse_out = _sparse_rows(
+        sparse, kv_dtype, ops, q[token], k_pages, v_pages, bounds, cache, metadata, rows,
+        live)
+    counts = counts.at[out_rows].set(row_counts, mode="drop")
   k_view, v_view = _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype)
   # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows get
   # no key there (their output is replaced below). A step with no dense row (a batch of
@@ -570,17 +562,57 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv
                                          sliding_window=config.sliding_window,
                                          **dict(metadata.ragged_hints)).astype(q.dtype),
       lambda: jnp.zeros_like(q))
+  if sparse_out is not None:
+    out = out.at[jnp.where(live, token, num_tokens)].set(sparse_out.astype(out.dtype),
+                                                         mode="drop")
+  return out, k_pages, v_pages, new_state, (counts, loaded)
+
+
+def _sparse_rows(sparse: _SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, q_rows,
+                 k_pages, v_pages, bounds, cache, metadata: StepMetadata, rows, live):
+  """select -> resolve -> load -> attend for the batch rows `rows` (`live` False:
+  padding). q_rows [n, num_q_heads, head_dim]. Returns (new pages, new hot-buffer state,
+  counts [n, 5], blocks loaded, attention output [n, num_q_heads, head_dim])."""
+  tables = metadata.block_tables[rows]
+  host_tables = metadata.host_tables[rows]
+  kv_lens = jnp.where(live, metadata.kv_lens[rows], 0)
+  # select: key bounds of each logical block, from its device copy's row or, once it was
+  # dropped, its host copy's row (one gather).
+  num_device_blocks = k_pages.shape[0]
+  bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
+  sel = indexer.select(q_rows, bounds[bounds_rows], kv_lens, sparse.blocks, sparse.selection)
+  # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
+  slot_block, last_used, evicted_at = cache["state"]
+  num_state_rows, width = slot_block.shape[0], tables.shape[1]
+  hot_rows = metadata.hot_rows[rows]
+  own_row = live & (hot_rows < num_state_rows)
+  state_row = jnp.minimum(hot_rows, num_state_rows - 1)
+  fresh = (~own_row | metadata.hot_reset[rows])[:, None]
+  state = resolver.HotBufferState(
+      slot_block=jnp.where(fresh, -1, slot_block[state_row]),
+      slot_last_used=jnp.where(fresh, resolver.NEVER, last_used[state_row]),
+      evicted_at=jnp.where(fresh, resolver.NEVER, evicted_at[state_row, :width]))
+  valid = sel.valid & live[:, None]
+  res = resolver.resolve(jnp.where(valid, sel.logical_ids, 0), valid, state, tables,
+                         metadata.hot_slots[rows], host_tables, metadata.step,
+                         num_device_blocks=num_device_blocks,
+                         thrash_window_steps=sparse.thrash_window_steps)
+  # load: one host -> device gather of this layer's misses into their slots, sized to the
+  # misses (none: nothing moves).
+  (k_pages, v_pages), loaded = resolver.load_blocks(
+      (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
+      res.load_device_ids, device_sharding=sparse.device_sharding,
+      host_sharding=sparse.host_sharding)
   # attend: the newest, partly filled block is last (indexer order).
-  lengths = jnp.where(is_sparse, sel.lengths, 0)
-  sparse_out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables, lengths)
-  dst = jnp.where(is_sparse, rows, num_tokens)  # dense rows dropped
-  out = out.at[dst].set(sparse_out.astype(out.dtype), mode="drop")
-  # The rows' new state goes back to their rows (rows without one are dropped).
-  dst_row = jnp.where(own_row, metadata.hot_rows, num_rows)
-  new_state = (slot_block.at[dst_row].set(res.state.slot_block, mode="drop"),
-               last_used.at[dst_row].set(res.state.slot_last_used, mode="drop"),
-               evicted_at.at[dst_row, :width].set(res.state.evicted_at, mode="drop"))
+  out = ops.paged_attention(q_rows, _from_storage(k_pages, kv_dtype),
+                            _from_storage(v_pages, kv_dtype), res.block_tables,
+                            jnp.where(live, sel.lengths, 0))
+  # The rows' new state goes back to their state rows (rows without one are dropped).
+  dst = jnp.where(own_row, hot_rows, num_state_rows)
+  new_state = (slot_block.at[dst].set(res.state.slot_block, mode="drop"),
+               last_used.at[dst].set(res.state.slot_last_used, mode="drop"),
+               evicted_at.at[dst, :width].set(res.state.evicted_at, mode="drop"))
   c = res.counts
   counts = jnp.stack([c.resident_hits, c.hot_hits, c.misses, c.evictions, c.thrash], axis=-1)
-  counts = jnp.where(is_sparse[:, None], counts, 0).astype(jnp.int32)
-  return out, k_pages, v_pages, new_state, (counts, loaded)
+  counts = jnp.where(live[:, None], counts, 0).astype(jnp.int32)
+  return (k_pages, v_pages), new_state, counts, loaded, out

@@ -342,3 +342,57 @@ def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
   assert m["hisparse_preemptions_total"] == 1
   assert m["hisparse_hot_buffer_loads_total"] > 0  # blocks came from the host pool
   assert m['hisparse_blocks_selected_total{source="host"}'] > 0
+
+
+def test_mixed_batches_read_no_full_table_of_a_sparse_row(monkeypatch, reference):
+  # A counting reference of the kernels: the dense (ragged) call reads keys [0, kv_len)
+  # of each row's table, the paged call the listed blocks up to each row's length. Every
+  # step of a run that mixes prefill, dense and sparse rows: no sparse row gets a key in
+  # the dense call, and the paged call reads at most top-k blocks of a row.
+  import kernels_pallas
+
+  calls = {"ragged": [], "paged": []}
+  xla = kernels_pallas.ops("xla")
+
+  def ragged(q, k, v, tables, kv_lens, cu_q_lens, **kw):
+    jax.debug.callback(lambda lens, cu: calls["ragged"].append((np.asarray(lens),
+                                                                np.asarray(cu))),
+                       kv_lens, cu_q_lens)
+    return xla.ragged_paged_attention(q, k, v, tables, kv_lens, cu_q_lens, **kw)
+
+  def paged(q, k, v, tables, lengths, **kw):
+    jax.debug.callback(lambda n: calls["paged"].append(np.asarray(n)), lengths)
+    return xla.paged_attention(q, k, v, tables, lengths, **kw)
+
+  counting = xla._replace(ragged_paged_attention=ragged, paged_attention=paged)
+  monkeypatch.setattr(kernels_pallas, "ops", lambda backend=None: counting)
+  engine = _engine(SMALL)
+  sparse_rows = []
+  build = engine.runner.build_batch
+
+  def recording(chunks, tables, tiers=None):
+    batch = build(chunks, tables, tiers)
+    meta = batch.metadata
+    sparse_rows.append((meta.sparse_rows.copy(), meta.kv_lens.copy()))
+    return batch
+
+  engine.runner.build_batch = recording
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine, max_steps=400)
+  assert all(o.finish_reason == "length" for o in outputs.values())
+  layers = engine.model_config.num_hidden_layers
+  ragged_calls = iter(calls["ragged"])
+  mixed = 0
+  for step, (is_sparse, kv_lens) in enumerate(sparse_rows):
+    if not (~is_sparse & (kv_lens > 0)).any():
+      continue  # no dense row: the step skips the dense call
+    mixed += bool(is_sparse.any())
+    for _ in range(layers):
+      lens, _ = next(ragged_calls)
+      assert not lens[is_sparse].any(), step  # no key of a sparse row in the dense call
+      np.testing.assert_array_equal(lens[~is_sparse], kv_lens[~is_sparse])
+  assert next(ragged_calls, None) is None
+  for lengths in calls["paged"]:
+    assert (lengths <= SMALL.top_k_tokens).all()  # the selected blocks only
+  assert mixed > 0 and len(calls["paged"]) > 0
+  assert_all_blocks_free(engine)
