@@ -1,5 +1,6 @@
-"""Shared test set-up: CPU only, deterministic."""
+"""Shared test set-up: CPU only, deterministic, compiled programs released per module."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,3 +20,18 @@ settings.load_profile("ci")
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops every compiled program after each test module.
+
+  XLA:CPU maps the code of each compiled program into memory mappings of its own, and
+  JAX keeps every program for the life of the process: the whole suite in one process
+  compiles enough programs to pass Linux's default vm.max_map_count (65,530), and the
+  next compile then aborts inside LLVM (seen as "Fatal Python error: Aborted" or a
+  segfault in an unrelated test). A module's programs are rarely reused by the next one.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
