@@ -39,6 +39,7 @@ SUITES = {
     "kernel": "kernel",
     "transfer": "transfer",
     "decode_sparse_vs_dense": "decode",
+    "hisparse_hot_buffer": "hot_buffer",
     "capacity_concurrency": "capacity",
     "engine_vs_hf": "engine_vs_hf",
     "engine_vs_vllm": "engine_vs_vllm",

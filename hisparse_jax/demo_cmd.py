@@ -161,9 +161,16 @@ def main(argv: list[str]) -> int:
   offloads = m.get("hisparse_offloads_total", 0.0)
   loads = m.get("hisparse_hot_buffer_loads_total", 0.0)
   host_blocks = m.get('hisparse_blocks_selected_total{source="host"}', 0.0)
+  hot_blocks = m.get('hisparse_blocks_selected_total{source="hot"}', 0.0)
+  hit = (f"{100.0 * hot_blocks / (hot_blocks + host_blocks):.1f}%"
+         if hot_blocks + host_blocks else "-")
+  h2d, d2h = (m.get(f'hisparse_transfer_bytes_total{{direction="{d}"}}', 0.0) / 2**20
+              for d in ("h2d", "d2h"))
   used = "used" if host_blocks > 0 else "NOT used"
   print(f"host pool {used}: {offloads:.0f} offloads, {loads:,.0f} block-layers loaded from "
         f"the host pool into hot buffers, {preemptions:.0f} preemptions by swap-out, "
-        f"{host_blocks:,.0f} blocks read from the host pool in all; {result.num_right}/"
-        f"{result.num_expected} answers right", flush=True)
+        f"{host_blocks:,.0f} blocks read from the host pool in all; hot-buffer hit ratio "
+        f"{hit} ({hot_blocks:,.0f} hot / {hot_blocks + host_blocks:,.0f} offloaded blocks "
+        f"selected); moved host -> device {h2d:.2f} MiB, device -> host {d2h:.2f} MiB; "
+        f"{result.num_right}/{result.num_expected} answers right", flush=True)
   return 0

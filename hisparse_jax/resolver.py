@@ -218,6 +218,7 @@ def load_blocks(
     *,
     device_sharding: jax.sharding.Sharding,
     host_sharding: jax.sharding.Sharding,
+    one_memory: bool | None = None,  # None: transfer.hop_free(device_sharding)
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
   """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i with an
   in-range device id; returns (new device arrays, int32 blocks moved per array).
@@ -227,7 +228,9 @@ def load_blocks(
   sizes; only the gathered blocks are in the switch, never the pools, which a branch
   would copy), so the bytes follow the misses; no load moves nothing. The gather is
   transfer.gather_to_device, the swap-ins' mechanism; the scatter into the pages drops
-  the padding.
+  the padding. Where device and host are one memory (CPU, `transfer.hop_free`), the
+  loads are a loop of exactly `loads` block copies (transfer.copy_block_loop, the
+  swap-ins' mechanism there): the blocks moved equal the misses, with no bucket.
   """
   if len(host_arrays) != len(device_arrays) or len(host_arrays) % 2:
     raise ValueError(f"host and device arrays must be the same even number (k..., v...), "
@@ -241,6 +244,13 @@ def load_blocks(
   order = jnp.minimum(order, total - 1)
   host_packed = jnp.where(packed, host_ids.astype(jnp.int32)[order], 0)
   device_packed = jnp.where(packed, device_ids[order], num_device_blocks)
+  count = loads.sum(dtype=jnp.int32)
+  if transfer.hop_free(device_sharding) if one_memory is None else one_memory:
+    # One memory (CPU): copy exactly the loads, host page -> device page, no bucket.
+    host_view = [jax.device_put(h, device_sharding) for h in host_arrays]
+    new_arrays = transfer.copy_block_loop(host_view, device_arrays, host_packed,
+                                          device_packed, count)
+    return new_arrays, count
   sizes = load_buckets(total)
 
   gather = transfer.gather_program(len(host_arrays), device_sharding, host_sharding)
@@ -254,7 +264,7 @@ def load_blocks(
       return tuple(jnp.pad(b, pad) for b in blocks)
     return branch
 
-  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), loads.sum(dtype=jnp.int32))
+  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
   blocks = lax.switch(which, [fetch(n) for n in sizes], tuple(host_arrays), host_packed)
   new_arrays = tuple(d.at[device_packed].set(b, mode="drop")
                      for d, b in zip(device_arrays, blocks))

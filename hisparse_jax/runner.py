@@ -31,8 +31,10 @@ pages), and each layer of the step runs:
                  row (by device id) or a dropped block's (by host id)
         resolve  resolver.resolve: resident device block / hot-buffer slot / host miss
                  (LRU slot of that sequence's hot buffer), hot-buffer state per layer
-        load     resolver.load_blocks: ONE batched host -> device gather of the misses
-                 (under compute_on("device_host"), inside this program)
+        load     resolver.load_blocks: the misses, host pool -> hot-buffer slots, inside
+                 this program (GPU: one host gather under compute_on("device_host") sized
+                 to the misses; CPU, one memory: a loop of exactly the misses' block
+                 copies); no miss moves nothing
         attend   paged_attention(q, pages, resolved table, selection lengths)
 
 `sparse_rows` (a per-row flag in StepMetadata) decides; shapes stay static (the
@@ -597,8 +599,8 @@ def _sparse_rows(sparse: _SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps,
                          metadata.hot_slots[rows], host_tables, metadata.step,
                          num_device_blocks=num_device_blocks,
                          thrash_window_steps=sparse.thrash_window_steps)
-  # load: one host -> device gather of this layer's misses into their slots, sized to the
-  # misses (none: nothing moves).
+  # load: this layer's misses, host pool -> their slots; the bytes follow the misses
+  # (none: nothing moves).
   (k_pages, v_pages), loaded = resolver.load_blocks(
       (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
       res.load_device_ids, device_sharding=sparse.device_sharding,

@@ -42,7 +42,7 @@ def status_line(step: int, now: dict[str, float], before: dict[str, float],
   prefix = f"{100.0 * hits / queries:.1f}%" if queries else "-"
   hot = _get(now, 'hisparse_blocks_selected_total{source="hot"}')
   host = _get(now, 'hisparse_blocks_selected_total{source="host"}')
-  hot_rate = f"{100.0 * hot / (hot + host):.1f}%" if hot else "-"
+  hot_rate = f"{100.0 * hot / (hot + host):.1f}%" if hot + host else "-"
   running, swapped, waiting = (_get(now, f'hisparse_num_requests{{state="{s}"}}')
                                for s in ("running", "swapped", "waiting"))
   device_usage = 100.0 * _get(now, 'hisparse_kv_usage_ratio{memory_kind="device"}')

@@ -10,9 +10,16 @@ every layer, K and V, never a call per block:
                    (every layer l, and the same for v)
 
 Mechanics (measured on jax 0.10.2 CPU, DESIGN.md): the destination pool is donated and
-comes back in the same buffers; host-side indexing runs under
-`compute_on("device_host")` with the ids `device_put` to the pinned_host kind, and
-`out_shardings` pins each result to its memory kind. Id lists are padded to a bucket
+comes back in the same buffers, and `out_shardings` pins each result to its memory kind.
+Where the two kinds are different memories (GPU: HBM and pinned host DRAM), host-side
+indexing runs under `compute_on("device_host")` with the ids `device_put` to the
+pinned_host kind, and only the gathered blocks cross (`device_put` inside the program).
+On CPU both kinds are the same DRAM and that crossing is a copy of its own (and XLA:CPU's
+gather and scatter run element by element): there the program views the source pool as
+the destination's kind (`device_put` of the whole array, which XLA:CPU compiles to no
+copy at all) and copies each listed block straight into its destination in a loop whose
+trip count is the number of real ids (`copy_block_loop`): one pass over the moved bytes
+where numpy's `dst[ids] = src[ids]` makes two (`hop_free`). Id lists are padded to a bucket
 (a power of two, at least `min_bucket`) so a run compiles a handful of programs: padded
 sources read block 0 (the null block), padded destinations are out of range and dropped
 (`mode="drop"`), so padding never writes.
@@ -37,7 +44,9 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
@@ -50,11 +59,43 @@ def bucket_size(n: int, min_bucket: int) -> int:
   return max(min_bucket, 1 << max(0, int(n) - 1).bit_length())
 
 
+def hop_free(sharding) -> bool:
+  """Whether the device and pinned_host kinds of `sharding`'s device are one memory (CPU),
+  so that moving an array between them inside a program needs no copy."""
+  return next(iter(sharding.device_set)).platform == "cpu"
+
+
+def copy_block_loop(src_arrays, dst_arrays, src_ids, dst_ids, count):
+  """dst_arrays[j][dst_ids[i]] := src_arrays[j][src_ids[i]] for i < `count` (traced), one
+  block of every array per iteration, in place in the (donated) destination: a loop of
+  `count` block copies, so nothing past the real ids is read or written. Sources and
+  destinations are distinct arrays (traced inside a jit; all of one memory kind)."""
+
+  def body(i, arrays):
+    return tuple(
+        lax.dynamic_update_slice_in_dim(d, lax.dynamic_slice_in_dim(s, src_ids[i], 1),
+                                        dst_ids[i], 0)
+        for s, d in zip(src_arrays, arrays))
+
+  return lax.fori_loop(0, count, body, tuple(dst_arrays))
+
+
+def _num_real(dst_ids, num_dst_blocks: int):
+  """Real ids of a padded list: padding destinations are out of range (>= the pool)."""
+  return jnp.sum(dst_ids < num_dst_blocks, dtype=jnp.int32)
+
+
 @functools.cache  # one program per pool shape set, shared by engines of a process
-def _swap_out_program(num_layers: int, device_sharding, host_sharding):
+def _swap_out_program(num_layers: int, device_sharding, host_sharding, one_memory: bool):
   """(device arrays, host arrays [donated], device_ids, host_ids) -> new host arrays."""
 
   def swap_out(device_arrays, host_arrays, device_ids, host_ids):
+    if one_memory:  # block copies, no hop (see the module doc)
+      out = copy_block_loop(device_arrays,
+                            [jax.device_put(h, device_sharding) for h in host_arrays],
+                            device_ids, host_ids,
+                            _num_real(host_ids, host_arrays[0].shape[0]))
+      return tuple(jax.device_put(a, host_sharding) for a in out), device_ids[0]
     host_ids = jax.device_put(host_ids, host_sharding)
     out = []
     for device_array, host_array in zip(device_arrays, host_arrays):
@@ -70,7 +111,8 @@ def _swap_out_program(num_layers: int, device_sharding, host_sharding):
 def gather_to_device(host_arrays, host_ids, *, device_sharding, host_sharding):
   """Blocks `host_ids` of each host array, as device arrays (traced inside a jit): the
   gather runs on the host (compute_on("device_host")) and only its result crosses to
-  the device kind. The one host -> device mechanism of swap-ins and HiSparse loads."""
+  the device kind. The host -> device mechanism of swap-ins and HiSparse loads where the
+  two kinds are different memories (else: `copy_block_loop`)."""
   host_ids = jax.device_put(host_ids, host_sharding)
   out = []
   for host_array in host_arrays:
@@ -93,10 +135,15 @@ def gather_program(num_arrays: int, device_sharding, host_sharding):
 
 
 @functools.cache
-def _swap_in_program(num_layers: int, device_sharding, host_sharding):
+def _swap_in_program(num_layers: int, device_sharding, host_sharding, one_memory: bool):
   """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
 
   def swap_in(host_arrays, device_arrays, host_ids, device_ids):
+    if one_memory:  # block copies, no hop (see the module doc)
+      out = copy_block_loop([jax.device_put(h, device_sharding) for h in host_arrays],
+                            device_arrays, host_ids, device_ids,
+                            _num_real(device_ids, device_arrays[0].shape[0]))
+      return out, device_ids[0]
     blocks = gather_to_device(host_arrays, host_ids, device_sharding=device_sharding,
                               host_sharding=host_sharding)
     out = tuple(d.at[device_ids].set(b, mode="drop") for d, b in zip(device_arrays, blocks))
@@ -142,7 +189,8 @@ class TransferEngine:
   """
 
   def __init__(self, device_pool: KVPool, host_pool: KVPool,
-               metrics: m.MetricsRegistry | None = None, min_bucket: int = 8):
+               metrics: m.MetricsRegistry | None = None, min_bucket: int = 8,
+               one_memory: bool | None = None):
     if device_pool.memory_kind != DEVICE or host_pool.memory_kind != PINNED_HOST:
       raise ValueError("TransferEngine needs a device pool and a pinned_host pool, got "
                        f"{device_pool.memory_kind} and {host_pool.memory_kind}")
@@ -158,8 +206,12 @@ class TransferEngine:
         self.metrics)
     device_sharding = SingleDeviceSharding(device_pool.device, memory_kind=DEVICE)
     num_layers = device_pool.spec.num_layers
-    self._swap_out = _swap_out_program(num_layers, device_sharding, host_pool.sharding)
-    self._swap_in = _swap_in_program(num_layers, device_sharding, host_pool.sharding)
+    # One memory (CPU): block-copy loops without a hop; else host gather + crossing.
+    self.one_memory = hop_free(device_sharding) if one_memory is None else one_memory
+    self._swap_out = _swap_out_program(num_layers, device_sharding, host_pool.sharding,
+                                       self.one_memory)
+    self._swap_in = _swap_in_program(num_layers, device_sharding, host_pool.sharding,
+                                     self.one_memory)
     self._copy = _copy_program(num_layers, device_sharding)
     self._pending: list[tuple[str, float, jax.Array]] = []
     self.buckets_used: set[tuple[str, int]] = set()  # (direction, padded length)

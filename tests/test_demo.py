@@ -54,10 +54,17 @@ def test_demo_offloads_to_the_host_pool_and_marks_every_answer(tmp_path):
   assert m['hisparse_transfer_bytes_total{direction="h2d"}'] == (
       loads * 16 * 512 + m['hisparse_transfer_blocks_total{direction="h2d"}'] * 16 * 1024)
   assert f"preemptions (swap-out to the host pool): {preemptions:.0f}" in r.stdout
+  hot_blocks = m['hisparse_blocks_selected_total{source="hot"}']
+  h2d, d2h = (m[f'hisparse_transfer_bytes_total{{direction="{d}"}}'] / 2**20
+              for d in ("h2d", "d2h"))
   assert out[-1] == (f"host pool used: {offloads:.0f} offloads, {loads:,.0f} block-layers "
                      f"loaded from the host pool into hot buffers, {preemptions:.0f} "
                      f"preemptions by swap-out, {host_blocks:,.0f} blocks read from the host "
-                     f"pool in all; {num_right}/5 answers right")
+                     f"pool in all; hot-buffer hit ratio "
+                     f"{100 * hot_blocks / (hot_blocks + host_blocks):.1f}% ({hot_blocks:,.0f} "
+                     f"hot / {hot_blocks + host_blocks:,.0f} offloaded blocks selected); "
+                     f"moved host -> device {h2d:.2f} MiB, device -> host {d2h:.2f} MiB; "
+                     f"{num_right}/5 answers right")
 
 
 @pytest.mark.parametrize("prompt_len,expected_tokens", [

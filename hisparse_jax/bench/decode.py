@@ -1,20 +1,25 @@
 """Suite `decode_sparse_vs_dense`: one decode step, HiSparse top-k against dense attention.
 
-Both sides are the engine's own jitted step (`ModelRunner.build_batch` + `execute`) over
-the same weights, the same device pool and the same batch: one decode row per sequence,
-each sequence's blocks filled with random K/V, its block table naming them.
+Both sides are the engine's own jitted step (`ModelRunner.build_batch` + `dispatch`)
+over the same weights and the same batch: one decode row per sequence.
 
-    dense   ModelRunner(..., hisparse=None)                       attends every block
-    sparse  ModelRunner(..., hisparse=HiSparseConfig(top_k_tokens=1024))
-            select (key bounds of every block) -> top-k blocks -> attend those
+    dense   ModelRunner(..., hisparse=None): every block on the device, random K/V,
+            attends every block
+    sparse  ModelRunner(..., hisparse=HiSparseConfig(top_k_tokens=1024)) with the
+            sequences offloaded as the engine leaves them (bench/tiered.py): every block
+            in the pinned_host pool, the sink and local blocks resident, a warm hot
+            buffer; select (key bounds of every block) -> resolve -> load the misses
+            from the host pool -> attend the top-k blocks
 
 Contexts of 4k, 16k and 64k tokens; dense and sparse steps alternate (medians of one
 run). Per context the JSON gives `dense_over_sparse` (measured step-time ratio) and
 `bytes_bound` = KV bytes a dense step reads / (KV bytes a sparse step reads + key-bound
-bytes its indexer reads): the speed-up a purely memory-bound step could reach. The goal
-at the longest context is `dense_over_sparse >= bytes_bound / 2`. `bytes_bound` depends
-on the block size (the indexer reads one bound pair per block, the top-k rounds to whole
-blocks); `bytes_bound_by_block_size` gives it for several block sizes.
+bytes its indexer reads + 2 x the bytes its host loads moved, read and written, as the
+step reports them: `h2d_bytes_per_step`): the speed-up a purely memory-bound step could
+reach. The goal at the longest context is `dense_over_sparse >= bytes_bound / 2`.
+`bytes_bound` depends on the block size (the indexer reads one bound pair per block, the
+top-k rounds to whole blocks); `bytes_bound_by_block_size` gives it for several block
+sizes (with the longest context's measured loads).
 
 `profile` times the pieces of one layer at the longest context on their own (the
 kernels the step calls, with the step's shapes), so a missed goal names what dominates.
@@ -34,13 +39,10 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax import indexer
-from hisparse_jax.bench import common
+from hisparse_jax.bench import common, tiered
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
-from hisparse_jax.request import Request
+from hisparse_jax.kv_pool import DEVICE, KVCacheSpec, KVPool
 from hisparse_jax.runner import ModelRunner, bounds_bytes_per_block
-from hisparse_jax.sampling import SamplingParams
-from hisparse_jax.scheduler import ScheduledChunk
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 
@@ -85,11 +87,13 @@ def model_config(size: Size) -> ModelConfig:
                      max_position_embeddings=max(size.contexts), eos_token_id=None)
 
 
-def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int) -> dict:
-  """Bytes one decode step reads from the KV cache, dense and sparse (all layers).
+def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int,
+             h2d_bytes: int = 0) -> dict:
+  """Bytes one decode step moves through memory for its KV, dense and sparse (all layers).
 
-  Dense: every token. Sparse: the selected blocks (top-k in whole blocks) plus the key
-  bounds of every block, which the indexer scores.
+  Dense: every token. Sparse: the selected blocks (top-k in whole blocks), the key
+  bounds of every block (which the indexer scores) and twice the bytes its host loads
+  moved (`h2d_bytes`: read from the host pool, written into the hot buffer).
   """
   num_blocks = math.ceil(context / spec.block_size)
   selected = min(math.ceil(top_k_tokens / spec.block_size), num_blocks)
@@ -97,33 +101,7 @@ def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int) -> 
   sparse = batch * selected * spec.bytes_per_block
   index = batch * num_blocks * bounds_bytes_per_block(spec)
   return {"dense_kv_bytes": dense, "sparse_kv_bytes": sparse, "indexer_bytes": index,
-          "bytes_bound": dense / (sparse + index)}
-
-
-@functools.cache
-def _random_fn(shape, dtype, sharding):
-  return jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
-
-
-def _fill(pool: KVPool, seed: int) -> None:
-  """Random K/V in every block of the pool (made on the device, installed as the pool's)."""
-  make = _random_fn(pool.spec.block_shape(pool.num_blocks), jnp.dtype(pool.storage_dtype),
-                    pool.sharding)
-  keys = jax.random.split(jax.random.key(seed), 2 * pool.num_layers)
-  pool.set_arrays(tuple(make(k) for k in keys))
-
-
-def _decode_chunks(contexts_len: int, tables: np.ndarray, block_size: int, vocab: int,
-                   rng: np.random.Generator) -> list[ScheduledChunk]:
-  """One decode row per sequence: its last token, written into its newest block."""
-  chunks = []
-  for i, table in enumerate(tables):
-    prompt = rng.integers(0, vocab, contexts_len).tolist()
-    request = Request(f"seq-{i}", prompt, SamplingParams(), seed=i)
-    pos = contexts_len - 1
-    slot = np.asarray([table[pos // block_size] * block_size + pos % block_size], np.int32)
-    chunks.append(ScheduledChunk(request, pos, 1, slot))
-  return chunks
+          "bytes_bound": dense / (sparse + index + 2 * h2d_bytes)}
 
 
 def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, reps: int,
@@ -190,49 +168,59 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
   max_context = max(size.contexts)
   max_blocks = math.ceil(max_context / block_size)
   pool = KVPool(spec, 1 + size.batch * max_blocks, DEVICE)
-  _fill(pool, seed)
+  tiered.fill(pool, seed)
   runner_args = dict(max_model_len=max_context, max_num_seqs=size.batch,
                      max_num_batched_tokens=size.batch)
   dense = ModelRunner(model, pool, **runner_args)
-  # Every block is device-resident (no tier inputs): the host pool is only the smallest
-  # one the sparse runner takes, nothing is loaded from it.
-  sparse = ModelRunner(model, pool, hisparse=hisparse, host_pool=KVPool(spec, 2, PINNED_HOST),
-                       **runner_args)
   all_tables = 1 + np.arange(size.batch)[:, None] * max_blocks + np.arange(max_blocks)
-  sparse.refresh_bounds(all_tables.reshape(-1))  # key bounds of every filled block
   rng = np.random.default_rng(seed)
   rows, profile = [], None
   for context in size.contexts:
     tables = all_tables[:, :math.ceil(context / block_size)].astype(np.int32)
-    chunks = _decode_chunks(context, tables, block_size, size.vocab_size, rng)
-    batch_dense = dense.build_batch(chunks, tables)
-    batch_sparse = sparse.build_batch(chunks, tables)
-    if not batch_sparse.metadata.sparse_rows[:size.batch].all():
-      raise ValueError(f"context {context} is not above the sparse threshold "
-                       f"({hisparse.sparse_threshold_tokens} tokens)")
+    batch_dense = dense.build_batch(
+        tiered.decode_chunks(context, tables, block_size, size.vocab_size, rng), tables)
+    # Sparse: the sequences offloaded (every block in the pinned_host pool, sink + local
+    # blocks resident, a hot buffer), the hot buffer warm: one step from empty loads the
+    # selection, later steps of this batch select the same blocks.
+    sparse_setup = tiered.tiered_decode(model, spec, hisparse, size.batch, context, seed)
+    sparse, batch_sparse = sparse_setup.runner, sparse_setup.batch
+    cold = sparse.collect(sparse.dispatch(batch_sparse))
+    loaded = []
+
+    def sparse_step(sparse=sparse, batch_sparse=batch_sparse, loaded=loaded):
+      result = sparse.collect(sparse.dispatch(batch_sparse))
+      loaded.append(result.loaded_block_layers)
+      return result.tokens
+
     times = common.interleaved({"dense": functools.partial(dense.execute, batch_dense),
-                                "sparse": functools.partial(sparse.execute, batch_sparse)},
-                               size.reps)
+                                "sparse": sparse_step}, size.reps)
     dense_s, sparse_s = common.median(times["dense"]), common.median(times["sparse"])
+    h2d = int(np.median(loaded)) * sparse_setup.block_bytes
     row = {"context": context, "dense_ms": dense_s * 1e3, "sparse_ms": sparse_s * 1e3,
            "dense_over_sparse": dense_s / sparse_s,
            "blocks_attended_sparse": int(batch_sparse.blocks_attended[0]),
            "blocks_attended_dense": int(batch_dense.blocks_attended[0]),
-           **kv_bytes(spec, context, size.batch, size.top_k_tokens)}
+           "cold_step_h2d_bytes": cold.loaded_block_layers * sparse_setup.block_bytes,
+           "h2d_bytes_per_step": h2d,
+           **kv_bytes(spec, context, size.batch, size.top_k_tokens, h2d)}
     row["fraction_of_bound"] = row["dense_over_sparse"] / row["bytes_bound"]
     rows.append(row)
     if context == max_context:
       profile = _profile(dense, sparse, batch_dense, size.reps, row["sparse_ms"])
+    del sparse, sparse_setup, sparse_step
   by_block_size = {
-      str(bs): {str(c): kv_bytes(dataclasses.replace(spec, block_size=bs), c, size.batch,
-                                 size.top_k_tokens)["bytes_bound"] for c in size.contexts}
+      str(bs): {str(r["context"]): kv_bytes(dataclasses.replace(spec, block_size=bs),
+                                            r["context"], size.batch, size.top_k_tokens,
+                                            r["h2d_bytes_per_step"])["bytes_bound"]
+                for r in rows}
       for bs in BOUND_BLOCK_SIZES}
   longest = rows[-1]
   weight_bytes = _weight_bytes_per_step(model)
   for row in rows:  # what a memory-bound step could reach with the weights read too
     row["bytes_bound_with_weights"] = (
         (row["dense_kv_bytes"] + weight_bytes)
-        / (row["sparse_kv_bytes"] + row["indexer_bytes"] + weight_bytes))
+        / (row["sparse_kv_bytes"] + row["indexer_bytes"] + 2 * row["h2d_bytes_per_step"]
+           + weight_bytes))
   return {
       "block_size": block_size, "batch": size.batch, "top_k_tokens": size.top_k_tokens,
       "hisparse": dataclasses.asdict(hisparse), "kernel_backend": dense.ops.backend,
@@ -247,10 +235,16 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
 
 def format_table(result: dict) -> str:
   rows = [(r["context"], r["dense_ms"], r["sparse_ms"], r["dense_over_sparse"],
-           r["bytes_bound"], r["blocks_attended_dense"], r["blocks_attended_sparse"])
+           r["bytes_bound"], r["blocks_attended_dense"], r["blocks_attended_sparse"],
+           f"{r['h2d_bytes_per_step'] / 2**20:.2f}")
           for r in result["rows"]]
   lines = [common.format_table(["context", "dense ms", "sparse ms", "dense/sparse",
-                                "bytes_bound", "blocks dense", "blocks sparse"], rows)]
+                                "bytes_bound", "blocks dense", "blocks sparse",
+                                "h2d MiB/step"], rows)]
+  lines.append("sparse: sequences offloaded (every block in the pinned_host pool), hot "
+               "buffer warm; a cold step moved " + ", ".join(
+                   f"{r['cold_step_h2d_bytes'] / 2**20:.2f}" for r in result["rows"])
+               + " MiB host -> device")
   lines.append("with the weights read too (" + f"{result['weight_bytes_per_step'] / 1e6:.1f} "
                "MB a step), a memory-bound step could reach: " + ", ".join(
                    f"{r['bytes_bound_with_weights']:.1f}" for r in result["rows"]))

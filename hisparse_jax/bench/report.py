@@ -31,6 +31,15 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
       rows.append(("decode_sparse_vs_dense",
                    f"`dense_over_sparse` at {r['context']:,} (`bytes_bound` "
                    f"{_fmt(r['bytes_bound'])})", _fmt(r["dense_over_sparse"]), goal))
+  if "hisparse_hot_buffer" in suites:
+    h = suites["hisparse_hot_buffer"]
+    rows.append(("hisparse_hot_buffer", "step at 100% hot-buffer hits / step at 0%",
+                 _fmt(h["step_100_over_0"]), "<= 0.6"))
+    worst = max(r["h2d_over_missed"] for r in h["rates"] if r["missed_blocks_per_step"])
+    rows.append(("hisparse_hot_buffer", "host -> device bytes / missed blocks' bytes "
+                 "(worst rate with a miss; at 100% hits: "
+                 f"{h['rates'][-1]['h2d_bytes_per_step']:,} bytes)", _fmt(worst),
+                 "1 - 2 (bucket)"))
   if "capacity_concurrency" in suites:
     c = suites["capacity_concurrency"]
     for key in ("concurrency_ratio", "throughput_ratio"):
@@ -102,6 +111,20 @@ def markdown(result: dict) -> str:
               f"{_fmt(r['dense_over_sparse'])} | {_fmt(r['bytes_bound'])} | "
               f"{100 * r['fraction_of_bound']:.0f}% | {_fmt(r['bytes_bound_with_weights'])} |"
               for r in d["rows"]]
+  if "hisparse_hot_buffer" in result["suites"]:
+    h = result["suites"]["hisparse_hot_buffer"]
+    lines += ["", f"HiSparse decode step at hot-buffer hit rates (`hisparse_hot_buffer`): batch "
+              f"{h['batch']} x {h['context']:,} tokens offloaded to the pinned_host pool, "
+              f"top-k {h['top_k_tokens']:,} tokens ({h['top_k_blocks']} blocks), hot buffer "
+              f"{h['hot_buffer_blocks']} blocks, {h['num_layers']} layers, "
+              f"{h['rates'][0]['block_bytes']:,} bytes per block and layer; loads: "
+              f"{h['loads']}:", "",
+              "| hit rate | measured | step ms | missed block-layers | loaded block-layers "
+              "| h2d MiB / step |", "|---|---|---|---|---|---|"]
+    lines += [f"| {100 * r['hit_rate']:.0f}% | {100 * r['measured_hit_rate']:.1f}% | "
+              f"{_fmt(r['step_ms'])} | {r['missed_blocks_per_step']:,} | "
+              f"{r['loaded_blocks_per_step']:,} | {r['h2d_bytes_per_step'] / 2**20:.2f} |"
+              for r in h["rates"]]
   return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import pytest
 from matplotlib import image as plt_image
 
 from hisparse_jax import bench_cmd
-from hisparse_jax.bench import common, decode, engine_vs_vllm, report
+from hisparse_jax.bench import common, decode, engine_vs_vllm, hot_buffer, report
 from hisparse_jax.kv_pool import KVCacheSpec
 from kernels_pallas import bench as kernel_bench
 
@@ -73,8 +73,36 @@ def test_decode_fields(smoke):
     assert _positive(r["dense_over_sparse"], r["bytes_bound"], r["dense_ms"], r["sparse_ms"])
     assert r["blocks_attended_sparse"] == top_k_blocks
     assert r["blocks_attended_dense"] == r["context"] // d["block_size"]
+    # The sparse side is offloaded and warm: its cold step loaded, its timed steps not.
+    assert r["cold_step_h2d_bytes"] > 0 and r["h2d_bytes_per_step"] == 0
   assert set(d["bytes_bound_by_block_size"]) == {str(b) for b in decode.BOUND_BLOCK_SIZES}
   assert len(d["profile"]) == 4 and isinstance(d["goal_met"], bool)
+
+
+def test_hot_buffer_moves_the_misses(smoke):
+  h = smoke[0]["suites"]["hisparse_hot_buffer"]
+  size = hot_buffer.SIZES["smoke"]
+  assert [r["hit_rate"] for r in h["rates"]] == list(size.rates)
+  assert h["loads"] == "block copies (one memory)"  # CPU
+  by_rate = {r["hit_rate"]: r for r in h["rates"]}
+  assert by_rate[0.0]["measured_hit_rate"] == 0.0 and by_rate[0.0]["missed_blocks_per_step"] > 0
+  assert by_rate[0.0]["missed_blocks_per_step"] == h["cold_step_misses"]
+  assert by_rate[1.0]["measured_hit_rate"] == 1.0
+  assert by_rate[1.0]["missed_blocks_per_step"] == by_rate[1.0]["h2d_bytes_per_step"] == 0
+  misses = [r["missed_blocks_per_step"] for r in h["rates"]]
+  assert misses == sorted(misses, reverse=True)
+  for r in h["rates"]:
+    assert r["block_bytes"] == 2 * d_block_bytes(h)
+    # What crossed = the misses x block bytes (block copies: exactly, no bucket).
+    assert r["loaded_blocks_per_step"] == r["missed_blocks_per_step"]
+    assert r["h2d_bytes_per_step"] == r["missed_blocks_per_step"] * r["block_bytes"]
+    assert _positive(r["step_ms"])
+
+
+def d_block_bytes(h):
+  """K (or V) bytes of one block of one layer of the suite's model: block x kv x d x 4."""
+  model = hot_buffer.SIZES["smoke"].model
+  return h["block_size"] * model.num_kv_heads * model.head_dim * 4
 
 
 def test_engine_vs_vllm_fields(smoke):
@@ -116,6 +144,10 @@ def test_bytes_bound_by_hand():
   assert b["bytes_bound"] == pytest.approx(12.8)
   wide = decode.kv_bytes(KVCacheSpec(4, 2, 64, "float32", 64), 65536, 2, 1024)
   assert wide["bytes_bound"] == pytest.approx(32.0)  # 65,536 / (1,024 + 1,024)
+  # Host loads count twice (read from the host pool, written to the hot buffer): 512
+  # tokens' worth loaded -> 65,536 / (1,024 + 4,096 + 2 x 512) tokens' bytes.
+  loading = decode.kv_bytes(spec, 65536, 2, 1024, h2d_bytes=2 * 512 * 4096)
+  assert loading["bytes_bound"] == pytest.approx(65536 / (1024 + 4096 + 1024))
 
 
 def test_capacity_fields(smoke):

@@ -222,3 +222,7 @@ def test_status_line_hot_buffer_rate():
          'hisparse_blocks_selected_total{source="host"}': 10}
   assert "hot-buffer hit rate 75.0%" in status_line(7, now, {}, 1.0)
   assert "prefix-cache hit rate -" in status_line(7, now, {}, 1.0)
+  # Every offloaded block selected missed: 0%, not "-" (which means none was selected).
+  none_hot = {'hisparse_blocks_selected_total{source="host"}': 10}
+  assert "hot-buffer hit rate 0.0%" in status_line(7, none_hot, {}, 1.0)
+  assert "hot-buffer hit rate -" in status_line(7, {}, {}, 1.0)

@@ -7,11 +7,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels_pallas
-from hisparse_jax import indexer, resolver
+from hisparse_jax import indexer, resolver, transfer
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
 from hisparse_jax.resolver import NEVER, HotBufferState
@@ -176,6 +177,10 @@ def test_random_scripts_match_reference_and_never_self_evict(seed):
           assert slot_block[b, slot] == block  # not evicted by this step
 
 
+SPEC_FOR_HOP = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32",
+                           block_size=4)
+
+
 def _pools(spec, rng, num_host_blocks):
   """A device pool and a host pool whose usable blocks hold random data (host written
   through the TransferEngine); returns the pools and the host data."""
@@ -194,21 +199,33 @@ def _pools(spec, rng, num_host_blocks):
   return device_pool, host_pool, host_k, host_v
 
 
-def _load_fn(device_pool, host_pool):
+def _load_fn(device_pool, host_pool, one_memory=None):
   return functools.partial(resolver.load_blocks, device_sharding=device_pool.sharding,
-                           host_sharding=host_pool.sharding)
+                           host_sharding=host_pool.sharding, one_memory=one_memory)
 
 
-def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng):
+# Both load mechanisms run on CPU: block copies (what CPU uses, one memory) and the
+# bucketed host gather (what GPU uses, forced here).
+LOAD_PATHS = pytest.mark.parametrize("one_memory", [True, False],
+                                     ids=["block_copies", "host_gather"])
+
+
+def test_cpu_takes_the_block_copies():
+  assert transfer.hop_free(KVPool(SPEC_FOR_HOP, 2, DEVICE).sharding)
+
+
+@LOAD_PATHS
+def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng, one_memory):
   spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
   device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=24)
   before_k, before_v = (np.asarray(a) for a in device_pool.read_blocks(0, range(16)))
-  load = jax.jit(_load_fn(device_pool, host_pool), donate_argnums=(1,))
+  load = jax.jit(_load_fn(device_pool, host_pool, one_memory), donate_argnums=(1,))
   host_ids = jnp.array([23, 5, 17, 0, 0], jnp.int32)
   device_ids = jnp.array([3, 9, 14, 16, 99], jnp.int32)  # the last two: padding, dropped
   arrays, moved = load(host_pool.arrays(), device_pool.arrays(), host_ids, device_ids)
   device_pool.set_arrays(arrays)
-  assert int(moved) == 5  # 3 loads: the smallest load size holding them is all 5 entries
+  # 3 loads: copied one by one, or the smallest load size holding them (all 5 entries).
+  assert int(moved) == (3 if one_memory else 5)
   k, v = (np.asarray(a) for a in device_pool.read_blocks(0, range(16)))
   for h, d in ((23, 3), (5, 9), (17, 14)):
     np.testing.assert_array_equal(k[d].view(np.uint32), host_k[h].view(np.uint32))
@@ -224,12 +241,14 @@ def test_load_buckets_hold_the_loads_in_at_most_twice_their_count():
   assert resolver.load_buckets(100) == (0, 8, 16, 32, 64, 100)
 
 
-def test_load_blocks_moves_the_loads_rounded_up_and_nothing_without_one(rng):
+@LOAD_PATHS
+def test_load_blocks_moves_the_loads_rounded_up_and_nothing_without_one(rng, one_memory):
   spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
   device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=40)
-  load = jax.jit(_load_fn(device_pool, host_pool), donate_argnums=(1,))
+  load = jax.jit(_load_fn(device_pool, host_pool, one_memory), donate_argnums=(1,))
   num_device = device_pool.num_blocks
-  for num_loads, want_moved in ((0, 0), (1, 8), (8, 8), (9, 16), (20, 32), (33, 40)):
+  for num_loads, want_bucket in ((0, 0), (1, 8), (8, 8), (9, 16), (20, 32), (33, 40)):
+    want_moved = num_loads if one_memory else want_bucket
     host_ids = np.zeros(40, np.int32)
     device_ids = np.full(40, num_device, np.int32)  # out of range: no load
     # Loads scattered among the entries (as a resolver's rows leave them).

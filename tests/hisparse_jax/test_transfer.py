@@ -39,10 +39,14 @@ def _filled_pools(dtype, rng, head_dim=8):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_round_trip_is_bit_exact_and_in_place(dtype, rng):
+@pytest.mark.parametrize("one_memory", [None, False], ids=["platform", "host_gather"])
+def test_round_trip_is_bit_exact_and_in_place(dtype, one_memory, rng):
+  # Both mechanisms run on CPU: the platform's (block copies, one memory) and GPU's
+  # (gather on the host under compute_on, the gathered blocks cross, scatter).
   device_pool, host_pool, data = _filled_pools(dtype, rng)
   registry = m.MetricsRegistry()
-  engine = TransferEngine(device_pool, host_pool, registry)
+  engine = TransferEngine(device_pool, host_pool, registry, one_memory=one_memory)
+  assert engine.one_memory == (one_memory is None)  # CPU: device and host are one DRAM
   pointers = [a.unsafe_buffer_pointer() for a in device_pool.arrays() + host_pool.arrays()]
 
   src = rng.choice(np.arange(1, NUM_DEVICE_BLOCKS), size=6, replace=False).astype(np.int32)

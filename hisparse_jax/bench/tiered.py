@@ -1,0 +1,122 @@
+"""Bench set-ups shared by the HiSparse suites: random K/V pools, decode rows, and a
+decode batch whose sequences are offloaded (every block in the pinned_host pool, the
+device holding only what the engine keeps of an offloaded request)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.hisparse_config import HiSparseConfig
+from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
+from hisparse_jax.request import Request
+from hisparse_jax.runner import ModelRunner, SparseTiers
+from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.scheduler import ScheduledChunk
+from models.llama import LlamaForCausalLM
+
+
+@functools.cache
+def random_fn(shape, dtype, sharding):
+  return jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
+
+
+def fill(pool: KVPool, seed: int) -> None:
+  """Random K/V in every block of the pool (made on the device, installed as the pool's)."""
+  make = random_fn(pool.spec.block_shape(pool.num_blocks), jnp.dtype(pool.storage_dtype),
+                   pool.sharding)
+  keys = jax.random.split(jax.random.key(seed), 2 * pool.num_layers)
+  pool.set_arrays(tuple(make(k) for k in keys))
+
+
+def decode_chunks(contexts_len: int, tables: np.ndarray, block_size: int, vocab: int,
+                  rng: np.random.Generator) -> list[ScheduledChunk]:
+  """One decode row per sequence: its last token, written into its newest block."""
+  chunks = []
+  for i, table in enumerate(tables):
+    prompt = rng.integers(0, vocab, contexts_len).tolist()
+    request = Request(f"seq-{i}", prompt, SamplingParams(), seed=i)
+    pos = contexts_len - 1
+    slot = np.asarray([table[pos // block_size] * block_size + pos % block_size], np.int32)
+    chunks.append(ScheduledChunk(request, pos, 1, slot))
+  return chunks
+
+
+@jax.jit
+def host_bounds(k_host: jax.Array) -> jax.Array:
+  """[blocks, 2, kv heads, head_dim]: min and max over each block's tokens (all full)."""
+  return jnp.stack([k_host.min(axis=1), k_host.max(axis=1)], axis=1).astype(jnp.float32)
+
+
+@dataclasses.dataclass
+class TieredBatch:
+  """A decode batch whose sequences are offloaded: every block in the host pool, the
+  device holding the resident blocks and the hot buffers (`tiered_decode`)."""
+
+  runner: ModelRunner
+  batch: object  # StepBatch
+  cold_state: tuple[np.ndarray, ...]  # the runner's hot-buffer state, every slot empty
+  block_bytes: int  # K + V bytes of one block of one layer
+
+
+def tiered_decode(model: LlamaForCausalLM, spec: KVCacheSpec, hisparse: HiSparseConfig,
+                  batch_size: int, context: int, seed: int) -> TieredBatch:
+  """A ModelRunner and one decode row per sequence, each sequence `context` tokens of
+  random K/V in the pinned_host pool (the key bounds of every block in the indexer's
+  host rows), its sink and local blocks resident on the device."""
+  blocks = hisparse.blocks(spec.block_size)
+  num_logical = math.ceil(context / spec.block_size)
+  host_pool = KVPool(spec, 1 + batch_size * num_logical, PINNED_HOST)
+  make = random_fn(spec.block_shape(host_pool.num_blocks), jnp.dtype(host_pool.storage_dtype),
+                    host_pool.sharding)
+  keys = jax.random.split(jax.random.key(seed), 2 * spec.num_layers)
+  host_pool.set_arrays(tuple(make(k) for k in keys))
+  resident = np.r_[np.arange(blocks.sink_blocks),
+                   np.arange(num_logical - blocks.local_blocks, num_logical)]
+  slots = blocks.hot_buffer_blocks
+  per_seq = len(resident) + slots
+  device_pool = KVPool(spec, 1 + batch_size * per_seq, DEVICE)
+  runner = ModelRunner(model, device_pool, hisparse=hisparse, host_pool=host_pool,
+                       max_model_len=context, max_num_seqs=batch_size,
+                       max_num_batched_tokens=batch_size)
+  host_tables = (1 + np.arange(batch_size)[:, None] * num_logical
+                 + np.arange(num_logical)).astype(np.int32)
+  device_tables = np.zeros_like(host_tables)
+  hot_slots = np.zeros((batch_size, slots), np.int32)
+  copy_src, copy_dst = [], []
+  for i in range(batch_size):
+    ids = 1 + i * per_seq + np.arange(per_seq)
+    device_tables[i, resident] = ids[:len(resident)]
+    hot_slots[i] = ids[len(resident):]
+    copy_src += list(host_tables[i, resident])
+    copy_dst += list(ids[:len(resident)])
+  # The resident blocks' pages and every block's key bounds, as an offload leaves them.
+  src, dst = np.asarray(copy_src), np.asarray(copy_dst)
+  device_pool.set_arrays(tuple(
+      d.at[dst].set(jax.device_put(h, device_pool.sharding)[src])
+      for d, h in zip(device_pool.arrays(), host_pool.arrays())))
+  nd = device_pool.num_blocks
+  runner.bounds = tuple(
+      b.at[nd:].set(host_bounds(jax.device_put(k, device_pool.sharding)))
+      for b, k in zip(runner.bounds, host_pool.arrays()[:spec.num_layers]))
+  runner.refresh_bounds(dst)
+  rng = np.random.default_rng(seed)
+  chunks = decode_chunks(context, device_tables, spec.block_size, model.config.vocab_size,
+                          rng)
+  # The newest token's slot is in the newest (resident) block: its device id.
+  tiers = SparseTiers(host_tables=host_tables, hot_slots=hot_slots,
+                      hot_rows=np.arange(batch_size, dtype=np.int32),
+                      hot_reset=np.zeros(batch_size, bool))
+  batch = runner.build_batch(chunks, device_tables, tiers)
+  if not batch.metadata.sparse_rows[:batch_size].all():
+    raise ValueError(f"context {context} is not above the sparse threshold")
+  cold = tuple(np.asarray(a) for a in runner.hot_state)
+  return TieredBatch(runner, batch, cold, 2 * spec.block_size * spec.num_kv_heads
+                     * spec.head_dim * spec.itemsize)
+
+
