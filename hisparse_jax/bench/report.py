@@ -33,7 +33,8 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
                    f"{_fmt(r['bytes_bound'])})", _fmt(r["dense_over_sparse"]), goal))
   if "hisparse_hot_buffer" in suites:
     h = suites["hisparse_hot_buffer"]
-    rows.append(("hisparse_hot_buffer", "step at 100% hot-buffer hits / step at 0%",
+    rows.append(("hisparse_hot_buffer", "step at 100% hot-buffer hits / step at 0% "
+                 f"(memory-bound on one memory: {_fmt(h['bytes_model_100_over_0'])})",
                  _fmt(h["step_100_over_0"]), "<= 0.6"))
     worst = max(r["h2d_over_missed"] for r in h["rates"] if r["missed_blocks_per_step"])
     rows.append(("hisparse_hot_buffer", "host -> device bytes / missed blocks' bytes "

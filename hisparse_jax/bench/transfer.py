@@ -9,7 +9,9 @@ For several block sizes and block counts N, in one run, interleaved:
 The numpy side is a fancy-index gather + scatter over per-layer numpy arrays of the same
 shapes, so both sides move the same bytes between random block positions. JSON ratios
 `h2d_vs_memcpy` / `d2h_vs_memcpy` = numpy time / engine time (1.0: as fast as numpy;
-the goal on CPU is >= 0.8), the geometric mean over cases, each case also listed. On a
+the goal on CPU is >= 0.8), the geometric mean over cases, each case also listed. `profile`
+times the stages of one array's h2d move alone: GPU's three (host gather, crossing, scatter)
+and CPU's one (block copies, transfer.copy_block_loop). On a
 GPU each row also gives GB/s and the fraction of the PCIe peak of the device.
 """
 
@@ -24,7 +26,7 @@ from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.bench import common
 from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
-from hisparse_jax.transfer import TransferEngine
+from hisparse_jax.transfer import TransferEngine, copy_block_loop
 
 # Host <-> device peak of one direction (bytes/s) by device_kind prefix: PCIe 5.0 x16
 # for Hopper, 4.0 x16 for A100 / L4 (vendor datasheets).
@@ -139,6 +141,15 @@ def _profile_h2d(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Ge
     pool[0] = scatter(pool[0], dst, blocks_device)
     return pool[0]
 
+  count = jnp.int32(num_moved)
+  loop = jax.jit(lambda src_pool, pool, src_ids, ids: copy_block_loop(
+      [jax.device_put(src_pool, on_device)], [pool], src_ids, ids, count)[0],
+      donate_argnums=1)
+
+  def loop_step():
+    pool[0] = loop(host_array, pool[0], src, dst)
+    return pool[0]
+
   np_src, np_dst = np.ones(shape, spec.dtype), np.zeros(shape, spec.dtype)
 
   def numpy_copy():
@@ -148,6 +159,7 @@ def _profile_h2d(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Ge
       "gather on the host (compute_on device_host)": lambda: gather(host_array, host_ids),
       "copy pinned_host -> device memory kind": lambda: to_device(blocks_host),
       "scatter into the device pool (donated)": scatter_step,
+      "the three above are GPU's path; CPU's: block copies (hop-free)": loop_step,
       "numpy gather + scatter": numpy_copy}, reps)
   return [{"stage": name, "ms_per_array": common.median(t) * 1e3,
            "arrays_per_move": 2 * spec.num_layers} for name, t in times.items()]

@@ -54,7 +54,7 @@ def test_all_suites_ran_and_machine_is_named(smoke):
 def test_transfer_fields(smoke):
   t = smoke[0]["suites"]["transfer"]
   assert _positive(t["h2d_vs_memcpy"], t["d2h_vs_memcpy"])
-  assert len(t["profile"]) == 4
+  assert len(t["profile"]) == 5
   cfg = t["config"]
   assert len(t["rows"]) == 2 * len(cfg["block_sizes"]) * len(cfg["num_blocks"])
   for row in t["rows"]:
