@@ -10,10 +10,13 @@ requests of `prompt_len` random tokens:
                   hot buffer and newest blocks, so more requests can run at once
 
 Each engine first runs a warm-up workload of the same shape (other random prompts, so
-the prefix cache does not help the timed run) to compile its step programs. Per step of
-the timed run, `len(engine.scheduler.running)` is the concurrency. JSON:
-`concurrency_ratio` = HiSparse / device-only of the most requests running in one step,
-`throughput_ratio` = HiSparse / device-only of generated tokens per second.
+the prefix cache does not help the timed runs) to compile its step programs. Then
+`reps` rounds, each on fresh random prompts that both engines run, in an order that
+alternates between rounds (side by side, as every ratio of the benches); each engine's
+figures are those of its median round. Per step of a run,
+`len(engine.scheduler.running)` is the concurrency. JSON: `concurrency_ratio` =
+HiSparse / device-only of the most requests running in one step, `throughput_ratio` =
+HiSparse / device-only of generated tokens per second.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Size:
   block_size: int
   max_num_batched_tokens: int
   warmup: bool = True  # run the workload once untimed first (compiles); off in smoke runs
+  reps: int = 3  # timed rounds; each runs both engines on the same fresh prompts
 
 
 SIZES = {
@@ -52,7 +56,7 @@ SIZES = {
                  max_num_batched_tokens=2048),
     "smoke": Size(prompt_len=48, max_tokens=2, num_requests=3, device_requests=2,
                   top_k_tokens=16, sink_tokens=8, local_tokens=8, block_size=8,
-                  max_num_batched_tokens=64, warmup=False),
+                  max_num_batched_tokens=64, warmup=False, reps=1),
 }
 
 
@@ -73,26 +77,43 @@ def _workload(engine: Engine, prompts: np.ndarray, max_tokens: int) -> dict:
           "seconds": seconds, "tokens_per_s": generated / seconds}
 
 
-def _engine_run(config: EngineConfig, size: Size, rng: np.random.Generator) -> dict:
-  engine = Engine(config)
-  vocab = engine.model_config.vocab_size
-  special = {engine.model_config.bos_token_id, engine.model_config.pad_token_id,
-             *engine.eos_token_ids} - {None}
-  ordinary = np.asarray([t for t in range(vocab) if t not in special])
+def _ordinary_tokens(engine: Engine) -> np.ndarray:
+  """Token ids that are neither special nor padding (random prompts draw from these)."""
+  config = engine.model_config
+  special = {config.bos_token_id, config.pad_token_id, *engine.eos_token_ids} - {None}
+  return np.asarray([t for t in range(config.vocab_size) if t not in special])
+
+
+def _engine_runs(configs: dict[str, EngineConfig], size: Size, rng: np.random.Generator
+                 ) -> dict[str, dict]:
+  """Each engine's median round (by seconds) of `size.reps` alternated rounds."""
+  engines = {name: Engine(config) for name, config in configs.items()}
+  ordinary = _ordinary_tokens(next(iter(engines.values())))
 
   def prompts():
     return rng.choice(ordinary, (size.num_requests, size.prompt_len))
 
   if size.warmup:
-    _workload(engine, prompts(), size.max_tokens)  # compiles the step programs
-  result = _workload(engine, prompts(), size.max_tokens)
-  metrics = engine.metrics()
-  result["device_blocks"] = engine.device_pool.num_blocks
-  result["host_blocks"] = engine.host_pool.num_blocks
-  # The engine's own account of where the run's blocks came from and went.
-  result["metrics"] = {k: v for k, v in metrics.items()
-                       if any(w in k for w in ("preempt", "transfer_blocks", "selected"))}
-  return result
+    for engine in engines.values():
+      _workload(engine, prompts(), size.max_tokens)  # compiles the step programs
+  names = list(engines)
+  rounds: dict[str, list[dict]] = {name: [] for name in names}
+  for r in range(size.reps):
+    round_prompts = prompts()
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      rounds[name].append(_workload(engines[name], round_prompts, size.max_tokens))
+  out = {}
+  for name, engine in engines.items():
+    by_time = sorted(rounds[name], key=lambda x: x["seconds"])
+    result = dict(by_time[len(by_time) // 2])
+    result["seconds_by_round"] = [x["seconds"] for x in rounds[name]]
+    result["device_blocks"] = engine.device_pool.num_blocks
+    result["host_blocks"] = engine.host_pool.num_blocks
+    # The engine's own account of where the runs' blocks came from and went.
+    result["metrics"] = {k: v for k, v in engine.metrics().items()
+                         if any(w in k for w in ("preempt", "transfer_blocks", "selected"))}
+    out[name] = result
+  return out
 
 
 def run(size_name: str = "full", seed: int = 0) -> dict:
@@ -116,8 +137,10 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
               max_num_seqs=size.num_requests,
               max_num_batched_tokens=size.max_num_batched_tokens, seed=seed)
   rng = np.random.default_rng(seed)
-  dense = _engine_run(EngineConfig(**base), size, rng)
-  sparse = _engine_run(EngineConfig(**base, hisparse=hisparse), size, rng)
+  runs = _engine_runs({"device_only": EngineConfig(**base),
+                       "hisparse_host_pool": EngineConfig(**base, hisparse=hisparse)},
+                      size, rng)
+  dense, sparse = runs["device_only"], runs["hisparse_host_pool"]
   return {
       "concurrency_ratio": sparse["max_running"] / dense["max_running"],
       "mean_concurrency_ratio": sparse["mean_running"] / dense["mean_running"],

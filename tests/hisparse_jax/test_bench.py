@@ -157,6 +157,8 @@ def test_capacity_fields(smoke):
     run = c[side]
     assert run["max_running"] >= 1
     assert run["generated_tokens"] == c["config"]["num_requests"] * c["config"]["max_tokens"]
+    assert len(run["seconds_by_round"]) == c["config"]["reps"]
+    assert run["seconds"] in run["seconds_by_round"]
   assert c["concurrency_ratio"] == pytest.approx(
       c["hisparse_host_pool"]["max_running"] / c["device_only"]["max_running"])
 
