@@ -42,8 +42,9 @@ from kernels_pallas.ragged_paged_attention import _check as _check_ragged
 # chunks of 128 keys keep a batch's gathered chunk in L2; prefill tiles of 256 queries
 # against 512 keys make matmuls big enough for both cores. The masked part of a prefill
 # tile (the causal diagonal) runs in chunks of PREFILL_DIAGONAL_KEYS, so a tile computes
-# few scores its mask drops: 2 x 1,024-token prompts, one layer of the default model,
-# 0.88-0.95x the time with 512-key diagonal chunks (64: 0.92-1.11x, 256: 1.04-1.07x).
+# few scores its mask drops. 2 x 1,024-token prompts, one layer of the default model:
+# 128-key diagonal chunks take 0.88-0.95x the time of 512-key ones (64: 0.92-1.11x,
+# 256: 1.04-1.07x, in noisy side-by-side runs).
 DECODE_KEYS = 128
 DECODE_GROUP_BYTES = 512 * 1024
 PREFILL_KEYS = 512
