@@ -73,6 +73,8 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set of tokens with this "
                    "much probability mass, in (0, 1].")
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 disables it.")
+flags.DEFINE_multi_string("stop", [], "A stop string: the output ends where its text first "
+                          "contains it (left out of the text); repeat the flag for more.")
 flags.DEFINE_integer("seed", 0, "Seed of the engine: each request's sampling seed is drawn "
                      "from it, so a run is reproducible.")
 flags.DEFINE_string("metrics_json", None, "Write the engine metrics (a flat JSON object) here.")

@@ -230,6 +230,9 @@ class Engine:
       token_ids = prompt_token_ids
     token_ids = check_prompt(token_ids, vocab_size=self.model_config.vocab_size,
                              max_model_len=self.config.max_model_len, text=prompt)
+    if sampling_params.stop and self.tokenizer is None:
+      raise ValueError("stop: stop strings match the output's text, and this engine has no "
+                       "tokenizer; use stop_token_ids")
     seed = sampling_params.seed
     if seed is None:
       seed = int(self._seed_rng.integers(0, 2**31 - 1))
@@ -424,13 +427,34 @@ class Engine:
     if request.pending_in_blocks:  # a decode was planned with this token pending
       request.pending_in_blocks = False
       self.block_manager.set_token(request.request_id, position, token)
-    if request.detokenizer is not None:
-      request.output_text += request.detokenizer.step(token)
     sp = request.sampling_params
+    if request.detokenizer is not None:
+      before = len(request.output_text)
+      request.output_text += request.detokenizer.step(token)
+      if sp.stop and self._stop_string(request, before):
+        return
     if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+      request.stop_reason = token if token in sp.stop_token_ids else None
       self._finish(request, "stop")
     elif len(output) >= sp.max_tokens or position + 1 >= self.config.max_model_len:
       self._finish(request, "length")
+
+  def _stop_string(self, request: Request, before: int) -> bool:
+    """Ends `request` (finish_reason "stop", stop_reason the string) if its text, which
+    had `before` characters before this token, now contains a stop string; the text
+    ends before the earliest one (after it with include_stop_str_in_output). Only the
+    new text and the longest stop string's length before it are searched."""
+    sp = request.sampling_params
+    text = request.output_text
+    start = max(0, before - max(len(s) for s in sp.stop) + 1)
+    found = [(i, s) for s in sp.stop if (i := text.find(s, start)) >= 0]
+    if not found:
+      return False
+    at, stop = min(found)
+    request.output_text = text[:at + len(stop) if sp.include_stop_str_in_output else at]
+    request.stop_reason = stop
+    self._finish(request, "stop")
+    return True
 
   def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
     self.scheduler.remove(request)
@@ -446,14 +470,19 @@ class Engine:
     request.num_output_tokens_reported = len(request.output_token_ids)
     ttft = (request.first_token_time - request.arrival_time
             if request.first_token_time is not None else None)
+    text = request.output_text
+    hold = request.sampling_params.stop_hold_back
+    if hold and not request.is_finished:  # what may still turn out to start a stop string
+      text = text[:max(0, len(text) - hold)]
     decode_tps = None
     if request.first_token_time is not None and len(request.output_token_ids) > 1:
       span = request.last_token_time - request.first_token_time
       decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
     return RequestOutput(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-        token_ids=request.output_token_ids, new_token_ids=new, text=request.output_text,
+        token_ids=request.output_token_ids, new_token_ids=new, text=text,
         finished=request.is_finished, finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
         error=request.error, time_to_first_token_s=ttft, decode_tokens_per_s=decode_tps,
         blocks_selected=request.blocks_selected, num_preemptions=request.num_preemptions)
 

@@ -191,7 +191,7 @@ def sampling_from_flags():
 
   try:
     return SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                          max_tokens=FLAGS.max_new_tokens)
+                          max_tokens=FLAGS.max_new_tokens, stop=FLAGS.stop)
   except ValueError as e:  # name the flag: max_tokens comes from --max_new_tokens
     raise ValueError(f"--{str(e).replace('max_tokens', 'max_new_tokens')}") from None
 

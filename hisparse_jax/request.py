@@ -71,6 +71,7 @@ class Request:
   num_computed_tokens: int = 0
   prefill_len: int = 0  # tokens allocated at admission: the prompt, or all (recomputation)
   finish_reason: str | None = None
+  stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   error: str | None = None
   first_token_time: float | None = None
   last_token_time: float | None = None
@@ -141,9 +142,13 @@ class RequestOutput:
   prompt_token_ids: list[int]
   token_ids: list[int]
   new_token_ids: list[int]
+  # The output's text. While the request runs it leaves out the last characters that
+  # could still start a stop string (SamplingParams.stop_hold_back), so a streamed
+  # text only ever grows.
   text: str
   finished: bool
   finish_reason: str | None
+  stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
   error: str | None
   time_to_first_token_s: float | None
   decode_tokens_per_s: float | None

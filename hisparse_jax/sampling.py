@@ -28,6 +28,10 @@ class SamplingParams:
   seed: int | None = None
   stop_token_ids: Sequence[int] = ()
   ignore_eos: bool = False
+  # Strings that end the output when its text contains one (matched across token
+  # boundaries); the text stops before it unless include_stop_str_in_output (vLLM's).
+  stop: str | Sequence[str] = ()
+  include_stop_str_in_output: bool = False
 
   def __post_init__(self):
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -39,6 +43,20 @@ class SamplingParams:
     if self.max_tokens < 1:
       raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+    stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    for s in stop:
+      if not isinstance(s, str) or not s:
+        raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    object.__setattr__(self, "stop", stop)
+
+  @property
+  def stop_hold_back(self) -> int:
+    """Characters of the text held back while the request runs: the longest a stop
+    string could have started without being complete (none when stop strings are kept
+    in the output, which then ends after them)."""
+    if not self.stop or self.include_stop_str_in_output:
+      return 0
+    return max(len(s) for s in self.stop) - 1
 
   @property
   def greedy(self) -> bool:

@@ -119,6 +119,8 @@ FLAG_ROWS = [
      "--top_p must be in (0, 1], got 0.0"),
     ("top_p > 1", "generate", ("--prompt=bafu:", "--top_p=1.5"),
      "--top_p must be in (0, 1], got 1.5"),
+    ("empty stop string", "generate", ("--prompt=bafu:", "--stop="),
+     "--stop strings must be non-empty strings, got ''"),
     ("top_k_tokens larger than hot_buffer_tokens", "generate",
      ("--prompt=bafu:", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"),
      "--hot_buffer_tokens (32) must be >= top_k_tokens (64): a step's selected blocks must fit "

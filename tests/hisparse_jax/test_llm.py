@@ -226,3 +226,65 @@ def test_status_line_hot_buffer_rate():
   none_hot = {'hisparse_blocks_selected_total{source="host"}': 10}
   assert "hot-buffer hit rate 0.0%" in status_line(7, none_hot, {}, 1.0)
   assert "hot-buffer hit rate -" in status_line(7, {}, {}, 1.0)
+
+
+def _pieces(llm, token_ids):
+  """Each token's piece of the output text (the engine's incremental detokenization)."""
+  stream = llm.tokenizer.decode_stream()
+  return [stream.step(t) for t in token_ids]
+
+
+def test_stop_strings_match_across_tokens_and_end_the_text(llm):
+  prompt = _prompts([9], seed=5)[0]
+  sp = dict(max_tokens=12, ignore_eos=True)
+  (full,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**sp))
+  pieces = _pieces(llm, full.token_ids)
+  assert "".join(pieces) == full.text and full.stop_reason is None
+  # A stop string made of the end of one token's piece and the start of the next's.
+  i = next(i for i in range(2, len(pieces) - 1) if pieces[i] and pieces[i + 1])
+  stop = pieces[i][-1] + pieces[i + 1][0]
+  at = full.text.find(stop)  # its first occurrence ends the output
+  ends = np.cumsum([len(p) for p in pieces])
+  last = int(np.searchsorted(ends, at + len(stop)))  # the token that completes it
+  for keep in (False, True):
+    (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        **sp, stop=["never-in-this-vocabulary", stop], include_stop_str_in_output=keep))
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:at + len(stop) if keep else at]
+    assert out.token_ids == full.token_ids[:last + 1]
+
+
+def test_streamed_text_never_shows_what_may_start_a_stop_string(llm):
+  prompt = _prompts([9], seed=5)[0]
+  full = llm.generate(prompt_token_ids=[prompt],
+                      sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))[0]
+  stop = full.text[-3:] + "#"  # never completes: the output runs to its length
+  engine = llm.engine
+  rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
+      max_tokens=12, ignore_eos=True, stop=[stop]))
+  texts = []
+  while engine.has_unfinished_requests():
+    texts += [o.text for o in engine.step() if o.request_id == rid]
+  assert texts[-1] == full.text  # finished by length: nothing held back any more
+  for text in texts[:-1]:  # while running: the last len(stop) - 1 characters held back
+    assert full.text.startswith(text)
+  assert all(len(t) <= max(0, len(full.text) - 3) for t in texts[:-1])
+
+
+def test_stop_and_stop_token_ids_validation():
+  assert SamplingParams(stop="ab").stop == ("ab",)
+  assert SamplingParams(stop=["ab", "cde"]).stop_hold_back == 2
+  assert SamplingParams(stop=["ab"], include_stop_str_in_output=True).stop_hold_back == 0
+  with pytest.raises(ValueError, match="stop strings must be non-empty strings, got ''"):
+    SamplingParams(stop=["x", ""])
+
+
+def test_stop_token_ids_name_the_token_in_stop_reason(llm):
+  prompt = _prompts([9], seed=5)[0]
+  (full,) = llm.generate(prompt_token_ids=[prompt],
+                         sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))
+  token = full.token_ids[3]
+  (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+      max_tokens=12, ignore_eos=True, stop_token_ids=[token]))
+  assert out.token_ids == full.token_ids[:full.token_ids.index(token) + 1]
+  assert out.finish_reason == "stop" and out.stop_reason == token
