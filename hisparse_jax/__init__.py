@@ -6,8 +6,11 @@ fast; everything but `__version__` imports jax):
   LLM                    batch generation: LLM(...).generate(prompts, SamplingParams(...))
   Engine, EngineConfig   the lower-level engine: add_request / step / abort_request
   HiSparseConfig         top-k sparse decoding settings: LLM(hisparse=HiSparseConfig(...))
-  SamplingParams         temperature, top_p, top_k, max_tokens, seed, stop_token_ids
-  RequestOutput          text, token_ids, finish_reason and per-request figures
+  SamplingParams         vLLM's: temperature (1.0), top_p, top_k, max_tokens, seed, stop,
+                         stop_token_ids, output_kind (RequestOutputKind)
+  RequestOutput          vLLM's: prompt, prompt_token_ids, outputs (CompletionOutput: text,
+                         token_ids, finish_reason, stop_reason), finished, metrics
+                         (RequestMetrics: timings, blocks per tier, preemptions)
   CapacityReport, plan_capacity, KVCacheSpec, KVPool   the KV memory tiers
   TransferEngine         batched block moves between the device and host pools
   MetricsRegistry        counters, gauges, histograms; JSON and Prometheus read-outs
@@ -23,7 +26,11 @@ _EXPORTS = {
     "EngineConfig": "hisparse_jax.engine",
     "HiSparseConfig": "hisparse_jax.hisparse_config",
     "SamplingParams": "hisparse_jax.sampling",
+    "RequestOutputKind": "hisparse_jax.sampling",
     "RequestOutput": "hisparse_jax.request",
+    "CompletionOutput": "hisparse_jax.request",
+    "Logprob": "hisparse_jax.request",
+    "RequestMetrics": "hisparse_jax.request",
     "CapacityReport": "hisparse_jax.capacity",
     "plan_capacity": "hisparse_jax.capacity",
     "KVCacheSpec": "hisparse_jax.kv_pool",

@@ -32,16 +32,17 @@ FLAGS = flags.FLAGS
 
 def main(argv: list[str]) -> int:
   del argv  # all input comes from the shared flags of hisparse_jax.cli
-  from models.loader import load_pretrained  # noqa: PLC0415 (heavy: import on use)
+  from models.loader import checkpoint_dtype, load_pretrained  # noqa: PLC0415 (heavy)
 
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # the capacity lines are this command's output
-  _, config, _ = load_pretrained(FLAGS.model, dtype=FLAGS.dtype)
+  dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
+  _, config, _ = load_pretrained(FLAGS.model, dtype=dtype)
   max_positions = getattr(config, "max_position_embeddings", None)
   if max_positions is not None and FLAGS.max_model_len > max_positions:
     raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
                      f"max_position_embeddings={max_positions}")
-  spec = KVCacheSpec.from_model_config(config, FLAGS.dtype, block_size_from_flags())
+  spec = KVCacheSpec.from_model_config(config, dtype, block_size_from_flags())
   plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
                    device_kv_gib=FLAGS.device_kv_gib)
   plan = plan_capacity(spec, **plan_args)

@@ -41,8 +41,9 @@ flags.DEFINE_string(
     "model", None,
     "Path of a Hugging Face-format checkpoint directory (config.json, model.safetensors, "
     "tokenizer.json). Default: the embedded hisparse-tiny model.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                  "Dtype of the weights and of the KV cache.")
+flags.DEFINE_enum("dtype", "float32", ["auto", "float32", "bfloat16"],
+                  "Dtype of the weights and of the KV cache; auto: the checkpoint's "
+                  "torch_dtype (float16 checkpoints load as bfloat16).")
 flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
                      "CPU, 16 on accelerators and with --hisparse.")
 flags.DEFINE_float(

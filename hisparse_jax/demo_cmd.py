@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
   )
   from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
   from models.data import make_retrieval_prompts  # noqa: PLC0415
-  from models.loader import load_config  # noqa: PLC0415
+  from models.loader import checkpoint_dtype, load_config  # noqa: PLC0415
   from models.tokenizer import Tokenizer  # noqa: PLC0415
 
   if FLAGS.demo_num_prompts < 1:
@@ -112,7 +112,8 @@ def main(argv: list[str]) -> int:
     for name, value in DEMO_HISPARSE.items():
       if not FLAGS[name].present:
         FLAGS[name].value = value
-  spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), FLAGS.dtype,
+  dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
+  spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), dtype,
                                        generate_cmd.block_size_from_flags())
   hisparse = generate_cmd.hisparse_from_flags()
   max_num_seqs = FLAGS.max_num_seqs if FLAGS["max_num_seqs"].present else DEMO_MAX_NUM_SEQS

@@ -31,9 +31,17 @@ from hisparse_jax.capacity import (
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVCacheSpec
 from hisparse_jax.metrics import MetricsRegistry
-from hisparse_jax.request import Request, RequestOutput, RequestStatus, check_prompt
+from hisparse_jax.request import (
+    CompletionOutput,
+    Logprob,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+    check_prompt,
+)
 from hisparse_jax.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
-from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.sampling import RequestOutputKind, SamplingParams
 from hisparse_jax.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.transfer import TransferEngine
 
@@ -81,8 +89,8 @@ class EngineConfig:
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+    if self.dtype not in ("auto", "float32", "bfloat16"):
+      raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:
@@ -125,9 +133,13 @@ class Engine:
 
   def __init__(self, config: EngineConfig | None = None, *, model=None, model_config=None,
                tokenizer=None):
-    from models.loader import load_pretrained  # heavy import, on use
+    from models.loader import checkpoint_dtype, load_pretrained  # heavy import, on use
 
     config = config if config is not None else EngineConfig()
+    if config.dtype == "auto":  # the checkpoint's torch_dtype (float32 for a given model)
+      dtype = (checkpoint_dtype(config.model) if model is None
+               else str(model.embed_tokens[...].dtype))
+      config = dataclasses.replace(config, dtype=dtype)
     if config.block_size is None:
       config = dataclasses.replace(config, block_size=default_block_size())
     self.config = config
@@ -164,7 +176,7 @@ class Engine:
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               kernel_backend=config.kernel_backend, hisparse=config.hisparse,
-                              host_pool=self.host_pool)
+                              host_pool=self.host_pool, eos_token_ids=self.eos_token_ids)
     # Reserved bytes as allocated (the runner's arrays), not as planned.
     hisparse = None
     if config.hisparse is not None:
@@ -236,7 +248,7 @@ class Engine:
     seed = sampling_params.seed
     if seed is None:
       seed = int(self._seed_rng.integers(0, 2**31 - 1))
-    request = Request(request_id, token_ids, sampling_params, seed=seed,
+    request = Request(request_id, token_ids, sampling_params, seed=seed, prompt=prompt,
                       detokenizer=self.tokenizer.decode_stream() if self.tokenizer else None)
     self.requests[request_id] = request
     self.scheduler.add(request)
@@ -302,7 +314,7 @@ class Engine:
       self._complete(last, outputs)
     self.num_steps += 1
     result = [self._output(r) for r in outputs.values() if not r.is_finished]
-    result += self._finished_outputs
+    result = [o for o in result if o is not None] + self._finished_outputs
     self._finished_outputs = []
     self.stats.on_usage(self.block_manager, self.scheduler)
     return result
@@ -326,8 +338,12 @@ class Engine:
         request.num_inflight -= 1
       if request.is_finished:  # stopped (or aborted) before this row came back
         continue
+      row_logprobs = None
+      if result.logprobs is not None and request.sampling_params.logprobs is not None:
+        row_logprobs = tuple(a[i] for a in result.logprobs)
       self._postprocess(chunk, token, num_blocks, now, tally,
-                        counts[:, i] if counts is not None and sparse_rows[i] else None)
+                        counts[:, i] if counts is not None and sparse_rows[i] else None,
+                        row_logprobs)
       outputs[request.request_id] = request
     tally.loaded_block_layers = result.loaded_block_layers
     spec = self.device_pool.spec
@@ -391,7 +407,7 @@ class Engine:
 
   def _postprocess(self, chunk, token: int, num_blocks: int, now: float,
                    tally: engine_metrics.StepTally,
-                   sparse_counts: np.ndarray | None = None) -> None:
+                   sparse_counts: np.ndarray | None = None, logprobs=None) -> None:
     """`num_blocks`: blocks the chunk's attention read (all of them, or the selected);
     `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row: where its
     selected blocks came from, per layer (counted here as the mean over layers). The
@@ -428,16 +444,36 @@ class Engine:
       request.pending_in_blocks = False
       self.block_manager.set_token(request.request_id, position, token)
     sp = request.sampling_params
+    if logprobs is not None:
+      self._add_logprobs(request, token, logprobs)
+    # min_tokens: no stop token, stop string or EOS ends fewer outputs (vLLM's rule).
+    may_stop = len(output) >= sp.min_tokens
     if request.detokenizer is not None:
       before = len(request.output_text)
       request.output_text += request.detokenizer.step(token)
-      if sp.stop and self._stop_string(request, before):
+      if sp.stop and may_stop and self._stop_string(request, before):
         return
-    if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+    if may_stop and (token in sp.stop_token_ids
+                     or (not sp.ignore_eos and token in self.eos_token_ids)):
       request.stop_reason = token if token in sp.stop_token_ids else None
       self._finish(request, "stop")
-    elif len(output) >= sp.max_tokens or position + 1 >= self.config.max_model_len:
+    elif ((sp.max_tokens is not None and len(output) >= sp.max_tokens)
+          or position + 1 >= self.config.max_model_len):
       self._finish(request, "length")
+
+  def _add_logprobs(self, request: Request, token: int, logprobs) -> None:
+    """Appends this token's position to the request's logprobs: the sampled token and
+    the top `SamplingParams.logprobs` tokens, each a `Logprob` (vLLM's shape)."""
+    sampled, rank, top_ids, top_lps = logprobs
+    num_top = request.sampling_params.logprobs
+    decode = self.tokenizer.decode if self.tokenizer is not None else None
+    position = {}
+    for r, (t, lp) in enumerate(zip(top_ids[:num_top].tolist(), top_lps[:num_top].tolist())):
+      position[t] = Logprob(lp, r + 1, decode([t]) if decode else None)
+    if token not in position:
+      position[token] = Logprob(float(sampled), int(rank), decode([token]) if decode else None)
+    request.logprobs.append(position)
+    request.cumulative_logprob += float(sampled)
 
   def _stop_string(self, request: Request, before: int) -> bool:
     """Ends `request` (finish_reason "stop", stop_reason the string) if its text, which
@@ -465,26 +501,48 @@ class Engine:
     self.stats.on_finish(request)
     self._finished_outputs.append(self._output(request))
 
-  def _output(self, request: Request) -> RequestOutput:
-    new = request.output_token_ids[request.num_output_tokens_reported:]
-    request.num_output_tokens_reported = len(request.output_token_ids)
-    ttft = (request.first_token_time - request.arrival_time
-            if request.first_token_time is not None else None)
+  def _output(self, request: Request) -> RequestOutput | None:
+    """The request's output as its `output_kind` streams it (None: nothing to hand out
+    now, a FINAL_ONLY request still running)."""
+    kind = request.sampling_params.output_kind
+    finished = request.is_finished
+    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+      return None
     text = request.output_text
     hold = request.sampling_params.stop_hold_back
-    if hold and not request.is_finished:  # what may still turn out to start a stop string
+    if hold and not finished:  # what may still turn out to start a stop string
       text = text[:max(0, len(text) - hold)]
+    token_ids = request.output_token_ids
+    if kind is RequestOutputKind.DELTA:
+      token_ids = token_ids[request.num_output_tokens_reported:]
+      text = text[request.num_text_reported:]
+      request.num_output_tokens_reported = len(request.output_token_ids)
+      request.num_text_reported += len(text)
+    elif finished:  # the request is done with them: a copy per request, once
+      token_ids = list(token_ids)
+    ttft = (request.first_token_time - request.arrival_time
+            if request.first_token_time is not None else None)
     decode_tps = None
     if request.first_token_time is not None and len(request.output_token_ids) > 1:
       span = request.last_token_time - request.first_token_time
       decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
+    logprobs = cumulative = None
+    if request.sampling_params.logprobs is not None:
+      cumulative = request.cumulative_logprob
+      logprobs = request.logprobs[len(request.logprobs) - len(token_ids):]
+    completion = CompletionOutput(
+        index=0, text=text, token_ids=token_ids, cumulative_logprob=cumulative,
+        logprobs=logprobs, finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason)
+    metrics = RequestMetrics(
+        arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+        last_token_time=request.last_token_time, time_to_first_token_s=ttft,
+        decode_tokens_per_s=decode_tps, blocks_selected=dict(request.blocks_selected),
+        num_preemptions=request.num_preemptions)
     return RequestOutput(
-        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-        token_ids=request.output_token_ids, new_token_ids=new, text=text,
-        finished=request.is_finished, finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-        error=request.error, time_to_first_token_s=ttft, decode_tokens_per_s=decode_tps,
-        blocks_selected=request.blocks_selected, num_preemptions=request.num_preemptions)
+        request_id=request.request_id, prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+        metrics=metrics, num_cached_tokens=request.num_cached_tokens, error=request.error)
 
   # --- Figures -------------------------------------------------------------------
 

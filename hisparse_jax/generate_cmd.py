@@ -238,16 +238,17 @@ def metrics_summary(metrics: dict[str, float], wall_s: float) -> list[str]:
 
 def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None]:
   """The printed line of one prompt, and whether it was right (None: no expected answer)."""
-  figures = (f"{len(output.prompt_token_ids)} prompt tokens, {len(output.token_ids)} "
-             f"generated, finish {output.finish_reason}")
-  if output.num_preemptions:
-    figures += f", preempted {output.num_preemptions}x"
-  if output.finish_reason == "error":
+  completion = output.outputs[0]
+  figures = (f"{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
+             f"generated, finish {completion.finish_reason}")
+  if output.metrics.num_preemptions:
+    figures += f", preempted {output.metrics.num_preemptions}x"
+  if completion.finish_reason == "error":
     return f"[{index}] ERROR {output.error} ({figures})", False if spec.expected else None
   if spec.expected is None:
-    return f"[{index}] {json.dumps(output.text, ensure_ascii=False)} ({figures})", None
-  answer = answer_of(output.text)
-  right = matches_expected(output.text, spec.expected)
+    return f"[{index}] {json.dumps(completion.text, ensure_ascii=False)} ({figures})", None
+  answer = answer_of(completion.text)
+  right = matches_expected(completion.text, spec.expected)
   shown = answer if len(answer) <= MAX_ANSWER_CHARS else answer[:MAX_ANSWER_CHARS] + "..."
   return (f"[{index}] {'RIGHT' if right else 'WRONG'} {shown!r} (expected "
           f"{spec.expected.strip()!r}; {figures})", right)

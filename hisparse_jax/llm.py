@@ -2,7 +2,7 @@
 
     llm = LLM(device_kv_gib=0.01, host_pool_gib=0.1, max_model_len=1152)  # logs capacity
     outputs = llm.generate(["bafu: bapo\\n? bafu:"], SamplingParams(max_tokens=4))
-    outputs[0].text, outputs[0].finish_reason, llm.metrics()
+    outputs[0].outputs[0].text, outputs[0].outputs[0].finish_reason, llm.metrics()
 
 Owns the loop a batch call needs on top of `Engine` (add every prompt, step until each
 of them finished, hand the outputs back in input order) and what a user watches during
@@ -26,7 +26,7 @@ from hisparse_jax.capacity import CapacityReport
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.request import RequestOutput
-from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.sampling import RequestOutputKind, SamplingParams
 from hisparse_jax.status import StatusLogger
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -45,12 +45,16 @@ class PromptError(ValueError):
 
 
 def _prompt_kwargs(item: Any) -> dict[str, Any]:
-  """`add_request` keyword arguments of one prompt item: text or {"prompt_token_ids"}."""
+  """`add_request` keyword arguments of one prompt item, as vLLM takes them: a string,
+  a TextPrompt `{"prompt": str}` or a TokensPrompt `{"prompt_token_ids": [...]}`."""
   if isinstance(item, str):
     return {"prompt": item}
+  if isinstance(item, dict) and set(item) == {"prompt"} and isinstance(item["prompt"], str):
+    return {"prompt": item["prompt"]}
   if isinstance(item, dict) and set(item) == {"prompt_token_ids"}:
     return {"prompt_token_ids": item["prompt_token_ids"]}
-  raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {item!r:.80}")
+  raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                   f"got {item!r:.80}")
 
 
 class LLM:
@@ -100,6 +104,11 @@ class LLM:
   def tokenizer(self):
     return self.engine.tokenizer
 
+  def get_tokenizer(self):
+    """The checkpoint's tokenizer (`models.tokenizer.Tokenizer`: encode / decode), as
+    vLLM's `LLM.get_tokenizer()`; None for a checkpoint without one."""
+    return self.engine.tokenizer
+
   def metrics(self) -> dict[str, float]:
     """All engine metrics as a flat dict (`name{label="x"}` keys, histogram p50/p99)."""
     return self.engine.metrics()
@@ -110,11 +119,12 @@ class LLM:
                use_tqdm: bool = True) -> list[RequestOutput]:
     """Generates for every prompt; returns their final outputs in input order.
 
-    Give `prompts` (text; an item may also be `{"prompt_token_ids": [...]}`, as in
-    vLLM) or `prompt_token_ids` (one list of ids, or a list of them).
-    `sampling_params` is one `SamplingParams` for all prompts or one per prompt (None:
-    the defaults, greedy). A bad prompt raises `PromptError` (a ValueError) naming its
-    index; nothing of that call stays queued.
+    Give `prompts` (text; an item may also be `{"prompt": str}` or
+    `{"prompt_token_ids": [...]}`, as in vLLM) or `prompt_token_ids` (one list of ids,
+    or a list of them). `sampling_params` is one `SamplingParams` for all prompts or one
+    per prompt (None: the defaults, vLLM's: temperature 1.0, 16 tokens). A bad prompt
+    raises `PromptError` (a ValueError) naming its index; nothing of that call stays
+    queued.
     """
     if (prompts is None) == (prompt_token_ids is None):
       raise ValueError("give exactly one of prompts and prompt_token_ids")
@@ -146,15 +156,19 @@ class LLM:
     if sampling_params is None:
       sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
-      return [sampling_params] * num_prompts
-    params = list(sampling_params)
+      params = [sampling_params] * num_prompts
+    else:
+      params = list(sampling_params)
     if len(params) != num_prompts:
       raise ValueError(f"sampling_params: {len(params)} given for {num_prompts} prompts")
     for i, sp in enumerate(params):
       if not isinstance(sp, SamplingParams):
         raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}, "
                          "not a SamplingParams")
-    return params
+    # generate hands back whole outputs, whatever a params object asks to stream.
+    return [sp if sp.output_kind is RequestOutputKind.CUMULATIVE
+            else dataclasses.replace(sp, output_kind=RequestOutputKind.CUMULATIVE)
+            for sp in params]
 
   def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
     """Steps the engine until every request of `request_ids` finished."""
@@ -162,6 +176,7 @@ class LLM:
     results: dict[str, RequestOutput] = {}
     status = StatusLogger(self.engine, self.log_every_steps)
     num_generated, start, idle = 0, time.perf_counter(), 0
+    seen: dict[str, int] = {}  # output tokens of each request so far
     # disable=None: tqdm turns itself off when stderr is not a terminal.
     with tqdm(total=len(request_ids), desc="Generating", unit="req", file=sys.stderr,
               disable=None if use_tqdm else True, dynamic_ncols=True) as bar:
@@ -174,7 +189,9 @@ class LLM:
         for out in outputs:
           if out.request_id not in pending:
             continue
-          num_generated += len(out.new_token_ids)
+          num_tokens = len(out.outputs[0].token_ids)
+          num_generated += num_tokens - seen.get(out.request_id, 0)
+          seen[out.request_id] = num_tokens
           if out.finished:
             pending.discard(out.request_id)
             results[out.request_id] = out

@@ -70,6 +70,8 @@ class Request:
   status: RequestStatus = RequestStatus.WAITING
   num_computed_tokens: int = 0
   prefill_len: int = 0  # tokens allocated at admission: the prompt, or all (recomputation)
+  prompt: str | None = None  # the prompt's text, when it came as text
+  num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   error: str | None = None
@@ -79,7 +81,11 @@ class Request:
   blocks_selected: dict[str, int] = dataclasses.field(
       default_factory=lambda: {"device": 0, "hot": 0, "host": 0})
   num_swapped_in_blocks: int = 0  # blocks brought back from host, counted once as "host"
-  num_output_tokens_reported: int = 0  # for incremental outputs
+  num_output_tokens_reported: int = 0  # for DELTA outputs
+  num_text_reported: int = 0
+  # SamplingParams.logprobs: one {token id: Logprob} per output token, and their sum.
+  logprobs: list = dataclasses.field(default_factory=list)
+  cumulative_logprob: float = 0.0
   # Incremental detokenization (models.tokenizer.DecodeStream): the output's text so far,
   # extended by each new token's piece (no whole-output decode per step).
   detokenizer: object | None = None
@@ -115,7 +121,9 @@ class Request:
 
   def reaches_length(self, max_model_len: int) -> bool:
     """Whether the tokens sampled so far (in flight included) end it by length."""
-    return (len(self.output_token_ids) + self.num_inflight >= self.sampling_params.max_tokens
+    max_tokens = self.sampling_params.max_tokens
+    return ((max_tokens is not None
+             and len(self.output_token_ids) + self.num_inflight >= max_tokens)
             or self.num_tokens >= max_model_len)
 
   @property
@@ -128,29 +136,71 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestOutput:
-  """What a request produced: the whole output so far, and its figures.
+class Logprob:
+  """A token's log-probability at one output position (vLLM's `Logprob`): `rank` 1 is
+  the most likely token; `decoded_token` its text (None without a tokenizer)."""
 
-  `new_token_ids` are the tokens added since the previous output of this request
-  (Engine.step streams them); `finished` is set exactly once. As vLLM's cumulative
-  outputs do, `prompt_token_ids`, `token_ids` and `blocks_selected` are the request's own
-  objects (no copy per step): they grow while the request runs; copy them to keep a
-  snapshot.
+  logprob: float
+  rank: int
+  decoded_token: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+  """One completion of a request (vLLM's `CompletionOutput`).
+
+  Under `RequestOutputKind.DELTA`, `text` and `token_ids` are what is new since the
+  request's previous output; otherwise the whole completion so far. While the request
+  runs, `text` leaves out the last characters that could still start a stop string
+  (`SamplingParams.stop_hold_back`), so a streamed text only ever grows. With
+  `SamplingParams.logprobs` = N, `logprobs` holds one dict per token of `token_ids`
+  ({token id: Logprob} of the top N and the sampled token) and `cumulative_logprob`
+  the sum over the whole completion; both None otherwise.
+  """
+
+  index: int
+  text: str
+  token_ids: list[int]
+  cumulative_logprob: float | None
+  logprobs: list[dict[int, Logprob]] | None
+  finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
+  stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+  """A request's timings (vLLM's fields) and this engine's own figures for it."""
+
+  arrival_time: float  # time.perf_counter() clock, as every time below
+  first_token_time: float | None
+  last_token_time: float | None
+  time_to_first_token_s: float | None
+  decode_tokens_per_s: float | None  # output tokens after the first, per second
+  # Blocks attention read for this request, by tier: device (resident), hot (HiSparse
+  # hot buffer hits), host (loaded from the pinned_host pool, or swapped back in).
+  blocks_selected: dict[str, int]
+  num_preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What a request produced (vLLM's `RequestOutput`), as `Engine.step()` streams it
+  and `LLM.generate` returns it.
+
+  `outputs` holds one `CompletionOutput` (index 0). `prompt` is the text the request was
+  given (None when it came as token ids). `error` (this engine's addition) says why a
+  request whose finish_reason is "error" failed. `finished` is set exactly once.
   """
 
   request_id: str
+  prompt: str | None
   prompt_token_ids: list[int]
-  token_ids: list[int]
-  new_token_ids: list[int]
-  # The output's text. While the request runs it leaves out the last characters that
-  # could still start a stop string (SamplingParams.stop_hold_back), so a streamed
-  # text only ever grows.
-  text: str
+  outputs: list[CompletionOutput]
   finished: bool
-  finish_reason: str | None
-  stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
-  error: str | None
-  time_to_first_token_s: float | None
-  decode_tokens_per_s: float | None
-  blocks_selected: dict[str, int]
-  num_preemptions: int
+  metrics: RequestMetrics
+  num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+  error: str | None = None
+  prompt_logprobs: None = None

@@ -64,7 +64,13 @@ from hisparse_jax import indexer, resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseBlocks, HiSparseConfig
 from hisparse_jax.kv_pool import KVPool
-from hisparse_jax.sampling import greedy, sample
+from hisparse_jax.sampling import (
+    apply_penalties,
+    greedy,
+    mask_tokens,
+    sample,
+    token_logprobs,
+)
 from hisparse_jax.scheduler import ScheduledChunk
 from kernels_pallas.xla_attention import decode_rows_bucket
 
@@ -100,6 +106,33 @@ class StepMetadata:
   num_sparse_rows: int = dataclasses.field(default=0, metadata={"static": True})
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerExtras:
+  """Per-row sampling inputs beyond temperature / top-p / top-k, built only for a batch
+  where some request asks for them (otherwise the step takes None and compiles none of
+  it). Token-id arrays are padded with ids >= vocab (ignored)."""
+
+  min_p: jax.Array  # float32 [num_seqs] (0: off)
+  presence: jax.Array  # float32 [num_seqs] (0: off)
+  frequency: jax.Array  # float32 [num_seqs] (0: off)
+  repetition: jax.Array  # float32 [num_seqs] (1: off)
+  prompt_ids: jax.Array  # int32 [num_seqs, P]: prompt tokens (repetition penalty; P may be 0)
+  output_ids: jax.Array  # int32 [num_seqs, L]: output tokens known on the host
+  stop_ids: jax.Array  # int32 [num_seqs, S]: EOS + stop_token_ids (min_tokens)
+  below_min: jax.Array  # bool [num_seqs]: rows that may not sample a stop token yet
+  penalties: bool = dataclasses.field(default=False, metadata={"static": True})
+  use_min_p: bool = dataclasses.field(default=False, metadata={"static": True})
+  min_tokens: bool = dataclasses.field(default=False, metadata={"static": True})
+  num_logprobs: int = dataclasses.field(default=0, metadata={"static": True})  # 0: none
+
+
+def needs_extras(sp) -> bool:
+  """Whether a request's SamplingParams need `SamplerExtras` in its steps."""
+  return (sp.has_penalties or sp.min_p > 0 or sp.min_tokens > 0
+          or sp.logprobs is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseTiers:
   """Where each chunk's blocks live (host numpy arrays, one row per chunk)."""
@@ -127,6 +160,7 @@ class StepBatch:
   seeds: np.ndarray  # uint32 [num_seqs]
   counters: np.ndarray  # int32 [num_seqs]: draws the request made before
   num_seqs: int  # real sequences (rows past it are padding)
+  extras: SamplerExtras | None = None  # numpy leaves; None: no request needs them
   # int32 [num_seqs] (real rows only): blocks each row's attention reads, the selected
   # ones for sparse rows (min(top_k_blocks, valid blocks), the indexer's invariant).
   blocks_attended: np.ndarray | None = None
@@ -145,6 +179,8 @@ class StepHandle:
   loaded: jax.Array  # int32 [layers]: blocks the in-step host loads moved (HiSparse)
   num_seqs: int
   sparse: bool  # whether `counts` and `loaded` are read back
+  # (sampled logprob [rows], its rank, top ids [rows, N], top logprobs), or () if none.
+  logprobs: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +190,8 @@ class StepResult:
   tokens: np.ndarray  # int32 [num_seqs] sampled tokens
   counts: np.ndarray | None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS), HiSparse only
   loaded: np.ndarray | None  # int32 [layers]: blocks the step's host loads moved, HiSparse
+  # (sampled logprob [num_seqs], rank, top ids [num_seqs, N], top logprobs) or None.
+  logprobs: tuple[np.ndarray, ...] | None = None
 
   @property
   def loaded_block_layers(self) -> int:
@@ -173,8 +211,10 @@ class ModelRunner:
   def __init__(self, model: nnx.Module, device_pool: KVPool, *, max_model_len: int,
                max_num_seqs: int, max_num_batched_tokens: int,
                kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
-               host_pool: KVPool | None = None):
+               host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = ()):
     self.config = model.config
+    self.vocab_size = model.config.vocab_size
+    self.eos_token_ids = tuple(eos_token_ids)  # stop tokens min_tokens holds back
     self.pool = device_pool
     self.block_size = device_pool.spec.block_size
     self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -312,8 +352,56 @@ class ModelRunner:
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints,
                         num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())))
+    extras = None
+    if any(needs_extras(c.request.sampling_params) for c in chunks):
+      extras = self._sampler_extras(chunks, b_pad)
     return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
-                     top_k, seeds, counters, len(chunks), blocks_attended)
+                     top_k, seeds, counters, len(chunks), extras, blocks_attended)
+
+  def _sampler_extras(self, chunks: Sequence[ScheduledChunk], b_pad: int) -> SamplerExtras:
+    """The batch's `SamplerExtras` (host work O(prompt + output) of the rows that use
+    penalties; O(batch) otherwise)."""
+    vocab = self.vocab_size
+    params = [c.request.sampling_params for c in chunks]
+    min_p = np.zeros(b_pad, np.float32)
+    presence = np.zeros(b_pad, np.float32)
+    frequency = np.zeros(b_pad, np.float32)
+    repetition = np.ones(b_pad, np.float32)
+    below_min = np.zeros(b_pad, bool)
+    penalized = [i for i, sp in enumerate(params) if sp.has_penalties]
+    repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
+    limited = [i for i, sp in enumerate(params) if sp.min_tokens > 0]
+    p_len = bucket(max(len(chunks[i].request.prompt_token_ids) for i in repeated), 16) \
+        if repeated else 0
+    o_len = bucket(max(len(chunks[i].request.output_token_ids) for i in penalized), 8) \
+        if penalized else 0
+    stops = {i: sorted(set(params[i].stop_token_ids)
+                       | (set() if params[i].ignore_eos else set(self.eos_token_ids)))
+             for i in limited}
+    s_len = bucket(max(len(v) for v in stops.values()), 4) if limited else 0
+    prompt_ids = np.full((b_pad, p_len), vocab, np.int32)
+    output_ids = np.full((b_pad, o_len), vocab, np.int32)
+    stop_ids = np.full((b_pad, s_len), vocab, np.int32)
+    for i, (chunk, sp) in enumerate(zip(chunks, params)):
+      request = chunk.request
+      min_p[i] = sp.min_p
+      presence[i], frequency[i] = sp.presence_penalty, sp.frequency_penalty
+      repetition[i] = sp.repetition_penalty
+      below_min[i] = len(request.output_token_ids) + request.num_inflight < sp.min_tokens
+    for i in repeated:
+      prompt = chunks[i].request.prompt_token_ids
+      prompt_ids[i, :len(prompt)] = prompt
+    for i in penalized:
+      output = chunks[i].request.output_token_ids
+      output_ids[i, :len(output)] = output
+    for i, ids in stops.items():
+      stop_ids[i, :len(ids)] = ids
+    num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
+    return SamplerExtras(
+        min_p, presence, frequency, repetition, prompt_ids, output_ids, stop_ids, below_min,
+        penalties=bool(penalized), use_min_p=any(sp.min_p > 0 for sp in params),
+        min_tokens=bool(limited),
+        num_logprobs=0 if num_logprobs < 0 else min(bucket(max(num_logprobs, 1), 1), vocab))
 
   # --- Device side ---------------------------------------------------------------
 
@@ -333,16 +421,17 @@ class ModelRunner:
         raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
       prev_tokens = self._no_tokens
     host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
-    tokens, arrays, self.bounds, self.hot_state, (counts, loaded) = self._step(
+    tokens, arrays, self.bounds, self.hot_state, (counts, loaded), logprobs = self._step(
         self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
         batch.input_ids, batch.token_src, prev_tokens, batch.positions,
         batch.metadata, batch.logits_indices, batch.temperature, batch.top_p, batch.top_k,
-        batch.seeds, batch.counters, greedy_only=greedy_only,
+        batch.seeds, batch.counters, batch.extras, greedy_only=greedy_only,
         num_token_rows=self.max_num_seqs)
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1
-    return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None)
+    return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
+                      logprobs)
 
   def collect(self, handle: StepHandle) -> StepResult:
     """Waits for a dispatched step and reads back what the host needs of it (the step's
@@ -353,7 +442,10 @@ class ModelRunner:
       counts = np.asarray(handle.counts)[:, :handle.num_seqs]
       loaded = np.asarray(handle.loaded)
     self.last_counts = counts
-    return StepResult(tokens, counts, loaded)
+    logprobs = None
+    if handle.logprobs:
+      logprobs = tuple(np.asarray(a)[:handle.num_seqs] for a in handle.logprobs)
+    return StepResult(tokens, counts, loaded, logprobs)
 
   def execute(self, batch: StepBatch) -> np.ndarray:
     """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
@@ -450,8 +542,8 @@ def _copy_blocks(arrays, src, dst):
 
 def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
              input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
-             logits_indices, temperature, top_p, top_k, seeds, counters, *, greedy_only: bool,
-             num_token_rows: int):
+             logits_indices, temperature, top_p, top_k, seeds, counters,
+             extras: SamplerExtras | None, *, greedy_only: bool, num_token_rows: int):
   model = nnx.merge(graphdef, params)
   # Tokens still in flight on the host come from the previous step's output.
   input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
@@ -466,11 +558,19 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
+  raw_logits = logits
+  if extras is not None:
+    logits = _process_logits(logits.astype(jnp.float32), extras, input_ids[logits_indices],
+                             token_src[logits_indices] >= 0)
   if greedy_only:
     tokens = greedy(logits)
   else:
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    tokens = sample(logits, temperature, top_p, top_k, keys)
+    tokens = sample(logits, temperature, top_p, top_k, keys,
+                    extras.min_p if extras is not None and extras.use_min_p else None)
+  logprobs = ()
+  if extras is not None and extras.num_logprobs:
+    logprobs = token_logprobs(raw_logits, tokens, extras.num_logprobs)
   # One shape for every step (the next step reads it as prev_tokens).
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:
@@ -479,10 +579,25 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
     counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
     loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
     return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,
-            (counts, loaded))
+            (counts, loaded), logprobs)
   new_arrays = tuple(c[0] for c in kv_caches) + tuple(c[1] for c in kv_caches)
   return tokens, new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
-                                             jnp.zeros((0,), jnp.int32))
+                                             jnp.zeros((0,), jnp.int32)), logprobs
+
+
+def _process_logits(logits, extras: SamplerExtras, last_input, inflight):
+  """min_tokens' stop-token mask, then the penalties (vLLM's order). A row's last input
+  token is its newest output token when that token was still in flight on the host
+  (`inflight`): the host's output_ids lack it, the step adds it."""
+  if extras.min_tokens:
+    logits = mask_tokens(logits, extras.stop_ids, extras.below_min)
+  if extras.penalties:
+    vocab = logits.shape[-1]
+    newest = jnp.where(inflight, last_input, vocab)[:, None]
+    output_ids = jnp.concatenate([extras.output_ids, newest], axis=1)
+    logits = apply_penalties(logits, extras.prompt_ids, output_ids, extras.presence,
+                             extras.frequency, extras.repetition)
+  return logits
 
 
 def _to_storage(x, kv_dtype, storage_dtype):

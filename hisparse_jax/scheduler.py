@@ -328,6 +328,8 @@ class Scheduler:
         out.swapped_in.append(request)
         request.num_swapped_in_blocks += result.swap_in.num_blocks
       request.num_computed_tokens = result.num_cached_tokens
+      if not request.output_token_ids and not request.num_preemptions:  # first admission
+        request.num_cached_tokens = min(result.num_cached_tokens, request.num_prompt_tokens)
       request.status = RequestStatus.RUNNING
       self._insert_running(request)
       chunk = self._chunk(request, budget)

@@ -66,6 +66,29 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     raise CheckpointError(f"{file}: {e}") from e
 
 
+def checkpoint_dtype(path: str | os.PathLike | None = None) -> str:
+  """What `dtype="auto"` loads the checkpoint at `path` as: its config.json
+  `torch_dtype` (or `dtype`), float32 or bfloat16; float16 checkpoints load as bfloat16
+  (the engine computes in float32 or bfloat16, as vLLM's CPU backend does with float16);
+  float32 where the field is absent."""
+  file = os.path.join(_resolve(path), CONFIG_FILE)
+  try:
+    with open(file) as f:
+      raw = json.load(f)
+  except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file} is not readable JSON: {e}") from e
+  name = raw.get("torch_dtype", raw.get("dtype")) if isinstance(raw, dict) else None
+  if name is None:
+    return "float32"
+  name = str(name).removeprefix("torch.")
+  if name in ("float32", "bfloat16"):
+    return name
+  if name == "float16":
+    return "bfloat16"
+  raise CheckpointError(f"{file}: torch_dtype {name!r} is not a dtype this engine loads "
+                        "(float32, bfloat16, float16)")
+
+
 def hf_param_map(config: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
   """HF tensor name -> (path of our parameter, whether the tensor is transposed)."""
   out: dict[str, tuple[tuple[Any, ...], bool]] = {

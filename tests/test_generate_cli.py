@@ -129,7 +129,7 @@ def test_busy_prometheus_port_is_refused_naming_the_flag(checkpoint):
     kwargs = dict(model=checkpoint, device_kv_gib=0.0005, host_pool_gib=0.001,
                   max_model_len=64)
     with pytest.raises(ValueError, match=f"--prometheus_port={port}: .*in use"):
-      generate_cmd.run([spec], kwargs, SamplingParams(), prometheus_port=port)
+      generate_cmd.run([spec], kwargs, SamplingParams(temperature=0.0), prometheus_port=port)
 
 
 def test_answer_is_the_first_line():

@@ -30,7 +30,7 @@ from hisparse_jax.bench import common
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVCacheSpec
-from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.sampling import RequestOutputKind, SamplingParams
 
 GIB = 2**30
 
@@ -62,7 +62,8 @@ SIZES = {
 
 def _workload(engine: Engine, prompts: np.ndarray, max_tokens: int) -> dict:
   """Runs the prompts to completion; per-step concurrency and generated tokens/s."""
-  params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+  params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA)
   start = time.perf_counter()
   for prompt in prompts:
     engine.add_request(prompt_token_ids=prompt.tolist(), sampling_params=params)
@@ -70,7 +71,7 @@ def _workload(engine: Engine, prompts: np.ndarray, max_tokens: int) -> dict:
   while engine.has_unfinished_requests():
     outputs = engine.step()
     running.append(len(engine.scheduler.running))
-    generated += sum(len(o.new_token_ids) for o in outputs)
+    generated += sum(len(o.outputs[0].token_ids) for o in outputs)
   seconds = time.perf_counter() - start
   return {"steps": len(running), "max_running": max(running),
           "mean_running": float(np.mean(running)), "generated_tokens": generated,

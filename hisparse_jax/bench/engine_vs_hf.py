@@ -103,14 +103,14 @@ def _prompts(tokenizer, size: Size, seed: int) -> np.ndarray:
 
 
 def _engine_generate(engine: Engine, prompts: np.ndarray, num_new: int) -> np.ndarray:
-  params = SamplingParams(max_tokens=num_new, ignore_eos=True)
+  params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
   ids = [engine.add_request(prompt_token_ids=p.tolist(), sampling_params=params)
          for p in prompts]
   tokens = {}
   while engine.has_unfinished_requests():
     for out in engine.step():
       if out.finished:
-        tokens[out.request_id] = out.token_ids
+        tokens[out.request_id] = out.outputs[0].token_ids
   return np.asarray([tokens[i] for i in ids], np.int32)
 
 

@@ -17,8 +17,8 @@ empty line (or EOF) ends the worker. Engine logs go to stderr; stdout carries on
 protocol.
 
 Both engines are driven the same way: every request added at once, then `step()` until
-none is unfinished, each new token timestamped when its step returns it (vLLM with
-`output_kind=DELTA`, as its server streams; this engine's `step()` streams always).
+none is unfinished, each new token timestamped when its step returns it (`output_kind=DELTA`
+in both, as their servers stream).
 Greedy, `ignore_eos`, prefix caching off in both.
 """
 
@@ -59,7 +59,7 @@ def _drive(add, step, has_unfinished, prompts, max_tokens):
 
 def _hisparse(args):
   from hisparse_jax.engine import Engine, EngineConfig
-  from hisparse_jax.sampling import SamplingParams
+  from hisparse_jax.sampling import RequestOutputKind, SamplingParams
 
   engine = Engine(EngineConfig(model=args.model, dtype="float32",
                                max_model_len=args.max_model_len, enable_prefix_caching=False))
@@ -67,12 +67,13 @@ def _hisparse(args):
 
   def add(i, prompt, max_tokens):
     rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA))
     ids[rid] = i
 
   def step():
     for out in engine.step():
-      yield ids[out.request_id], list(out.new_token_ids)
+      yield ids[out.request_id], list(out.outputs[0].token_ids)
 
   info = {"engine": "hisparse_jax", "max_num_seqs": engine.config.max_num_seqs,
           "max_num_batched_tokens": engine.config.max_num_batched_tokens}

@@ -182,7 +182,7 @@ def _decode_steps(engine: Engine, num_seqs: int, warmup: int, measured: int,
 
 
 def _add(engine: Engine, prompts: list[list[int]], max_tokens: int) -> None:
-  params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+  params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
   for prompt in prompts:
     engine.add_request(prompt_token_ids=prompt, sampling_params=params)
 

@@ -120,8 +120,9 @@ def measure(prompts, hisparse) -> dict:
   start = time.perf_counter()
   if FLAGS.answer_from == "prefill":
     outputs = llm.generate([p.text for p in prompts],
-                           SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
-    answers = [answer_of(o.text) for o in outputs]
+                           SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0,
+                                          ignore_eos=True))
+    answers = [answer_of(o.outputs[0].text) for o in outputs]
   else:
     answers = [answer_of(llm.engine.tokenizer.decode([t]))
                for t in decode_answers(llm.engine, prompts)]
@@ -145,7 +146,7 @@ def decode_answers(engine, prompts) -> list[int]:
   prompt's last token (module docstring)."""
   from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
 
-  params = SamplingParams(max_tokens=2, ignore_eos=True)
+  params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
   ids = [engine.add_request(prompt_token_ids=p.token_ids[:-1], sampling_params=params)
          for p in prompts]
   forced = {rid: p.token_ids[-1] for rid, p in zip(ids, prompts)}
@@ -153,7 +154,7 @@ def decode_answers(engine, prompts) -> list[int]:
   while engine.has_unfinished_requests():
     for out in engine.step():
       if out.finished:
-        tokens[out.request_id] = out.token_ids
+        tokens[out.request_id] = out.outputs[0].token_ids
     for rid, key in list(forced.items()):
       request = engine.requests.get(rid)
       if request is not None and len(request.output_token_ids) == 1:

@@ -40,7 +40,7 @@ def decode_chunks(contexts_len: int, tables: np.ndarray, block_size: int, vocab:
   chunks = []
   for i, table in enumerate(tables):
     prompt = rng.integers(0, vocab, contexts_len).tolist()
-    request = Request(f"seq-{i}", prompt, SamplingParams(), seed=i)
+    request = Request(f"seq-{i}", prompt, SamplingParams(temperature=0.0), seed=i)
     pos = contexts_len - 1
     slot = np.asarray([table[pos // block_size] * block_size + pos % block_size], np.int32)
     chunks.append(ScheduledChunk(request, pos, 1, slot))

@@ -37,7 +37,7 @@ from models.loader import load_tokenizer
 from models.testing import save_random_checkpoint
 
 PROMPTS = random_prompts((21, 9), seed=11)
-GREEDY = SamplingParams(max_tokens=12)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 # Prompts the engine refuses: (prompt_token_ids, message).
 BAD_PROMPTS = {
@@ -78,8 +78,8 @@ def _assert_others_unaffected(engine, before, reference):
   assert sorted(engine.requests) == before  # nothing added, nothing lost
   engine.check_invariants()
   outputs = run(engine)
-  assert [outputs[f"r{i}"].token_ids for i in range(len(PROMPTS))] == reference
-  assert {o.finish_reason for o in outputs.values()} == {"length"}
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+  assert {o.outputs[0].finish_reason for o in outputs.values()} == {"length"}
   assert_all_blocks_free(engine)
 
 
@@ -170,7 +170,7 @@ def test_llm_names_the_bad_prompt_and_the_engine_goes_on(tmp_path):
   llm = LLM(save_random_checkpoint(tmp_path / "ckpt", seed=3), block_size=16,
             device_kv_gib=65 * 4096 / 2**30, host_pool_gib=129 * 4096 / 2**30,
             max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
-  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
   (good,) = llm.generate(["bafu: bapo\n? bafu:"], sp)
   cases = [([{"prompt_token_ids": [1] * 64}], 0,
             "prompt has 64 tokens; max_model_len=64 leaves no room for an output token"),
@@ -184,7 +184,7 @@ def test_llm_names_the_bad_prompt_and_the_engine_goes_on(tmp_path):
     assert str(info.value) == f"prompt {index}: {message}"
     assert not llm.engine.has_unfinished_requests()
   (again,) = llm.generate(["bafu: bapo\n? bafu:"], sp)
-  assert again.token_ids == good.token_ids
+  assert again.outputs[0].token_ids == good.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("content, message", [

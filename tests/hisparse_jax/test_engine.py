@@ -32,7 +32,7 @@ from models.llama import LlamaForCausalLM
 
 PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
-GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def reference():
 
 
 def _tokens(outputs, prefix="r"):
-  return [outputs[f"{prefix}{i}"].token_ids for i in range(len(outputs))]
+  return [outputs[f"{prefix}{i}"].outputs[0].token_ids for i in range(len(outputs))]
 
 
 def _record(engine):
@@ -69,9 +69,9 @@ def test_greedy_batch_matches_full_recompute_reference(concurrent, reference):
   engine, outputs = concurrent
   assert _tokens(outputs) == reference
   for out in outputs.values():
-    assert out.finish_reason == "length" and len(out.token_ids) == NUM_TOKENS
-    assert out.new_token_ids == [] or out.new_token_ids == out.token_ids[-len(out.new_token_ids):]
-    assert out.time_to_first_token_s > 0
+    completion = out.outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == NUM_TOKENS
+    assert out.metrics.time_to_first_token_s > 0
   m = engine.metrics()
   assert m['hisparse_requests_total{finish_reason="length"}'] == len(PROMPTS)
   assert m["hisparse_generation_tokens_total"] == len(PROMPTS) * NUM_TOKENS
@@ -86,9 +86,9 @@ def test_swap_preemption_gives_the_tokens_of_an_unpressured_run(concurrent, refe
   assert m['hisparse_transfer_blocks_total{direction="h2d"}'] > 0
   # Blocks read back from the host pool are counted as such, per request and in total.
   assert m['hisparse_blocks_selected_total{source="host"}'] > 0
-  preempted = [o for o in outputs.values() if o.num_preemptions]
-  assert preempted and all(o.blocks_selected["host"] > 0 for o in preempted)
-  assert sum(o.blocks_selected["host"] for o in outputs.values()) == (
+  preempted = [o for o in outputs.values() if o.metrics.num_preemptions]
+  assert preempted and all(o.metrics.blocks_selected["host"] > 0 for o in preempted)
+  assert sum(o.metrics.blocks_selected["host"] for o in outputs.values()) == (
       m['hisparse_blocks_selected_total{source="host"}'])
 
   # The same requests one at a time: each fits the device alone, nothing moves.
@@ -96,7 +96,7 @@ def test_swap_preemption_gives_the_tokens_of_an_unpressured_run(concurrent, refe
   tokens = []
   for i, prompt in enumerate(PROMPTS):
     serial.add_request(f"s{i}", prompt_token_ids=prompt, sampling_params=GREEDY)
-    tokens.append(run(serial)[f"s{i}"].token_ids)
+    tokens.append(run(serial)[f"s{i}"].outputs[0].token_ids)
   ms = serial.metrics()
   assert ms["hisparse_preemptions_total"] == 0
   assert ms['hisparse_transfer_blocks_total{direction="d2h"}'] == 0
@@ -147,7 +147,7 @@ def test_recompute_when_the_host_pool_is_full():
   # position 48 the next victim holds 6 blocks, which the 4 host blocks left cannot take:
   # it is dropped and computed again (prompt and outputs in one prefill).
   prompts = random_prompts((17, 17, 17, 17), seed=5)
-  params = SamplingParams(max_tokens=40)
+  params = SamplingParams(temperature=0.0, max_tokens=40)
   engine = make_engine(num_host_blocks=9)
   steps = _record(engine)
   add_all(engine, prompts, params)
@@ -158,7 +158,7 @@ def test_recompute_when_the_host_pool_is_full():
   for rid in set(recomputed):  # one prefill from 0 at admission, one per recomputation
     starts = [c.start for out in steps for c in out.chunks if c.request.request_id == rid]
     assert starts.count(0) == 1 + recomputed.count(rid)
-    assert outputs[rid].num_preemptions >= recomputed.count(rid)
+    assert outputs[rid].metrics.num_preemptions >= recomputed.count(rid)
   assert _tokens(outputs) == reference_greedy(tiny_model(), prompts, 40)
   assert_all_blocks_free(engine)
 
@@ -174,7 +174,7 @@ def test_prefix_caching_on_and_off_give_the_same_tokens():
     run(engine)  # r0's prefix blocks are cached (and stay so after it finished)
     add_all(engine, prompts[1:], GREEDY, prefix="p")
     outputs = run(engine)
-    tokens[caching] = [outputs[f"p{i}"].token_ids for i in range(3)]
+    tokens[caching] = [outputs[f"p{i}"].outputs[0].token_ids for i in range(3)]
     m = engine.metrics()
     hits[caching] = m['hisparse_prefix_cache_hits_total{memory_kind="device"}']
     assert_all_blocks_free(engine)
@@ -199,11 +199,11 @@ def test_abort_frees_blocks_and_the_others_go_on(reference):
   assert running not in engine.block_manager
   outputs = run(engine)
   for rid in (running, waiting):
-    assert outputs[rid].finish_reason == "abort"
+    assert outputs[rid].outputs[0].finish_reason == "abort"
   for i in range(5):
     if f"r{i}" not in (running, waiting):
-      assert outputs[f"r{i}"].token_ids == reference[i]
-      assert outputs[f"r{i}"].finish_reason == "length"
+      assert outputs[f"r{i}"].outputs[0].token_ids == reference[i]
+      assert outputs[f"r{i}"].outputs[0].finish_reason == "length"
   assert engine.metrics()['hisparse_requests_total{finish_reason="abort"}'] == 2
   assert_all_blocks_free(engine)
   # Finished requests are forgotten (a long-running server keeps no history); an id can
@@ -211,7 +211,7 @@ def test_abort_frees_blocks_and_the_others_go_on(reference):
   assert engine.requests == {}
   i = int(running[1:])
   engine.add_request(running, prompt_token_ids=PROMPTS[i], sampling_params=GREEDY)
-  assert run(engine)[running].token_ids == reference[i]
+  assert run(engine)[running].outputs[0].token_ids == reference[i]
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions():
@@ -219,7 +219,7 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions():
   prompt = PROMPTS[0]
   alone = make_engine()
   alone.add_request("x", prompt_token_ids=prompt, sampling_params=params)
-  x_alone = run(alone)["x"].token_ids
+  x_alone = run(alone)["x"].outputs[0].token_ids
   crowd = make_engine(max_num_batched_tokens=16)
   for i in (1, 4, 5):  # other requests, other seeds, chunked, arriving first
     crowd.add_request(f"o{i}", prompt_token_ids=PROMPTS[i], sampling_params=dataclasses.replace(
@@ -227,11 +227,11 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions():
   crowd.step()
   crowd.add_request("x", prompt_token_ids=prompt, sampling_params=params)
   outputs = run(crowd)
-  assert outputs["x"].token_ids == x_alone and len(x_alone) == 12
+  assert outputs["x"].outputs[0].token_ids == x_alone and len(x_alone) == 12
   other = make_engine()
   other.add_request("x", prompt_token_ids=prompt,
                     sampling_params=dataclasses.replace(params, seed=124))
-  assert run(other)["x"].token_ids != x_alone
+  assert run(other)["x"].outputs[0].token_ids != x_alone
   greedy = reference_greedy(tiny_model(), [prompt], 12)[0]
   assert x_alone != greedy  # temperature 0.9 really samples
 
@@ -242,12 +242,13 @@ def test_stop_token_eos_and_max_tokens(reference):
   k = ref.index(stop)
   engine = make_engine()
   engine.add_request("stop", prompt_token_ids=PROMPTS[1],
-                     sampling_params=SamplingParams(max_tokens=NUM_TOKENS, stop_token_ids=[stop]))
+                     sampling_params=dataclasses.replace(GREEDY, stop_token_ids=[stop]))
   engine.add_request("len", prompt_token_ids=PROMPTS[1],
-                     sampling_params=SamplingParams(max_tokens=5))
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=5))
   outputs = run(engine)
-  assert (outputs["stop"].token_ids, outputs["stop"].finish_reason) == (ref[:k + 1], "stop")
-  assert (outputs["len"].token_ids, outputs["len"].finish_reason) == (ref[:5], "length")
+  stopped, length = outputs["stop"].outputs[0], outputs["len"].outputs[0]
+  assert (stopped.token_ids, stopped.finish_reason) == (ref[:k + 1], "stop")
+  assert (length.token_ids, length.finish_reason) == (ref[:5], "length")
   # The model's eos ends a request unless ignore_eos; it is the last token returned.
   model = tiny_model()
   eos_config = dataclasses.replace(model.config, eos_token_id=(VOCAB - 1, stop))
@@ -256,8 +257,9 @@ def test_stop_token_eos_and_max_tokens(reference):
   engine.add_request("ign", prompt_token_ids=PROMPTS[1],
                      sampling_params=dataclasses.replace(GREEDY, ignore_eos=True))
   outputs = run(engine)
-  assert (outputs["eos"].token_ids, outputs["eos"].finish_reason) == (ref[:k + 1], "stop")
-  assert (outputs["ign"].token_ids, outputs["ign"].finish_reason) == (ref, "length")
+  eos, ignored = outputs["eos"].outputs[0], outputs["ign"].outputs[0]
+  assert (eos.token_ids, eos.finish_reason) == (ref[:k + 1], "stop")
+  assert (ignored.token_ids, ignored.finish_reason) == (ref, "length")
   assert_all_blocks_free(engine)
 
 
@@ -265,10 +267,12 @@ def test_max_model_len_ends_a_request_with_length():
   engine = make_engine()
   prompt = PROMPTS[2]  # 40 tokens: room for 24 more
   engine.add_request("x", prompt_token_ids=prompt,
-                     sampling_params=SamplingParams(max_tokens=100))
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=100))
   out = run(engine)["x"]
-  assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == MAX_MODEL_LEN
-  assert out.token_ids == reference_greedy(tiny_model(), [prompt], 24)[0]
+  completion = out.outputs[0]
+  assert completion.finish_reason == "length"
+  assert len(prompt) + len(completion.token_ids) == MAX_MODEL_LEN
+  assert completion.token_ids == reference_greedy(tiny_model(), [prompt], 24)[0]
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -311,11 +315,11 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(reference):
   engine.runner.dispatch = failing
   add_all(engine, PROMPTS[:2], GREEDY)
   outputs = run(engine)
-  assert {o.finish_reason for o in outputs.values()} == {"error"}
+  assert {o.outputs[0].finish_reason for o in outputs.values()} == {"error"}
   assert all("RuntimeError: injected" in o.error for o in outputs.values())
   assert_all_blocks_free(engine)
   engine.add_request("after", prompt_token_ids=PROMPTS[3], sampling_params=GREEDY)
-  assert run(engine)["after"].token_ids == reference[3]
+  assert run(engine)["after"].outputs[0].token_ids == reference[3]
   assert engine.metrics()['hisparse_requests_total{finish_reason="error"}'] == 2
 
 
@@ -330,7 +334,7 @@ def test_recompilation_is_bounded_over_many_batch_shapes():
       if pending:
         n = int(rng.integers(1, MAX_MODEL_LEN - len(pending[0])))
         engine.add_request(f"q{i}", prompt_token_ids=pending.pop(0),
-                           sampling_params=SamplingParams(max_tokens=min(n, 12)))
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=min(n, 12)))
         i += 1
     engine.step()
   assert i == len(lengths)
@@ -355,14 +359,14 @@ def test_a_failed_swap_in_ends_the_requests_of_that_step_only(reference):
   engine.transfer.swap_in = failing_once
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine)
-  failed = {rid for rid, o in outputs.items() if o.finish_reason == "error"}
+  failed = {rid for rid, o in outputs.items() if o.outputs[0].finish_reason == "error"}
   step = next(out for out in steps if out.swap_in)  # the first swap-in failed ...
   assert {r.request_id for r in step.swapped_in} <= failed  # ... and ended who came back
   assert failed == {c.request.request_id for c in step.chunks} | {
       r.request_id for r in step.swapped_in + step.preempted}
   for i in range(len(PROMPTS)):
     if f"r{i}" not in failed:
-      assert outputs[f"r{i}"].token_ids == reference[i]
+      assert outputs[f"r{i}"].outputs[0].token_ids == reference[i]
   assert_all_blocks_free(engine)
 
 
@@ -404,8 +408,8 @@ def test_a_host_prefix_hit_is_swapped_in_and_gives_the_same_tokens(reference):
   out = run(engine)["again"]
   m = engine.metrics()
   assert m['hisparse_prefix_cache_hits_total{memory_kind="pinned_host"}'] > 0
-  assert out.blocks_selected["host"] > 0
-  assert out.token_ids == reference[2]
+  assert out.metrics.blocks_selected["host"] > 0
+  assert out.outputs[0].token_ids == reference[2]
   assert_all_blocks_free(engine)
 
 
@@ -414,7 +418,7 @@ def test_bfloat16_cache_stored_as_uint16_matches_a_bfloat16_reference():
   engine = make_engine(model, dtype="bfloat16")
   assert engine.device_pool.storage_dtype == np.uint16  # CPU: bit-for-bit bf16 (KVPool)
   prompts = random_prompts((5, 30, 17), seed=0)
-  add_all(engine, prompts, SamplingParams(max_tokens=10))
+  add_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=10))
   outputs = run(engine)
   assert _tokens(outputs) == reference_greedy(model, prompts, 10)
 

@@ -72,7 +72,7 @@ def test_engine_matches_transformers_on_a_tiny_llama(tiny_hf_dir):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 23, 40, 12)]
   engine = _tiny_engine(tiny_hf_dir)
-  params = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
+  params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
   for i, p in enumerate(prompts):
     engine.add_request(f"r{i}", prompt_token_ids=p, sampling_params=params)
   outputs = run(engine)
@@ -80,7 +80,7 @@ def test_engine_matches_transformers_on_a_tiny_llama(tiny_hf_dir):
   hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dir,
                                                          dtype=torch.float32).eval()
   for i, p in enumerate(prompts):
-    assert outputs[f"r{i}"].token_ids == _hf_greedy(hf, p, NUM_NEW), i
+    assert outputs[f"r{i}"].outputs[0].token_ids == _hf_greedy(hf, p, NUM_NEW), i
 
 
 def test_engine_stops_at_the_generation_config_eos_as_transformers_does(tiny_hf_dir, tmp_path):
@@ -100,9 +100,9 @@ def test_engine_stops_at_the_generation_config_eos_as_transformers_does(tiny_hf_
   engine = _tiny_engine(path)
   assert load_config(path).eos_token_id == 2 and stop in engine.eos_token_ids
   engine.add_request("r", prompt_token_ids=prompt,
-                     sampling_params=SamplingParams(max_tokens=NUM_NEW))
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=NUM_NEW))
   out = run(engine)["r"]
-  assert (out.token_ids, out.finish_reason) == (expected, "stop")
+  assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (expected, "stop")
 
 
 def test_engine_matches_transformers_on_the_default_model():
@@ -115,7 +115,7 @@ def test_engine_matches_transformers_on_the_default_model():
                                max_num_batched_tokens=128,
                                device_kv_gib=gib_for_blocks(config, 33, 16),
                                host_pool_gib=gib_for_blocks(config, 33, 16)))
-  params = SamplingParams(max_tokens=NUM_NEW)  # eos active on both sides
+  params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW)  # eos active on both sides
   for i, p in enumerate(prompts):
     engine.add_request(f"r{i}", p.text, params)
   outputs = run(engine)
@@ -123,6 +123,7 @@ def test_engine_matches_transformers_on_the_default_model():
   for i, p in enumerate(prompts):
     out = outputs[f"r{i}"]
     assert out.prompt_token_ids == list(p.token_ids)
-    assert out.token_ids == _hf_greedy(hf, list(p.token_ids), NUM_NEW, eos=True), i
-    assert out.finish_reason == ("stop" if out.token_ids[-1] == config.eos_token_id
-                                 else "length")
+    assert out.outputs[0].token_ids == _hf_greedy(hf, list(p.token_ids), NUM_NEW, eos=True), i
+    completion = out.outputs[0]
+    assert completion.finish_reason == ("stop" if completion.token_ids[-1] == config.eos_token_id
+                                        else "length")

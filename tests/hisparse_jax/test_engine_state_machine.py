@@ -132,7 +132,8 @@ class EngineMachine(RuleBasedStateMachine):
     for prompt, max_tokens in arrivals:
       request_id = f"q{len(self.prompt_of)}"
       self.engine.add_request(request_id, prompt_token_ids=PROMPTS[prompt],
-                              sampling_params=SamplingParams(max_tokens=max_tokens))
+                              sampling_params=SamplingParams(temperature=0.0,
+                                                             max_tokens=max_tokens))
       self.prompt_of[request_id] = prompt
       self.max_tokens[request_id] = max_tokens
       self.tokens[request_id] = []
@@ -157,24 +158,25 @@ class EngineMachine(RuleBasedStateMachine):
       request_id = out.request_id
       assert request_id not in self.finished, f"{request_id} reported after it finished"
       seen = self.tokens[request_id]
-      assert out.token_ids[:len(seen)] == seen and out.new_token_ids == out.token_ids[len(seen):]
-      self.tokens[request_id] = list(out.token_ids)
+      tokens = out.outputs[0].token_ids  # cumulative: what it reported before, and more
+      assert tokens[:len(seen)] == seen and len(tokens) >= len(seen)
+      self.tokens[request_id] = list(tokens)
       if self.dense_tokens:
         reference = dense_reference()[self.prompt_of[request_id]]
-        assert tuple(out.token_ids) == reference[:len(out.token_ids)], (request_id, out)
+        assert tuple(tokens) == reference[:len(tokens)], (request_id, out)
       if out.finished:
-        self.finished[request_id] = out.finish_reason
+        self.finished[request_id] = out.outputs[0].finish_reason
         self._check_finish(request_id, out)
     self.engine.check_invariants()
 
   def _check_finish(self, request_id, out):
     assert out.error is None
     if request_id in self.aborted:
-      assert out.finish_reason == "abort"
+      assert out.outputs[0].finish_reason == "abort"
       return
     room = MAX_MODEL_LEN - len(PROMPTS[self.prompt_of[request_id]])
-    assert out.finish_reason == "length"  # the tiny model has no eos
-    assert len(out.token_ids) == min(self.max_tokens[request_id], room)
+    assert out.outputs[0].finish_reason == "length"  # the tiny model has no eos
+    assert len(out.outputs[0].token_ids) == min(self.max_tokens[request_id], room)
 
   # --- Invariants ----------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from hisparse_jax.sampling import SamplingParams
 
 PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
-GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
 
 
 class Injected(RuntimeError):
@@ -91,20 +91,21 @@ def test_a_fault_ends_only_the_requests_it_touched(fault, reference):
   expected = {c.request.request_id for c in step.chunks}
   if in_moves:
     expected |= {r.request_id for r in step.preempted + step.swapped_in}
-  failed = {rid for rid, o in outputs.items() if o.finish_reason == "error"}
+  failed = {rid for rid, o in outputs.items() if o.outputs[0].finish_reason == "error"}
   assert failed == expected and 0 < len(failed) < len(PROMPTS), (fault, failed, expected)
   for rid in failed:
     assert outputs[rid].error == f"Injected: {method} failed"
   for i in range(len(PROMPTS)):
     if f"r{i}" not in failed:
-      assert outputs[f"r{i}"].finish_reason == "length" and outputs[f"r{i}"].error is None
-      assert outputs[f"r{i}"].token_ids == reference[i], (fault, i)
+      assert outputs[f"r{i}"].outputs[0].finish_reason == "length"
+      assert outputs[f"r{i}"].error is None
+      assert outputs[f"r{i}"].outputs[0].token_ids == reference[i], (fault, i)
   assert engine.metrics()['hisparse_requests_total{finish_reason="error"}'] == len(failed)
   assert_all_blocks_free(engine)
   # The engine goes on: a failed request's prompt again gives its unfaulted tokens.
   i = int(min(failed)[1:])
   engine.add_request("again", prompt_token_ids=PROMPTS[i], sampling_params=GREEDY)
-  assert run(engine)["again"].token_ids == reference[i]
+  assert run(engine)["again"].outputs[0].token_ids == reference[i]
   assert_all_blocks_free(engine)
 
 
@@ -124,13 +125,13 @@ def test_faults_in_a_row_lose_no_request(reference):
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine)
   assert sorted(outputs) == sorted(f"r{i}" for i in range(len(PROMPTS)))
-  reasons = {o.finish_reason for o in outputs.values()}
+  reasons = {o.outputs[0].finish_reason for o in outputs.values()}
   assert reasons <= {"length", "error"} and "error" in reasons
   for i in range(len(PROMPTS)):
     out = outputs[f"r{i}"]
-    if out.finish_reason == "length":
-      assert out.token_ids == reference[i]
+    if out.outputs[0].finish_reason == "length":
+      assert out.outputs[0].token_ids == reference[i]
     else:
       assert out.error == "Injected: dispatch failed"
-      assert out.token_ids == reference[i][:len(out.token_ids)]
+      assert out.outputs[0].token_ids == reference[i][:len(out.outputs[0].token_ids)]
   assert_all_blocks_free(engine)

@@ -46,7 +46,7 @@ from models import data
 
 PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
-GREEDY = SamplingParams(max_tokens=NUM_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
 # top_k covers max_model_len (8 blocks): every sparse row selects all its blocks.
 FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
                       sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
@@ -131,7 +131,7 @@ def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference):
   engine.step = checking_step
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine)
-  assert [outputs[f"r{i}"].token_ids for i in range(len(PROMPTS))] == reference
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
   assert sum(sparse_rows) > 50  # most decode rows of the longer prompts took the sparse path
   assert sum(checked) > 100
   m = engine.metrics()
@@ -142,7 +142,7 @@ def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference):
   assert m['hisparse_blocks_selected_total{source="host"}'] > 0
   assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
   assert 0 < m["hisparse_hot_buffer_hit_rate"] < 1
-  assert sum(o.blocks_selected["hot"] for o in outputs.values()) == pytest.approx(
+  assert sum(o.metrics.blocks_selected["hot"] for o in outputs.values()) == pytest.approx(
       m['hisparse_blocks_selected_total{source="hot"}'])
   # Every load is h2d bytes: block-layers x bytes of one block of one layer.
   spec = engine.device_pool.spec
@@ -167,7 +167,7 @@ def test_host_loads_move_the_misses_and_metrics_count_them(reference):
   engine.runner.collect = recording
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine)
-  assert [outputs[f"r{i}"].token_ids for i in range(len(PROMPTS))] == reference
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
   no_miss = with_miss = 0
   for result in results:
     misses = result.counts[:, :, 2].sum(axis=1)  # [layers] (COUNT_FIELDS: host)
@@ -264,13 +264,13 @@ def test_blocks_selected_counts_what_attention_read(hisparse):
   prompt = random_prompts((40,), seed=5)[0]
   engine.add_request("a", prompt_token_ids=prompt, sampling_params=GREEDY)
   out = run(engine)["a"]
-  assert len(out.token_ids) == NUM_TOKENS
+  assert len(out.outputs[0].token_ids) == NUM_TOKENS
   # Prefill in chunks of 16, 16, 8 tokens: 2 + 4 + 5 blocks; then 19 decode steps over
   # 41..59 tokens, each reading all its blocks (dense) or 2 (the sink and newest blocks).
   dense_decode = sum(-(-(40 + i) // BLOCK_SIZE) for i in range(1, NUM_TOKENS))
   expected = 11 + (dense_decode if hisparse is None else 2 * (NUM_TOKENS - 1))
   assert (dense_decode, expected) == (128, 139 if hisparse is None else 49)
-  assert out.blocks_selected == {"device": expected, "hot": 0, "host": 0}
+  assert out.metrics.blocks_selected == {"device": expected, "hot": 0, "host": 0}
   assert engine.metrics()[f"hisparse_blocks_selected_total{BLOCKS}"] == expected
   assert_all_blocks_free(engine)
 
@@ -278,14 +278,14 @@ def test_blocks_selected_counts_what_attention_read(hisparse):
 def test_small_top_k_runs_every_request_to_completion(reference):
   engine = _engine(SMALL)
   sparse_rows = _count_sparse_rows(engine)
-  add_all(engine, PROMPTS[2:], SamplingParams(max_tokens=12))
+  add_all(engine, PROMPTS[2:], SamplingParams(temperature=0.0, max_tokens=12))
   outputs = run(engine)
-  assert {o.finish_reason for o in outputs.values()} == {"length"}
-  assert all(len(o.token_ids) == 12 for o in outputs.values())
+  assert {o.outputs[0].finish_reason for o in outputs.values()} == {"length"}
+  assert all(len(o.outputs[0].token_ids) == 12 for o in outputs.values())
   assert sum(sparse_rows) > 20
   assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
   # The 3-token prompt never has more than 14 tokens in the cache: dense throughout.
-  assert outputs["r3"].token_ids == reference[5][:12]
+  assert outputs["r3"].outputs[0].token_ids == reference[5][:12]
   assert_all_blocks_free(engine)
 
 
@@ -302,7 +302,7 @@ def test_offloaded_decoding_gives_the_all_resident_tokens():
     engine = _engine(mid, num_dense_blocks=num_dense_blocks)
     sparse_rows = _count_sparse_rows(engine)
     add_all(engine, PROMPTS, GREEDY)
-    outputs[name] = [o.token_ids for o in run(engine).values()]
+    outputs[name] = [o.outputs[0].token_ids for o in run(engine).values()]
     m = engine.metrics()
     assert sum(sparse_rows) > 20
     from_host = (m['hisparse_blocks_selected_total{source="hot"}']
@@ -382,10 +382,10 @@ def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
             host_pool_gib=(host_blocks * spec.bytes_per_block + 512) / gib)
   assert llm.engine.device_pool.num_blocks == device_blocks
   sparse_rows = _count_sparse_rows(llm.engine)
-  outputs = llm.generate([p.text for p in prompts], SamplingParams(max_tokens=16,
+  outputs = llm.generate([p.text for p in prompts], SamplingParams(temperature=0.0, max_tokens=16,
                                                                    ignore_eos=True))
   dense = reference_greedy(llm.engine.model, [p.token_ids for p in prompts], 16)
-  assert [o.token_ids for o in outputs] == dense
+  assert [o.outputs[0].token_ids for o in outputs] == dense
   assert sum(sparse_rows) == 2 * 15  # every decode step of both prompts
   m = llm.metrics()
   assert m["hisparse_preemptions_total"] == 1
@@ -428,7 +428,7 @@ def test_mixed_batches_read_no_full_table_of_a_sparse_row(monkeypatch, reference
   engine.runner.build_batch = recording
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine, max_steps=400)
-  assert all(o.finish_reason == "length" for o in outputs.values())
+  assert all(o.outputs[0].finish_reason == "length" for o in outputs.values())
   layers = engine.model_config.num_hidden_layers
   ragged_calls = iter(calls["ragged"])
   mixed = 0

@@ -68,25 +68,25 @@ def _prompts(lengths, seed=0):
 
 def test_token_prompts_give_reference_greedy_tokens_in_input_order(llm, reference_greedy):
   prompts = _prompts([50, 5, 37])  # the longest first (prefill in chunks of <= 32)
-  outputs = llm.generate(prompt_token_ids=prompts,
-                         sampling_params=SamplingParams(max_tokens=6, ignore_eos=True))
+  outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+      temperature=0.0, max_tokens=6, ignore_eos=True))
   assert [o.prompt_token_ids for o in outputs] == prompts
   for prompt, out in zip(prompts, outputs):
-    assert out.token_ids == reference_greedy(prompt, 6)
-    assert out.finished and out.finish_reason == "length"
-    assert out.text == llm.tokenizer.decode(out.token_ids)
+    assert out.outputs[0].token_ids == reference_greedy(prompt, 6)
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
     # Attention read every block of the sequence in each of its steps, all on the device.
-    assert out.blocks_selected["device"] > 0 and out.blocks_selected["host"] == 0
-    assert out.time_to_first_token_s > 0 and out.decode_tokens_per_s > 0
+    assert out.metrics.blocks_selected["device"] > 0 and out.metrics.blocks_selected["host"] == 0
+    assert out.metrics.time_to_first_token_s > 0 and out.metrics.decode_tokens_per_s > 0
   assert not llm.engine.has_unfinished_requests()
 
 
 def test_one_token_prompt_as_a_flat_list(llm, reference_greedy):
   prompt = _prompts([9], seed=1)[0]
-  (out,) = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+  (out,) = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0.0,
       max_tokens=3, ignore_eos=True))
   assert out.prompt_token_ids == prompt
-  assert out.token_ids == reference_greedy(prompt, 3)
+  assert out.outputs[0].token_ids == reference_greedy(prompt, 3)
 
 
 def test_text_prompts_tokenize_like_their_ids(llm):
@@ -94,23 +94,23 @@ def test_text_prompts_tokenize_like_their_ids(llm):
   ids = llm.tokenizer.encode(text)
   assert ids[0] == data.BOS_ID and len(ids) == 1 + 3 + 3 + 2
   assert data.TOKEN_TO_ID[data.UNK] not in ids
-  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
   by_text, by_dict = llm.generate([text, {"prompt_token_ids": ids}], sp)
   (by_ids,) = llm.generate(prompt_token_ids=[ids], sampling_params=sp)
   assert by_text.prompt_token_ids == ids
-  assert by_text.token_ids == by_ids.token_ids == by_dict.token_ids
+  assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == by_dict.outputs[0].token_ids
 
 
 def test_sampling_params_per_prompt(llm, reference_greedy):
   prompts = _prompts([20, 20, 33], seed=2)
   first = reference_greedy(prompts[2], 1)[0]
   outputs = llm.generate(prompt_token_ids=prompts, sampling_params=[
-      SamplingParams(max_tokens=1, ignore_eos=True),
-      SamplingParams(max_tokens=5, ignore_eos=True),
-      SamplingParams(max_tokens=9, stop_token_ids=[first], ignore_eos=True)])
-  assert [len(o.token_ids) for o in outputs] == [1, 5, 1]
-  assert [o.finish_reason for o in outputs] == ["length", "length", "stop"]
-  assert outputs[2].token_ids == [first]
+      SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+      SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+      SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[first], ignore_eos=True)])
+  assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 5, 1]
+  assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length", "stop"]
+  assert outputs[2].outputs[0].token_ids == [first]
 
 
 def test_seeded_sampling_is_reproducible(llm):
@@ -121,22 +121,22 @@ def test_seeded_sampling_is_reproducible(llm):
   b = llm.generate(prompt_token_ids=prompts[::-1], sampling_params=sp)  # other batch order
   c = llm.generate(prompt_token_ids=prompts,
                    sampling_params=dataclasses.replace(sp, seed=8))
-  assert [o.token_ids for o in a] == [o.token_ids for o in b[::-1]]
-  assert [o.token_ids for o in a] != [o.token_ids for o in c]
+  assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b[::-1]]
+  assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in c]
 
 
 def test_metrics_count_what_generate_did(llm):
   before = llm.metrics()
   prompts = _prompts([17, 50, 3], seed=4)
-  outputs = llm.generate(prompt_token_ids=prompts,
-                         sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+  outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+      temperature=0.0, max_tokens=4, ignore_eos=True))
   after = llm.metrics()
   delta = lambda key: after[key] - before.get(key, 0.0)
   assert delta("hisparse_generation_tokens_total") == 12
   assert delta("hisparse_prompt_tokens_total") == 70
   assert delta('hisparse_requests_total{finish_reason="length"}') == 3
   assert delta('hisparse_blocks_selected_total{source="device"}') == sum(
-      o.blocks_selected["device"] for o in outputs)
+      o.metrics.blocks_selected["device"] for o in outputs)
   assert delta('hisparse_blocks_selected_total{source="host"}') == 0
   assert after['hisparse_kv_capacity_tokens{memory_kind="device"}'] == 64 * BLOCK_SIZE
   assert after['hisparse_kv_capacity_tokens{memory_kind="pinned_host"}'] == 128 * BLOCK_SIZE
@@ -159,7 +159,7 @@ def test_bad_input_names_the_prompt_and_leaves_nothing_queued(llm):
   with pytest.raises(ValueError, match="exactly one of prompts and prompt_token_ids"):
     llm.generate()
   with pytest.raises(ValueError, match="sampling_params: 1 given for 2 prompts"):
-    llm.generate(prompt_token_ids=[good, good], sampling_params=[SamplingParams()])
+    llm.generate(prompt_token_ids=[good, good], sampling_params=[SamplingParams(temperature=0.0)])
   with pytest.raises(PromptError, match="prompt 0: a prompt is a string"):
     llm.generate([{"ids": good}])
   assert llm.generate(prompt_token_ids=[]) == []
@@ -236,39 +236,39 @@ def _pieces(llm, token_ids):
 
 def test_stop_strings_match_across_tokens_and_end_the_text(llm):
   prompt = _prompts([9], seed=5)[0]
-  sp = dict(max_tokens=12, ignore_eos=True)
+  sp = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
   (full,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**sp))
-  pieces = _pieces(llm, full.token_ids)
-  assert "".join(pieces) == full.text and full.stop_reason is None
+  pieces = _pieces(llm, full.outputs[0].token_ids)
+  assert "".join(pieces) == full.outputs[0].text and full.outputs[0].stop_reason is None
   # A stop string made of the end of one token's piece and the start of the next's.
   i = next(i for i in range(2, len(pieces) - 1) if pieces[i] and pieces[i + 1])
   stop = pieces[i][-1] + pieces[i + 1][0]
-  at = full.text.find(stop)  # its first occurrence ends the output
+  at = full.outputs[0].text.find(stop)  # its first occurrence ends the output
   ends = np.cumsum([len(p) for p in pieces])
   last = int(np.searchsorted(ends, at + len(stop)))  # the token that completes it
   for keep in (False, True):
     (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
         **sp, stop=["never-in-this-vocabulary", stop], include_stop_str_in_output=keep))
-    assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == full.text[:at + len(stop) if keep else at]
-    assert out.token_ids == full.token_ids[:last + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.outputs[0].text == full.outputs[0].text[:at + len(stop) if keep else at]
+    assert out.outputs[0].token_ids == full.outputs[0].token_ids[:last + 1]
 
 
 def test_streamed_text_never_shows_what_may_start_a_stop_string(llm):
   prompt = _prompts([9], seed=5)[0]
-  full = llm.generate(prompt_token_ids=[prompt],
-                      sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))[0]
-  stop = full.text[-3:] + "#"  # never completes: the output runs to its length
+  full = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+      temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+  stop = full.outputs[0].text[-3:] + "#"  # never completes: the output runs to its length
   engine = llm.engine
-  rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
+  rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0.0,
       max_tokens=12, ignore_eos=True, stop=[stop]))
   texts = []
   while engine.has_unfinished_requests():
-    texts += [o.text for o in engine.step() if o.request_id == rid]
-  assert texts[-1] == full.text  # finished by length: nothing held back any more
+    texts += [o.outputs[0].text for o in engine.step() if o.request_id == rid]
+  assert texts[-1] == full.outputs[0].text  # finished by length: nothing held back any more
   for text in texts[:-1]:  # while running: the last len(stop) - 1 characters held back
-    assert full.text.startswith(text)
-  assert all(len(t) <= max(0, len(full.text) - 3) for t in texts[:-1])
+    assert full.outputs[0].text.startswith(text)
+  assert all(len(t) <= max(0, len(full.outputs[0].text) - 3) for t in texts[:-1])
 
 
 def test_stop_and_stop_token_ids_validation():
@@ -281,10 +281,11 @@ def test_stop_and_stop_token_ids_validation():
 
 def test_stop_token_ids_name_the_token_in_stop_reason(llm):
   prompt = _prompts([9], seed=5)[0]
-  (full,) = llm.generate(prompt_token_ids=[prompt],
-                         sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))
-  token = full.token_ids[3]
-  (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+  (full,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+      temperature=0.0, max_tokens=12, ignore_eos=True))
+  token = full.outputs[0].token_ids[3]
+  (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0.0,
       max_tokens=12, ignore_eos=True, stop_token_ids=[token]))
-  assert out.token_ids == full.token_ids[:full.token_ids.index(token) + 1]
-  assert out.finish_reason == "stop" and out.stop_reason == token
+  full_ids = full.outputs[0].token_ids
+  assert out.outputs[0].token_ids == full_ids[:full_ids.index(token) + 1]
+  assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == token

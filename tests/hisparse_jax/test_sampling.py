@@ -4,7 +4,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hisparse_jax.sampling import SamplingParams, greedy, request_key, sample
+from hisparse_jax.sampling import (
+    SamplingParams,
+    apply_penalties,
+    greedy,
+    mask_tokens,
+    request_key,
+    sample,
+    token_logprobs,
+)
 
 
 def _keys(seeds, step=0):
@@ -86,6 +94,82 @@ def test_bad_params_name_the_field(field, kwargs):
 
 
 def test_params_normalise_stop_ids():
-  sp = SamplingParams(stop_token_ids=[np.int64(3), 4])
+  sp = SamplingParams(temperature=0.0, stop_token_ids=[np.int64(3), 4])
   assert sp.stop_token_ids == (3, 4) and sp.greedy
   assert isinstance(jax.random.key_data(request_key(1, 2)), jax.Array)
+
+
+def _penalized_reference(logits, prompt, output, presence, frequency, repetition):
+  """numpy: vLLM's apply_penalties for one row."""
+  logits = logits.astype(np.float32).copy()
+  counts = np.bincount(output, minlength=logits.shape[0]).astype(np.float32)
+  seen = counts > 0
+  in_prompt = np.zeros(logits.shape[0], bool)
+  in_prompt[prompt] = True
+  penalty = np.where(in_prompt | seen, np.float32(repetition), np.float32(1.0))
+  logits *= np.where(logits > 0, np.float32(1.0) / penalty, penalty)
+  return logits - np.float32(frequency) * counts - np.float32(presence) * seen
+
+
+def test_penalties_match_vllms_formula(rng):
+  vocab = 50
+  logits = rng.normal(size=(3, vocab)).astype(np.float32) * 3
+  prompts = [[1, 2, 2, 40], [7], [3, 4]]
+  outputs = [[2, 5, 5, 5, 9], [], [4, 4, 49]]
+  params = [(0.5, 0.25, 1.3), (1.0, 1.0, 0.7), (-0.5, 2.0, 1.0)]
+  pad = lambda rows, n: np.array([r + [vocab + 3] * (n - len(r)) for r in rows], np.int32)
+  got = apply_penalties(jnp.asarray(logits), jnp.asarray(pad(prompts, 4)),
+                        jnp.asarray(pad(outputs, 6)), *(jnp.asarray(np.array(x, np.float32))
+                                                        for x in zip(*params)))
+  for i in range(3):
+    want = _penalized_reference(logits[i], prompts[i], outputs[i], *params[i])
+    np.testing.assert_allclose(np.asarray(got[i]), want, rtol=1e-6, atol=1e-6)
+
+
+def test_mask_tokens_only_on_active_rows(rng):
+  logits = rng.normal(size=(2, 10)).astype(np.float32)
+  ids = jnp.array([[2, 7, 10], [2, 7, 10]], jnp.int32)  # 10: padding, out of range
+  out = np.asarray(mask_tokens(jnp.asarray(logits), ids, jnp.array([True, False])))
+  assert np.isneginf(out[0, [2, 7]]).all() and np.isfinite(np.delete(out[0], [2, 7])).all()
+  np.testing.assert_array_equal(out[1], logits[1])
+
+
+def test_token_logprobs_are_log_softmax_with_ranks(rng):
+  logits = rng.normal(size=(3, 30)).astype(np.float32)
+  tokens = np.array([4, int(logits[1].argmax()), 29], np.int32)
+  sampled, rank, top_ids, top_lp = token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), 3)
+  lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(sampled), lp[np.arange(3), tokens], atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(rank), (lp > lp[np.arange(3), tokens][:, None])
+                                .sum(-1) + 1)
+  assert int(rank[1]) == 1
+  np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-lp, axis=-1)[:, :3])
+  np.testing.assert_allclose(np.asarray(top_lp), np.sort(lp, axis=-1)[:, ::-1][:, :3],
+                             atol=1e-5)
+
+
+def test_min_p_drops_unlikely_tokens():
+  # probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.25 keeps tokens >= 0.125 (the first three)
+  logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 600))
+  drawn = np.asarray(sample(jnp.asarray(logits, jnp.float32), jnp.ones(600),
+                            jnp.ones(600), jnp.zeros(600, jnp.int32),
+                            _keys(list(range(600))), jnp.full(600, 0.25)))
+  assert set(drawn.tolist()) == {0, 1, 2}
+  np.testing.assert_allclose(np.bincount(drawn, minlength=3)[:3] / 600,
+                             np.array([0.5, 0.3, 0.15]) / 0.95, atol=0.06)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
+    (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens must be <= max_tokens=4, got 5"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty must be in [-2, 2], got -3.0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+    (dict(logprobs=-1), "logprobs must be >= 0 or None, got -1"),
+])
+def test_new_fields_are_validated_by_name(kwargs, message):
+  with pytest.raises(ValueError) as e:
+    SamplingParams(**kwargs)
+  assert str(e.value) == message

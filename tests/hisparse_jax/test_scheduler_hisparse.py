@@ -75,7 +75,7 @@ def test_waiting_request_is_admitted_by_offloading_sparse_decoders():
 
 def test_preempted_sparse_decoder_comes_back_offloaded():
   bm, sched = _make(num_device_blocks=11, num_host_blocks=60, hisparse=_hisparse(12))
-  short = SamplingParams(max_tokens=6)
+  short = SamplingParams(temperature=0.0, max_tokens=6)
   a, b = (Request(i, list(range(10 * n, 10 * n + 12)), short, seed=0, arrival_time=float(n))
           for n, i in enumerate("ab"))
   c = _request("c", 8, 2)
