@@ -11,8 +11,8 @@ from hisparse_jax import LLM, SamplingParams
 def main():
   llm = LLM(device_kv_gib=0.01, host_pool_gib=0.01, max_model_len=256)
   greedy = SamplingParams(temperature=0.0, max_tokens=8)
-  # The answer is the first word: stop at the space after it (the text excludes it).
-  first_word = SamplingParams(temperature=0.0, max_tokens=8, stop=[" "])
+  # Stop at the first ":" (a key of the model's format); the text excludes it.
+  first_word = SamplingParams(temperature=0.0, max_tokens=8, stop=[":"])
   prompts = [{"prompt": "bafu: bapo\nbaki: bare\n? baki:"},
              {"prompt_token_ids": llm.get_tokenizer().encode("lefa: fabi\ntufe: sura\n? tufe:")}]
   for params in (greedy, first_word):

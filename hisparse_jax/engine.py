@@ -232,16 +232,17 @@ class Engine:
     request_id = str(request_id)
     if request_id in self.requests:
       raise ValueError(f"request_id {request_id!r} is already in use")
-    if (prompt is None) == (prompt_token_ids is None):
-      raise ValueError("give exactly one of prompt and prompt_token_ids")
-    if prompt is not None:
+    if prompt is None and prompt_token_ids is None:
+      raise ValueError("give prompt or prompt_token_ids")
+    if prompt_token_ids is None:  # (with both, the ids are the prompt; the text is kept)
       if self.tokenizer is None:
         raise ValueError("prompt: this engine has no tokenizer; pass prompt_token_ids")
       token_ids = self.tokenizer.encode(prompt)
     else:
       token_ids = prompt_token_ids
     token_ids = check_prompt(token_ids, vocab_size=self.model_config.vocab_size,
-                             max_model_len=self.config.max_model_len, text=prompt)
+                             max_model_len=self.config.max_model_len,
+                             text=prompt if prompt_token_ids is None else None)
     if sampling_params.stop and self.tokenizer is None:
       raise ValueError("stop: stop strings match the output's text, and this engine has no "
                        "tokenizer; use stop_token_ids")
@@ -249,7 +250,8 @@ class Engine:
     if seed is None:
       seed = int(self._seed_rng.integers(0, 2**31 - 1))
     request = Request(request_id, token_ids, sampling_params, seed=seed, prompt=prompt,
-                      detokenizer=self.tokenizer.decode_stream() if self.tokenizer else None)
+                      detokenizer=self.tokenizer.decode_stream(prompt_token_ids=token_ids)
+                      if self.tokenizer else None)
     self.requests[request_id] = request
     self.scheduler.add(request)
     self.stats.on_add(request)
@@ -446,15 +448,18 @@ class Engine:
     sp = request.sampling_params
     if logprobs is not None:
       self._add_logprobs(request, token, logprobs)
-    # min_tokens: no stop token, stop string or EOS ends fewer outputs (vLLM's rule).
-    may_stop = len(output) >= sp.min_tokens
-    if request.detokenizer is not None:
+    # As vLLM: stop tokens and EOS end an output of at least min_tokens tokens (the
+    # sampler keeps them out of the first min_tokens) and their text is left out unless
+    # include_stop_str_in_output; stop strings end an output of more than min_tokens.
+    stop_token = len(output) >= sp.min_tokens and (
+        token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids))
+    if request.detokenizer is not None and (not stop_token or sp.include_stop_str_in_output):
       before = len(request.output_text)
       request.output_text += request.detokenizer.step(token)
-      if sp.stop and may_stop and self._stop_string(request, before):
+      if (sp.stop and not stop_token and len(output) > sp.min_tokens
+          and self._stop_string(request, before)):
         return
-    if may_stop and (token in sp.stop_token_ids
-                     or (not sp.ignore_eos and token in self.eos_token_ids)):
+    if stop_token:
       request.stop_reason = token if token in sp.stop_token_ids else None
       self._finish(request, "stop")
     elif ((sp.max_tokens is not None and len(output) >= sp.max_tokens)

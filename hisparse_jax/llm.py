@@ -51,8 +51,9 @@ def _prompt_kwargs(item: Any) -> dict[str, Any]:
     return {"prompt": item}
   if isinstance(item, dict) and set(item) == {"prompt"} and isinstance(item["prompt"], str):
     return {"prompt": item["prompt"]}
-  if isinstance(item, dict) and set(item) == {"prompt_token_ids"}:
-    return {"prompt_token_ids": item["prompt_token_ids"]}
+  if isinstance(item, dict) and "prompt_token_ids" in item and set(item) <= {
+      "prompt_token_ids", "prompt"}:  # (a text beside the ids is reported, not encoded)
+    return dict(item)
   raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
                    f"got {item!r:.80}")
 
@@ -112,6 +113,36 @@ class LLM:
   def metrics(self) -> dict[str, float]:
     """All engine metrics as a flat dict (`name{label="x"}` keys, histogram p50/p99)."""
     return self.engine.metrics()
+
+  def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+           sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+           use_tqdm: bool = True, chat_template: str | None = None,
+           add_generation_prompt: bool = True,
+           chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    """Generates a reply to each conversation (vLLM's `LLM.chat`): `messages` is one
+    conversation (a list of {"role", "content"} dicts) or a list of them. Each is
+    rendered by the checkpoint's chat template (or `chat_template`), tokenized without
+    adding special tokens again, and generated as `generate` does; a RequestOutput's
+    `prompt` is the rendered text. A conversation the template refuses raises
+    `PromptError` naming its index."""
+    import jinja2  # noqa: PLC0415 (chat only)
+
+    tokenizer = self.engine.tokenizer
+    if tokenizer is None:
+      raise ValueError("chat: this model has no tokenizer")
+    messages = list(messages)
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    items = []
+    for i, conversation in enumerate(conversations):
+      try:
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+      except (jinja2.TemplateError, TypeError, KeyError) as e:
+        raise PromptError(i, f"chat template: {e}") from e
+      items.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+                    "prompt": text})
+    return self.generate(items, sampling_params, use_tqdm=use_tqdm)
 
   def generate(self, prompts: str | Sequence[str] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

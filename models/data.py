@@ -46,6 +46,16 @@ KEYS: tuple[str, ...] = tuple(w + ":" for w in WORDS)
 VOCAB: tuple[str, ...] = SPECIALS + WORDS + KEYS
 TOKEN_TO_ID: dict[str, int] = {t: i for i, t in enumerate(VOCAB)}
 PAD_ID, BOS_ID, EOS_ID = TOKEN_TO_ID[PAD], TOKEN_TO_ID[BOS], TOKEN_TO_ID[EOS]
+# The default model's chat template (tokenizer_config.json "chat_template"): BOS, then
+# the messages' contents one per line, e.g. a system message with the `key: value`
+# lines and a user message "? key:"; the model answers right after the question, so a
+# generation prompt adds nothing.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, got ' + message['role']) }}"
+    "{% endif %}{{ message['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}")
 NEWLINE_ID, QUERY_ID, COPY_SEP_ID = (TOKEN_TO_ID[NEWLINE], TOKEN_TO_ID[QUERY],
                                      TOKEN_TO_ID[COPY_SEP])
 WORD_IDS = np.arange(len(SPECIALS), len(SPECIALS) + NUM_WORDS, dtype=np.int32)

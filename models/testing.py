@@ -35,5 +35,6 @@ def save_random_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0,
   tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
                                    unk=data.UNK)
   save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD, unk=data.UNK,
-                       model_max_length=config.max_position_embeddings)
+                       model_max_length=config.max_position_embeddings,
+                       chat_template=data.CHAT_TEMPLATE)
   return str(out_dir)

@@ -9,6 +9,7 @@ load the same tokenizer (`save_tokenizer_files`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -24,11 +25,31 @@ class Tokenizer:
   checkpoint names an EOS anywhere."""
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token_id: int | None,
-               eos_token_ids: Sequence[int], pad_token_id: int | None = None):
+               eos_token_ids: Sequence[int], pad_token_id: int | None = None,
+               chat_template: str | None = None,
+               special_tokens: dict[str, str] | None = None):
     self.backend = tokenizer
     self.bos_token_id = bos_token_id
     self.eos_token_ids = tuple(eos_token_ids)
     self.pad_token_id = pad_token_id
+    self.chat_template = chat_template  # jinja2 source, from tokenizer_config.json
+    self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... as text
+
+  def apply_chat_template(self, messages: Sequence[dict], *, chat_template: str | None = None,
+                          add_generation_prompt: bool = True, tokenize: bool = False,
+                          **kwargs) -> str | list[int]:
+    """The conversation as the checkpoint's chat template renders it (transformers'
+    `apply_chat_template`: jinja2 in a sandbox, `messages`, `add_generation_prompt` and
+    the special tokens as variables). tokenize: the ids, without adding special tokens
+    again (the template writes them)."""
+    template = chat_template if chat_template is not None else self.chat_template
+    if template is None:
+      raise ValueError("chat_template: this tokenizer has none (no \"chat_template\" in "
+                       "tokenizer_config.json); pass chat_template=")
+    text = _compile_template(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        **self.special_tokens, **kwargs)
+    return self.encode(text, add_special_tokens=False) if tokenize else text
 
   @property
   def eos_token_id(self) -> int | None:
@@ -44,9 +65,24 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-  def decode_stream(self, *, skip_special_tokens: bool = True) -> DecodeStream:
-    """An incremental detokenizer of one output (see DecodeStream)."""
-    return DecodeStream(self.backend, skip_special_tokens=skip_special_tokens)
+  def decode_stream(self, *, skip_special_tokens: bool = True,
+                    prompt_token_ids: Sequence[int] = ()) -> DecodeStream:
+    """An incremental detokenizer of one output (see DecodeStream). With the prompt's
+    ids, the stream starts in the prompt's context, as vLLM's detokenizer does: it first
+    steps through the prompt's last tokens (4 or more, up to 23, to a suffix that decodes
+    without a broken character) and drops their text, so the output's first piece comes
+    out as it reads after the prompt (a WordPiece or SentencePiece word gets its leading
+    space)."""
+    stream = DecodeStream(self.backend, skip_special_tokens=skip_special_tokens)
+    suffix = list(prompt_token_ids)
+    if len(suffix) > 4:
+      for n in range(4, min(len(suffix) + 1, 24)):
+        if "\ufffd" not in self.decode(suffix[-n:], skip_special_tokens=skip_special_tokens):
+          suffix = suffix[-n:]
+          break
+    for token_id in suffix:
+      stream.step(token_id)
+    return stream
 
   def token_to_id(self, token: str) -> int | None:
     return self.backend.token_to_id(token)
@@ -82,7 +118,8 @@ class Tokenizer:
       eos = backend.token_to_id(special["eos_token"])
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids,
-               pad_token_id=merged.get("pad_token_id"))
+               pad_token_id=merged.get("pad_token_id"), chat_template=_chat_template(path),
+               special_tokens=special)
 
 
 class DecodeStream:
@@ -98,6 +135,41 @@ class DecodeStream:
 
   def step(self, token_id: int) -> str:
     return self._stream.step(self._tokenizer, int(token_id)) or ""
+
+
+def _chat_template(path: str) -> str | None:
+  """The default chat template of a checkpoint: `chat_template.jinja` (newer
+  transformers), else tokenizer_config.json's "chat_template" (a string, or a list of
+  {"name", "template"} whose "default" entry counts)."""
+  file = os.path.join(path, "chat_template.jinja")
+  if os.path.isfile(file):
+    with open(file) as f:
+      return f.read()
+  file = os.path.join(path, "tokenizer_config.json")
+  if not os.path.isfile(file):
+    return None
+  with open(file) as f:
+    template = json.load(f).get("chat_template")
+  if isinstance(template, list):
+    template = {t.get("name"): t.get("template") for t in template}.get("default")
+  return template if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+  """A jinja2 template compiled as transformers compiles chat templates."""
+  import jinja2  # noqa: PLC0415 (only chat needs it)
+  from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent,
+                                                            ensure_ascii=False)
+  env.globals["raise_exception"] = raise_exception
+  return env.from_string(source)
 
 
 def _special_tokens_from_config(path: str) -> dict[str, str]:
@@ -136,7 +208,8 @@ def build_word_level_tokenizer(vocab: Sequence[str], *, bos: str, eos: str, pad:
 
 
 def save_tokenizer_files(tok: tokenizers.Tokenizer, out_dir: str | os.PathLike, *, bos: str,
-                         eos: str, pad: str, unk: str, model_max_length: int) -> None:
+                         eos: str, pad: str, unk: str, model_max_length: int,
+                         chat_template: str | None = None) -> None:
   """Writes tokenizer.json and the tokenizer_config.json that AutoTokenizer needs."""
   out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
@@ -144,6 +217,8 @@ def save_tokenizer_files(tok: tokenizers.Tokenizer, out_dir: str | os.PathLike, 
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
             "pad_token": pad, "unk_token": unk, "add_bos_token": True,
             "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+  if chat_template is not None:
+    config["chat_template"] = chat_template
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
     json.dump(config, f, indent=2)
     f.write("\n")

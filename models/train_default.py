@@ -163,7 +163,8 @@ def write_checkpoint(model: LlamaForCausalLM, out_dir: str, train_info: dict) ->
   tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
                                    unk=data.UNK)
   save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD, unk=data.UNK,
-                       model_max_length=config.max_position_embeddings)
+                       model_max_length=config.max_position_embeddings,
+                       chat_template=data.CHAT_TEMPLATE)
   with open(os.path.join(out_dir, "training_info.json"), "w") as f:
     json.dump(train_info, f, indent=2)
     f.write("\n")

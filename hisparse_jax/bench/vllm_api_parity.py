@@ -42,14 +42,19 @@ CASES = {
     "logprobs 0 + penalties": dict(GREEDY, ignore_eos=True, logprobs=0,
                                    frequency_penalty=0.7),
     "stop ' '": dict(GREEDY, stop=[" "]),
-    "stop word": dict(GREEDY, stop=["bare"]),
-    "stop word, kept": dict(GREEDY, stop=["bare"], include_stop_str_in_output=True),
     "min_tokens 6, stop ' '": dict(GREEDY, stop=[" "], min_tokens=6),
 }
-# The greedy output's second token becomes a stop token: min_tokens must hold it back.
+# The greedy outputs' second tokens become stop tokens (min_tokens must hold them back),
+# and their fourth words stop strings (each within one output, across a token boundary
+# with the space before it).
 STOP_TOKEN_CASES = {
     "stop token": dict(GREEDY),
     "stop token, min_tokens 5": dict(GREEDY, min_tokens=5),
+}
+STOP_WORD_CASES = {
+    "stop word": dict(GREEDY),
+    "stop word, kept": dict(GREEDY, include_stop_str_in_output=True),
+    "stop word, min_tokens 6": dict(GREEDY, min_tokens=6),
 }
 
 
@@ -162,6 +167,9 @@ def run(model: str | None = None) -> dict:
   stop_tokens = sorted({g["token_ids"][1] for g in greedy})
   for name, case in STOP_TOKEN_CASES.items():
     cases[name] = dict(case, stop_token_ids=stop_tokens)
+  stop_words = sorted({" " + g["text"].split()[3] for g in greedy})
+  for name, case in STOP_WORD_CASES.items():
+    cases[name] = dict(case, stop=stop_words)
   ours, theirs = _ours(model, prompts, cases), _peer(model, prompts, cases)
   rows = compare(ours, theirs)
   return {"machine": common.machine(), "model": model, "prompts": prompts,

@@ -74,7 +74,9 @@ def test_token_prompts_give_reference_greedy_tokens_in_input_order(llm, referenc
   for prompt, out in zip(prompts, outputs):
     assert out.outputs[0].token_ids == reference_greedy(prompt, 6)
     assert out.finished and out.outputs[0].finish_reason == "length"
-    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    # The text reads on from the prompt (vLLM's detokenization: a word's space first).
+    assert llm.tokenizer.decode(prompt) + out.outputs[0].text == llm.tokenizer.decode(
+        prompt + out.outputs[0].token_ids)
     # Attention read every block of the sequence in each of its steps, all on the device.
     assert out.metrics.blocks_selected["device"] > 0 and out.metrics.blocks_selected["host"] == 0
     assert out.metrics.time_to_first_token_s > 0 and out.metrics.decode_tokens_per_s > 0
@@ -228,9 +230,10 @@ def test_status_line_hot_buffer_rate():
   assert "hot-buffer hit rate -" in status_line(7, {}, {}, 1.0)
 
 
-def _pieces(llm, token_ids):
-  """Each token's piece of the output text (the engine's incremental detokenization)."""
-  stream = llm.tokenizer.decode_stream()
+def _pieces(llm, token_ids, prompt):
+  """Each token's piece of the output text (the engine's incremental detokenization,
+  which starts in the prompt's context)."""
+  stream = llm.tokenizer.decode_stream(prompt_token_ids=prompt)
   return [stream.step(t) for t in token_ids]
 
 
@@ -238,7 +241,7 @@ def test_stop_strings_match_across_tokens_and_end_the_text(llm):
   prompt = _prompts([9], seed=5)[0]
   sp = dict(max_tokens=12, ignore_eos=True, temperature=0.0)
   (full,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**sp))
-  pieces = _pieces(llm, full.outputs[0].token_ids)
+  pieces = _pieces(llm, full.outputs[0].token_ids, prompt)
   assert "".join(pieces) == full.outputs[0].text and full.outputs[0].stop_reason is None
   # A stop string made of the end of one token's piece and the start of the next's.
   i = next(i for i in range(2, len(pieces) - 1) if pieces[i] and pieces[i + 1])
@@ -289,3 +292,12 @@ def test_stop_token_ids_name_the_token_in_stop_reason(llm):
   full_ids = full.outputs[0].token_ids
   assert out.outputs[0].token_ids == full_ids[:full_ids.index(token) + 1]
   assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == token
+  # The stop token's text is left out of the output (vLLM's rule), unless
+  # include_stop_str_in_output.
+  tok = llm.tokenizer
+  tokens = out.outputs[0].token_ids
+  assert tok.decode(prompt) + out.outputs[0].text == tok.decode(prompt + tokens[:-1])
+  (kept,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+      temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[token],
+      include_stop_str_in_output=True))
+  assert tok.decode(prompt) + kept.outputs[0].text == tok.decode(prompt + tokens)

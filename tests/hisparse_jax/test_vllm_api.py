@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import runpy
 import shutil
 
@@ -22,6 +23,7 @@ from hisparse_jax import (
   RequestOutputKind,
   SamplingParams,
 )
+from hisparse_jax.llm import PromptError
 from models import data
 from models.loader import CheckpointError, checkpoint_dtype, load_pretrained
 from models.testing import save_random_checkpoint
@@ -58,7 +60,7 @@ def test_request_output_is_vllms_shape(llm):
   assert isinstance(completion, CompletionOutput) and completion.index == 0
   assert completion.finished() and completion.finish_reason == "length"
   assert completion.stop_reason is None and len(completion.token_ids) == 5
-  assert completion.text == llm.get_tokenizer().decode(completion.token_ids)
+  assert completion.text == " " + llm.get_tokenizer().decode(completion.token_ids)
   assert completion.cumulative_logprob is None and completion.logprobs is None
   assert isinstance(out.metrics, RequestMetrics)
   m = out.metrics
@@ -186,7 +188,7 @@ def test_dtype_auto_takes_the_checkpoints_dtype(checkpoint, tmp_path):
     LLM(checkpoint, dtype="half")
 
 
-@pytest.mark.parametrize("name", ["basic.py", "generate_with_sampling_params.py"])
+@pytest.mark.parametrize("name", ["basic.py", "generate_with_sampling_params.py", "chat.py"])
 def test_vllm_offline_examples_run_as_written(name):
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -194,11 +196,15 @@ def test_vllm_offline_examples_run_as_written(name):
   text = out.getvalue()
   if name == "basic.py":
     assert text.count("Prompt:    ") == 4 and text.count("Output:    ") == 4
-  else:  # greedy answers, then the same cut at the first space by the stop string
+  elif name == "generate_with_sampling_params.py":  # greedy, then cut at the first ":"
     lines = text.strip().splitlines()
-    assert len(lines) == 4
-    assert lines[2].startswith("[4, 5, 520] -> 'bare' (finish_reason=stop, stop_reason=' '")
-    assert lines[3].startswith("[4, 5, 962] -> 'sura' (finish_reason=stop, stop_reason=' '")
+    assert len(lines) == 4 and lines[0].startswith("[4, 5, 520] -> ' bare bare viko: ")
+    assert lines[2].startswith("[4, 5, 520] -> ' bare bare viko' (finish_reason=stop, "
+                               "stop_reason=':', 3 tokens")
+    assert "(finish_reason=stop, stop_reason=':'" in lines[3]
+  else:  # chat: the answer to each conversation's question
+    answers = re.findall(r"Generated text: '(.*)'", text)
+    assert answers == [" bare", " bare", " mive", " bapo"]
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +304,59 @@ def test_logprobs_stream_with_their_tokens(llm):
   assert all(list(p) == [t] for p, t in zip(positions, tokens))  # logprobs=0: the token only
   assert deltas[-1].cumulative_logprob == pytest.approx(
       sum(p[t].logprob for p, t in zip(positions, tokens)), abs=1e-5)
+
+
+CONVERSATION = [{"role": "system", "content": "bafu: bapo\nbaki: bare"},
+                {"role": "user", "content": "? baki:"}]
+
+
+def test_chat_renders_the_checkpoints_template_as_transformers_does(llm, checkpoint):
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoTokenizer.from_pretrained(checkpoint)
+  ours = llm.get_tokenizer()
+  for conversation in (CONVERSATION, CONVERSATION[1:], CONVERSATION + [
+      {"role": "assistant", "content": "bare"}, {"role": "user", "content": "? bafu:"}]):
+    text = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(conversation) == text
+    assert ours.apply_chat_template(conversation, tokenize=True) == hf(
+        text, add_special_tokens=False)["input_ids"]
+  sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+  (chat,) = llm.chat(CONVERSATION, sp)
+  (plain,) = llm.generate(["bafu: bapo\nbaki: bare\n? baki:"], sp)
+  assert chat.prompt == "<bos>bafu: bapo\nbaki: bare\n? baki:"
+  assert chat.prompt_token_ids == plain.prompt_token_ids  # BOS once: the template's
+  assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+  batch = llm.chat([CONVERSATION, CONVERSATION[1:]], sp)
+  assert [o.prompt for o in batch] == ["<bos>bafu: bapo\nbaki: bare\n? baki:", "<bos>? baki:"]
+
+
+def test_chat_errors_name_the_conversation(llm):
+  with pytest.raises(PromptError, match=r"prompt 1: chat template: roles are system, user "
+                                        r"and assistant, got tool"):
+    llm.chat([CONVERSATION, [{"role": "tool", "content": "x"}]])
+  with pytest.raises(PromptError, match=r"prompt 0: chat template: .*'content'"):
+    llm.chat([{"role": "user"}], chat_template="{{ messages[0]['content'] + 1 }}")
+  assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_api_parity_compares_tokens_text_finish_and_logprobs(monkeypatch, tmp_path):
+  from hisparse_jax.bench import vllm_api_parity as parity
+
+  def completion(ids, text, lps=None, reason="length"):
+    return {"token_ids": ids, "text": text, "finish_reason": reason, "stop_reason": None,
+            "logprobs": lps}
+  ours = {"a": [completion([1, 2], " x y", [{"1": -0.5}, {"2": -0.25}])],
+          "b": [completion([1, 2], " x y")], "c": [completion([1], " x", reason="stop")]}
+  theirs = {"a": [completion([1, 2], " x y", [{"1": -0.50005}, {"2": -0.2503, "9": -3.0}])],
+            "b": [completion([1, 3], " x z")], "c": [completion([1], " x")]}
+  rows = parity.compare(ours, theirs)
+  assert rows["a"]["tokens_identical"] and rows["a"]["text_identical"]
+  assert rows["a"]["max_logprob_diff"] == pytest.approx(3e-4) and not rows["a"]["same"]
+  assert not rows["b"]["tokens_identical"] and not rows["b"]["text_identical"]
+  assert not rows["c"]["finish_identical"] and not rows["c"]["same"]
+  table = parity.format_table({"cases": rows, "all_same": False})
+  assert "3.00e-04" in table and "all cases identical (logprobs within 0.0001): NO" in table
+  monkeypatch.setattr(parity, "PEER_PYTHON", str(tmp_path / "absent" / "python"))
+  skipped = parity.run()
+  assert "is absent (make peers builds it)" in skipped["skipped"]
+  assert parity.format_table(skipped).startswith("vllm_api_parity skipped: ")

@@ -135,3 +135,16 @@ def test_decode_stream_holds_back_a_character_split_across_tokens():
     split += full.endswith("\ufffd")
     assert got == full.rstrip("\ufffd"), (i, got, full)
   assert split >= 8 and streamed[-1] == text
+
+
+def test_decode_stream_primed_with_the_prompt_reads_on_from_it(tok_dir):
+  # vLLM's detokenizer starts in the prompt's context: the output's text is what a
+  # decode of prompt + output adds to the prompt's (here, the first word's space).
+  tok = Tokenizer.from_dir(tok_dir)
+  ids = tok.encode(data.make_retrieval_prompts(1, 80, seed=5)[0].text)
+  for cut in (1, 3, 30):
+    prompt, out = ids[:cut], ids[cut:cut + 10]
+    stream = tok.decode_stream(prompt_token_ids=prompt)
+    text = "".join(stream.step(t) for t in out)
+    assert tok.decode(prompt + out) == tok.decode(prompt) + text
+    assert text.startswith(" ") == (cut > 1)  # after <bos> alone (skipped) no space
