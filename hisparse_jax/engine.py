@@ -542,7 +542,7 @@ class Engine:
     metrics = RequestMetrics(
         arrival_time=request.arrival_time, first_token_time=request.first_token_time,
         last_token_time=request.last_token_time, time_to_first_token_s=ttft,
-        decode_tokens_per_s=decode_tps, blocks_selected=dict(request.blocks_selected),
+        decode_tokens_per_s=decode_tps, blocks_selected=request.blocks_selected,
         num_preemptions=request.num_preemptions)
     return RequestOutput(
         request_id=request.request_id, prompt=request.prompt,

@@ -135,7 +135,7 @@ class Request:
     return self.status == RequestStatus.FINISHED
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Logprob:
   """A token's log-probability at one output position (vLLM's `Logprob`): `rank` 1 is
   the most likely token; `decoded_token` its text (None without a tokenizer)."""
@@ -145,7 +145,7 @@ class Logprob:
   decoded_token: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class CompletionOutput:
   """One completion of a request (vLLM's `CompletionOutput`).
 
@@ -170,7 +170,7 @@ class CompletionOutput:
     return self.finish_reason is not None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class RequestMetrics:
   """A request's timings (vLLM's fields) and this engine's own figures for it."""
 
@@ -185,7 +185,7 @@ class RequestMetrics:
   num_preemptions: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
   """What a request produced (vLLM's `RequestOutput`), as `Engine.step()` streams it
   and `LLM.generate` returns it.
