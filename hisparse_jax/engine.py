@@ -12,6 +12,7 @@ and logs their capacity per memory kind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -250,8 +251,10 @@ class Engine:
     if seed is None:
       seed = int(self._seed_rng.integers(0, 2**31 - 1))
     request = Request(request_id, token_ids, sampling_params, seed=seed, prompt=prompt,
-                      detokenizer=self.tokenizer.decode_stream(prompt_token_ids=token_ids)
-                      if self.tokenizer else None)
+                      detokenizer=self.tokenizer.decode_stream(
+                          prompt_token_ids=token_ids,
+                          skip_special_tokens=sampling_params.skip_special_tokens)
+                      if self.tokenizer and sampling_params.detokenize else None)
     self.requests[request_id] = request
     self.scheduler.add(request)
     self.stats.on_add(request)
@@ -471,7 +474,10 @@ class Engine:
     the top `SamplingParams.logprobs` tokens, each a `Logprob` (vLLM's shape)."""
     sampled, rank, top_ids, top_lps = logprobs
     num_top = request.sampling_params.logprobs
-    decode = self.tokenizer.decode if self.tokenizer is not None else None
+    decode = None
+    if self.tokenizer is not None and request.sampling_params.detokenize:
+      skip = request.sampling_params.skip_special_tokens
+      decode = functools.partial(self.tokenizer.decode, skip_special_tokens=skip)
     position = {}
     for r, (t, lp) in enumerate(zip(top_ids[:num_top].tolist(), top_lps[:num_top].tolist())):
       position[t] = Logprob(lp, r + 1, decode([t]) if decode else None)

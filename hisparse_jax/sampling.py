@@ -60,6 +60,10 @@ class SamplingParams:
   # position (from the model's logits, before penalties and temperature, as vLLM's
   # default "raw_logprobs"); None: none computed.
   logprobs: int | None = None
+  # Whether the output gets text at all (False: token ids only, no stop strings), and
+  # whether special tokens' text is left out of it.
+  detokenize: bool = True
+  skip_special_tokens: bool = True
 
   def __post_init__(self):
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -88,6 +92,8 @@ class SamplingParams:
       raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
     if self.logprobs is not None and self.logprobs < 0:
       raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+    if self.stop and not self.detokenize:
+      raise ValueError("stop strings need detokenize=True (they match the output's text)")
     if not isinstance(self.output_kind, RequestOutputKind):
       raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

@@ -360,3 +360,16 @@ def test_vllm_api_parity_compares_tokens_text_finish_and_logprobs(monkeypatch, t
   skipped = parity.run()
   assert "is absent (make peers builds it)" in skipped["skipped"]
   assert parity.format_table(skipped).startswith("vllm_api_parity skipped: ")
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+  prompt = _prompt(20, seed=31)
+  sp = dict(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
+  (text,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**sp))
+  (ids,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+      **sp, detokenize=False))
+  assert ids.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+  assert ids.outputs[0].text == ""
+  assert all(lp.decoded_token is None for p in ids.outputs[0].logprobs for lp in p.values())
+  with pytest.raises(ValueError, match=r"stop strings need detokenize=True"):
+    SamplingParams(stop=["x"], detokenize=False)
