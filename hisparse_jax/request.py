@@ -192,7 +192,10 @@ class RequestOutput:
 
   `outputs` holds one `CompletionOutput` (index 0). `prompt` is the text the request was
   given (None when it came as token ids). `error` (this engine's addition) says why a
-  request whose finish_reason is "error" failed. `finished` is set exactly once.
+  request whose finish_reason is "error" failed. `finished` is set exactly once. As
+  vLLM's cumulative outputs, a running request's `prompt_token_ids`, CUMULATIVE
+  `token_ids` and `metrics.blocks_selected` are the request's own objects (no copy per
+  step): they grow while it runs; copy them to keep a snapshot.
   """
 
   request_id: str

@@ -129,6 +129,18 @@ def reference_greedy(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]],
   return [buf[row, lens[row]:lens[row] + num_tokens].tolist() for row in rows]
 
 
+def dense_last_logits(model: LlamaForCausalLM, ids: Sequence[int], width: int = 64
+                      ) -> np.ndarray:
+  """float32 [vocab] (a writable copy): the logits after `ids` by the dense forward over
+  the whole sequence (no KV cache), in a buffer of `width` tokens so every length runs
+  one compiled program (causal: the unfilled tail does not change them)."""
+  from flax import nnx
+  graphdef, state = nnx.split(model)
+  buf = np.zeros((1, width), np.int32)
+  buf[0, :len(ids)] = ids
+  return np.array(_forward(graphdef, state, jnp.asarray(buf))[0, len(ids) - 1], np.float32)
+
+
 def random_prompts(lengths: Sequence[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, size=int(n)).tolist() for n in lengths]

@@ -2,10 +2,9 @@
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_fixtures import dense_last_logits
 
 import hisparse_jax
 from hisparse_jax.llm import LLM, PromptError
@@ -43,20 +42,10 @@ def reference_greedy(checkpoint):
   """Greedy tokens by re-running the full dense forward (no KV cache) for every token."""
   model, _, _ = load_pretrained(checkpoint)
 
-  @jax.jit
-  def next_token(ids, length):  # ids [1, 64]; causal, so what follows `length` is ignored
-    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    logits, _ = model(ids, positions)
-    return jnp.argmax(logits[0, length - 1])
-
   def greedy(prompt, num_tokens):
-    ids = np.zeros((1, 64), np.int32)
-    ids[0, :len(prompt)] = prompt
     out = []
-    for i in range(num_tokens):
-      token = int(next_token(jnp.asarray(ids), len(prompt) + i))
-      ids[0, len(prompt) + i] = token
-      out.append(token)
+    for _ in range(num_tokens):
+      out.append(int(np.argmax(dense_last_logits(model, prompt + out))))
     return out
   return greedy
 

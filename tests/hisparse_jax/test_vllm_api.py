@@ -3,6 +3,7 @@ output kinds `Engine.step()` streams, vLLM's SamplingParams defaults, its prompt
 dtype="auto", and copies of vLLM's offline examples (examples/) run as they are."""
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -10,10 +11,9 @@ import re
 import runpy
 import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_fixtures import dense_last_logits
 
 from hisparse_jax import (
   LLM,
@@ -211,18 +211,7 @@ def test_vllm_offline_examples_run_as_written(name):
 def reference_logits(checkpoint):
   """The last position's logits of the full dense forward (no KV cache) over `ids`."""
   model, _, _ = load_pretrained(checkpoint)
-
-  @jax.jit
-  def last_logits(ids, length):  # ids [1, 64]; causal, so what follows `length` is ignored
-    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    logits, _ = model(ids, positions)
-    return logits[0, length - 1]
-
-  def run(ids):
-    padded = np.zeros((1, 64), np.int32)
-    padded[0, :len(ids)] = ids
-    return np.array(last_logits(jnp.asarray(padded), len(ids)), np.float32)  # writable
-  return run
+  return functools.partial(dense_last_logits, model)
 
 
 def _reference_decode(reference_logits, prompt, num_tokens, sp, eos_ids=(2,)):
