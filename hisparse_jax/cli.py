@@ -76,6 +76,8 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set of tok
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 disables it.")
 flags.DEFINE_multi_string("stop", [], "A stop string: the output ends where its text first "
                           "contains it (left out of the text); repeat the flag for more.")
+flags.DEFINE_integer("logprobs", None, "Print each generated token's log-probability and the "
+                     "N most likely tokens at its position (0: the token's own only).")
 flags.DEFINE_integer("seed", 0, "Seed of the engine: each request's sampling seed is drawn "
                      "from it, so a run is reproducible.")
 flags.DEFINE_string("metrics_json", None, "Write the engine metrics (a flat JSON object) here.")

@@ -191,7 +191,8 @@ def sampling_from_flags():
 
   try:
     return SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                          max_tokens=FLAGS.max_new_tokens, stop=FLAGS.stop)
+                          max_tokens=FLAGS.max_new_tokens, stop=FLAGS.stop,
+                          logprobs=FLAGS.logprobs)
   except ValueError as e:  # name the flag: max_tokens comes from --max_new_tokens
     raise ValueError(f"--{str(e).replace('max_tokens', 'max_new_tokens')}") from None
 
@@ -252,6 +253,22 @@ def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None
   shown = answer if len(answer) <= MAX_ANSWER_CHARS else answer[:MAX_ANSWER_CHARS] + "..."
   return (f"[{index}] {'RIGHT' if right else 'WRONG'} {shown!r} (expected "
           f"{spec.expected.strip()!r}; {figures})", right)
+
+
+def _logprobs_line(completion) -> str:
+  """`    logprobs (sum S): TOKEN LP [ALT LP, ...] | ...`: each generated token's
+  log-probability, then the most likely tokens at its position (--logprobs=N)."""
+  parts = []
+  for token, position in zip(completion.token_ids, completion.logprobs):
+    own = position[token]
+    alternatives = sorted((lp for lp in position.values() if lp is not own),
+                          key=lambda lp: lp.rank)
+    part = f"{own.decoded_token!r} {own.logprob:.3f}"
+    if alternatives:
+      part += " [" + ", ".join(f"{a.decoded_token!r} {a.logprob:.3f}"
+                               for a in alternatives) + "]"
+    parts.append(part)
+  return f"    logprobs (sum {completion.cumulative_logprob:.3f}): " + " | ".join(parts)
 
 
 def checked_prompt_ids(specs: Sequence[PromptSpec], model: str | None,
@@ -315,6 +332,8 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
   for i, (spec, output) in enumerate(zip(specs, outputs)):
     line, right = _output_line(i, spec, output)
     print(line, file=out)
+    if output.outputs[0].logprobs is not None:
+      print(_logprobs_line(output.outputs[0]), file=out)
     if right is not None:
       num_expected += 1
       num_right += int(right)

@@ -121,6 +121,8 @@ FLAG_ROWS = [
      "--top_p must be in (0, 1], got 1.5"),
     ("empty stop string", "generate", ("--prompt=bafu:", "--stop="),
      "--stop strings must be non-empty strings, got ''"),
+    ("negative logprobs", "generate", ("--prompt=bafu:", "--logprobs=-1"),
+     "--logprobs must be >= 0 or None, got -1"),
     ("top_k_tokens larger than hot_buffer_tokens", "generate",
      ("--prompt=bafu:", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"),
      "--hot_buffer_tokens (32) must be >= top_k_tokens (64): a step's selected blocks must fit "

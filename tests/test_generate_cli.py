@@ -49,17 +49,24 @@ def _one_error_line(r) -> str:
 
 def test_prompt_flags_then_prompts_file_with_expected_answers(checkpoint, compile_cache,
                                                                tmp_path):
-  # 1. Two --prompt flags: one line per prompt, in order, with the output text as JSON.
+  # 1. Two --prompt flags: one line per prompt, in order, with the output text as JSON,
+  # each followed by its tokens' logprobs (--logprobs=1: the token's, and the most likely
+  # other token's where the token is not the most likely).
   r = _generate(f"--model={checkpoint}", *SMALL_POOLS, "--max_new_tokens=3",
-                "--prompt=bafu: bapo\nbaki: bare\n? baki:", "--prompt=baki:",
+                "--prompt=bafu: bapo\nbaki: bare\n? baki:", "--prompt=baki:", "--logprobs=1",
                 cache_dir=compile_cache)
   assert r.returncode == 0, r.stderr
   lines = r.stdout.splitlines()
   m0 = re.fullmatch(r'\[0\] (".*") \(9 prompt tokens, (\d) generated, finish (\w+)\)', lines[0])
-  m1 = re.fullmatch(r'\[1\] (".*") \(2 prompt tokens, (\d) generated, finish (\w+)\)', lines[1])
+  m1 = re.fullmatch(r'\[1\] (".*") \(2 prompt tokens, (\d) generated, finish (\w+)\)', lines[2])
   assert m0 and m1, r.stdout
+  token = r"'[^']*' -?\d+\.\d{3}( \['[^']*' -?\d+\.\d{3}\])?"
+  for line, m in ((lines[1], m0), (lines[3], m1)):
+    pattern = rf"    logprobs \(sum -?\d+\.\d{{3}}\): {token}( \| {token})*"
+    assert re.fullmatch(pattern, line), line
+    assert line.count(" | ") == int(m.group(2)) - 1
   assert "KV cache capacity [memory_kind=pinned_host]" in r.stderr
-  assert lines[2] == "metrics:"
+  assert lines[4] == "metrics:"
   answer = json.loads(m0.group(1)).split("\n")[0].strip()
 
   # 2. The same prompt from a file, expected = that answer (RIGHT) and a wrong one; a
