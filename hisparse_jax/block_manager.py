@@ -32,8 +32,10 @@ again in the same step, so the order of the batched moves matters:
   5. `finish_step()`, which releases the host blocks pinned as sources or targets of
      this step's transfers.
 A sequence that was allocated, appended to or swapped in during a step is neither
-freed, forked nor swapped out before that step's forward has run; only a sequence
-whose prompt is computed is forked or appended to.
+freed nor swapped out before that step's forward has run; only a sequence whose prompt
+is computed is appended to. A sequence may be forked in the step that computes the end
+of its prompt (the forward writes the shared blocks; neither sequence appends, so
+copies them on write, before a later step).
 
 HiSparse tiering (sequences that decode sparsely, hisparse_jax.resolver):
 
@@ -314,16 +316,18 @@ class BlockManager:
     # queue just as a new block would.
     return num_blocks - sum(self.device_pool.ref_cnt(i) > 0 for i in device_hit_ids)
 
-  def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None) -> bool:
+  def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None, *,
+                   read_cache: bool = True) -> bool:
     """Whether `allocate` of this prompt would find enough device blocks."""
-    hits = self._prefix_hits(self._hashes(token_ids, extra_keys), len(token_ids), count=False)
+    hits = (self._prefix_hits(self._hashes(token_ids, extra_keys), len(token_ids), count=False)
+            if read_cache else [])
     device_hit_ids = [i for kind, i in hits if kind == "device"]
     need = self._num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
     return need <= self.device_pool.num_free_blocks
 
   def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
                extra_keys: tuple | None = None, *,
-               num_new_tokens: int | None = None) -> AllocateResult:
+               num_new_tokens: int | None = None, read_cache: bool = True) -> AllocateResult:
     """Device blocks for a new sequence's prompt, reusing cached prefix blocks.
 
     Device hits are shared (ref_cnt += 1); host hits get a new device block and an
@@ -332,6 +336,8 @@ class BlockManager:
     for all of them. Only blocks that are full within the cached prefix plus these
     tokens are cached for prefix hits: a later request must never hit a block whose KV
     is not computed yet. Call `cache_blocks` as the next chunks are scheduled.
+    `read_cache` False: no prefix hits (the whole prompt is computed; its full blocks are
+    still cached for later requests).
     """
     if seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} already has blocks")
@@ -339,11 +345,11 @@ class BlockManager:
       raise ValueError(f"sequence {seq_id!r} has no tokens")
     token_ids = [int(t) for t in token_ids]
     hashes = self._hashes(token_ids, extra_keys)
-    if not self.can_allocate(token_ids, extra_keys):
+    if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache):
       raise ValueError(
           f"cannot allocate {seq_id!r}: {self._num_blocks(len(token_ids))} blocks needed, "
           f"{self.device_pool.num_free_blocks} device blocks free")
-    hits = self._prefix_hits(hashes, len(token_ids), count=True)
+    hits = self._prefix_hits(hashes, len(token_ids), count=True) if read_cache else []
     num_blocks = self._num_blocks(len(token_ids))
     device_hit_ids = [i for kind, i in hits if kind == "device"]
     self.device_pool.touch(device_hit_ids)  # Before allocating, so they are not evicted.

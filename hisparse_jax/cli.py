@@ -78,6 +78,9 @@ flags.DEFINE_multi_string("stop", [], "A stop string: the output ends where its 
                           "contains it (left out of the text); repeat the flag for more.")
 flags.DEFINE_integer("logprobs", None, "Print each generated token's log-probability and the "
                      "N most likely tokens at its position (0: the token's own only).")
+flags.DEFINE_integer("n", 1, "Completions per prompt, each on its own line [prompt.k]; they "
+                     "share the prompt's KV blocks (one prefill) and differ by their draws "
+                     "(--temperature > 0: vLLM refuses n > 1 when greedy).")
 flags.DEFINE_integer("seed", 0, "Seed of the engine: each request's sampling seed is drawn "
                      "from it, so a run is reproducible.")
 flags.DEFINE_string("metrics_json", None, "Write the engine metrics (a flat JSON object) here.")

@@ -39,6 +39,7 @@ from hisparse_jax.request import (
     RequestMetrics,
     RequestOutput,
     RequestStatus,
+    SequenceGroup,
     check_prompt,
 )
 from hisparse_jax.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
@@ -206,10 +207,12 @@ class Engine:
     self._free_hot_rows = list(range(self.runner.num_hot_rows))
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
     self._inflight: _InflightStep | None = None  # dispatched, tokens not read back yet
-    self._finished_outputs: list[RequestOutput] = []
+    self._finished: list[Request] = []  # finished since the last step() returned
+    self._groups: dict[str, SequenceGroup] = {}  # unfinished requests with n > 1
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
     self.num_steps = 0
+    self.last_step_num_tokens = 0  # tokens the last step() scheduled
 
   def _hisparse_capacity(self, spec: KVCacheSpec, num_device_blocks: int,
                          num_host_blocks: int) -> HiSparseCapacity:
@@ -231,7 +234,7 @@ class Engine:
     if request_id is None:
       request_id = f"req-{next(self._ids)}"
     request_id = str(request_id)
-    if request_id in self.requests:
+    if request_id in self.requests or request_id in self._groups:
       raise ValueError(f"request_id {request_id!r} is already in use")
     if prompt is None and prompt_token_ids is None:
       raise ValueError("give prompt or prompt_token_ids")
@@ -247,25 +250,50 @@ class Engine:
     if sampling_params.stop and self.tokenizer is None:
       raise ValueError("stop: stop strings match the output's text, and this engine has no "
                        "tokenizer; use stop_token_ids")
-    seed = sampling_params.seed
-    if seed is None:
-      seed = int(self._seed_rng.integers(0, 2**31 - 1))
-    request = Request(request_id, token_ids, sampling_params, seed=seed, prompt=prompt,
-                      detokenizer=self.tokenizer.decode_stream(
-                          prompt_token_ids=token_ids,
-                          skip_special_tokens=sampling_params.skip_special_tokens)
-                      if self.tokenizer and sampling_params.detokenize else None)
-    self.requests[request_id] = request
+    n = sampling_params.n
+    if n > self.config.max_num_seqs:
+      raise ValueError(f"n={n} exceeds max_num_seqs={self.config.max_num_seqs} (the n "
+                       "sequences of a request run together)")
+    # Sequence i > 0 of a request with n > 1 runs as f"{i}_{request_id}" (vLLM's).
+    seq_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, n)]
+    if taken := [i for i in seq_ids[1:] if i in self.requests]:
+      raise ValueError(f"request_id {request_id!r}: its sequence id {taken[0]!r} is in use")
+    seqs = []
+    arrival = time.perf_counter()
+    for i, seq_id in enumerate(seq_ids):
+      seed = sampling_params.seed
+      seed = (int(self._seed_rng.integers(0, 2**31 - 1)) if seed is None
+              else (seed + i) % 2**32)
+      seqs.append(Request(seq_id, token_ids, sampling_params, seed=seed, prompt=prompt,
+                          arrival_time=arrival, index=i,
+                          detokenizer=self.tokenizer.decode_stream(
+                              prompt_token_ids=token_ids,
+                              skip_special_tokens=sampling_params.skip_special_tokens)
+                          if self.tokenizer and sampling_params.detokenize else None))
+    request = seqs[0]
+    if sampling_params.prompt_logprobs is not None:
+      request.prompt_logprobs = [None]  # (the first prompt token has none)
+    if n > 1:
+      group = self._groups[request_id] = SequenceGroup(request_id, seqs)
+      for seq in seqs:
+        seq.group = group
+      request.pending_children = seqs[1:]
+    for seq in seqs:
+      self.requests[seq.request_id] = seq
     self.scheduler.add(request)
     self.stats.on_add(request)
     return request_id
 
   def abort_request(self, request_id: str) -> bool:
-    """Ends a request now (finish_reason "abort") and frees its blocks."""
+    """Ends a request (all n of its sequences) now, finish_reason "abort", and frees its
+    blocks."""
+    group = self._groups.get(str(request_id))
     request = self.requests.get(str(request_id))
-    if request is None or request.is_finished:
+    if group is None and (request is None or request.is_finished):
       return False
-    self._finish(request, "abort")
+    for seq in group.seqs if group is not None else [request]:
+      if not seq.is_finished:
+        self._finish(seq, "abort")
     return True
 
   def has_unfinished_requests(self) -> bool:
@@ -274,7 +302,7 @@ class Engine:
   # --- One step ------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one engine step; returns the outputs of requests that advanced or finished.
+    """Runs one engine step; returns the outputs of requests that got a token or finished.
 
     Steps overlap (vLLM V1's async scheduling): this call plans and dispatches step t,
     then reads back step t - 1's tokens and postprocesses them while step t runs on the
@@ -284,6 +312,7 @@ class Engine:
     """
     self.transfer.poll()
     out = self.scheduler.schedule()
+    self.last_step_num_tokens = out.num_tokens
     dispatched, moved = None, False
     try:
       self._move_blocks(out)
@@ -318,9 +347,8 @@ class Engine:
       last, self._inflight = self._inflight, None
       self._complete(last, outputs)
     self.num_steps += 1
-    result = [self._output(r) for r in outputs.values() if not r.is_finished]
-    result = [o for o in result if o is not None] + self._finished_outputs
-    self._finished_outputs = []
+    result = self._outputs([r for r in outputs.values() if not r.is_finished] + self._finished)
+    self._finished = []
     self.stats.on_usage(self.block_manager, self.scheduler)
     return result
 
@@ -335,6 +363,12 @@ class Engine:
     now = time.perf_counter()  # every row's token arrives now
     self.stats.on_step(step.out, now - step.start, self.block_manager)
     sparse_rows = step.batch.metadata.sparse_rows
+    if result.prompt_logprobs is not None:
+      for i, first, num in step.batch.prompt_spans:
+        chunk = step.out.chunks[i]
+        if not chunk.request.is_finished:
+          self._add_prompt_logprobs(chunk.request, chunk.start + 1,
+                                    tuple(a[first:first + num] for a in result.prompt_logprobs))
     tally = engine_metrics.StepTally()
     for i, (chunk, token, num_blocks) in enumerate(zip(
         step.out.chunks, tokens.tolist(), step.batch.blocks_attended.tolist())):
@@ -349,7 +383,8 @@ class Engine:
       self._postprocess(chunk, token, num_blocks, now, tally,
                         counts[:, i] if counts is not None and sparse_rows[i] else None,
                         row_logprobs)
-      outputs[request.request_id] = request
+      if chunk.samples:  # (a prompt chunk before the last has nothing to report)
+        outputs[request.request_id] = request
     tally.loaded_block_layers = result.loaded_block_layers
     spec = self.device_pool.spec
     self.stats.on_tally(tally, spec.bytes_per_block // spec.num_layers)
@@ -469,22 +504,45 @@ class Engine:
           or position + 1 >= self.config.max_model_len):
       self._finish(request, "length")
 
-  def _add_logprobs(self, request: Request, token: int, logprobs) -> None:
-    """Appends this token's position to the request's logprobs: the sampled token and
-    the top `SamplingParams.logprobs` tokens, each a `Logprob` (vLLM's shape)."""
-    sampled, rank, top_ids, top_lps = logprobs
-    num_top = request.sampling_params.logprobs
-    decode = None
-    if self.tokenizer is not None and request.sampling_params.detokenize:
-      skip = request.sampling_params.skip_special_tokens
-      decode = functools.partial(self.tokenizer.decode, skip_special_tokens=skip)
+  def _decoder(self, request: Request):
+    """A token id's text for Logprob.decoded_token (None: the request has no text)."""
+    if self.tokenizer is None or not request.sampling_params.detokenize:
+      return None
+    return functools.partial(self.tokenizer.decode,
+                             skip_special_tokens=request.sampling_params.skip_special_tokens)
+
+  @staticmethod
+  def _position_logprobs(token: int, logprob: float, rank: int, top_ids, top_lps,
+                         num_top: int, decode) -> dict[int, Logprob]:
+    """{token id: Logprob} of one position: the top `num_top` and `token` itself."""
     position = {}
     for r, (t, lp) in enumerate(zip(top_ids[:num_top].tolist(), top_lps[:num_top].tolist())):
       position[t] = Logprob(lp, r + 1, decode([t]) if decode else None)
     if token not in position:
-      position[token] = Logprob(float(sampled), int(rank), decode([token]) if decode else None)
-    request.logprobs.append(position)
+      position[token] = Logprob(float(logprob), int(rank), decode([token]) if decode else None)
+    return position
+
+  def _add_logprobs(self, request: Request, token: int, logprobs) -> None:
+    """Appends this token's position to the request's logprobs: the sampled token and
+    the top `SamplingParams.logprobs` tokens, each a `Logprob` (vLLM's shape)."""
+    sampled, rank, top_ids, top_lps = logprobs
+    request.logprobs.append(self._position_logprobs(
+        token, sampled, rank, top_ids, top_lps, request.sampling_params.logprobs,
+        self._decoder(request)))
     request.cumulative_logprob += float(sampled)
+
+  def _add_prompt_logprobs(self, request: Request, position: int, logprobs) -> None:
+    """Records the prompt logprobs a step computed for prompt positions `position`
+    onwards (the logprob of each prompt token given those before it)."""
+    lps, ranks, top_ids, top_lps = logprobs
+    decode = self._decoder(request)
+    num_top = request.sampling_params.prompt_logprobs
+    prompt = request.prompt_token_ids
+    for j in range(len(lps)):
+      if position + j != len(request.prompt_logprobs):
+        continue  # (computed before, by a step that was then recomputed)
+      request.prompt_logprobs.append(self._position_logprobs(
+          prompt[position + j], lps[j], ranks[j], top_ids[j], top_lps[j], num_top, decode))
 
   def _stop_string(self, request: Request, before: int) -> bool:
     """Ends `request` (finish_reason "stop", stop_reason the string) if its text, which
@@ -504,13 +562,40 @@ class Engine:
     return True
 
   def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+    children = request.pending_children
     self.scheduler.remove(request)
+    request.pending_children = []
     del self.requests[request.request_id]  # its id may be used again from now on
     request.status = RequestStatus.FINISHED
     request.finish_reason = reason
     request.error = error
     self.stats.on_finish(request)
-    self._finished_outputs.append(self._output(request))
+    self._finished.append(request)
+    for child in children:  # sequences that never forked its blocks end with it
+      self._finish(child, reason, error)
+    if request.group is not None and request.group.finished:
+      self._groups.pop(request.group.request_id, None)
+
+  def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
+    """The outputs of the requests that advanced or finished in a step, in that order;
+    the sequences of a request with n > 1 make one output where the first of them is."""
+    result, groups = [], {}
+    for request in requests:
+      if request.group is None:
+        output = self._output(request)
+        if output is not None:
+          result.append(output)
+        continue
+      seqs = groups.get(id(request.group))
+      if seqs is None:
+        seqs = groups[id(request.group)] = []
+        result.append(request.group)
+      seqs.append(request)
+    if groups:
+      result = [self._group_output(x, groups[id(x)]) if isinstance(x, SequenceGroup) else x
+                for x in result]
+      result = [o for o in result if o is not None]
+    return result
 
   def _output(self, request: Request) -> RequestOutput | None:
     """The request's output as its `output_kind` streams it (None: nothing to hand out
@@ -519,6 +604,73 @@ class Engine:
     finished = request.is_finished
     if kind is RequestOutputKind.FINAL_ONLY and not finished:
       return None
+    ttft = (request.first_token_time - request.arrival_time
+            if request.first_token_time is not None else None)
+    decode_tps = None
+    if request.first_token_time is not None and len(request.output_token_ids) > 1:
+      span = request.last_token_time - request.first_token_time
+      decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
+    metrics = RequestMetrics(
+        arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+        last_token_time=request.last_token_time, time_to_first_token_s=ttft,
+        decode_tokens_per_s=decode_tps, blocks_selected=request.blocks_selected,
+        num_preemptions=request.num_preemptions)
+    return RequestOutput(
+        request_id=request.request_id, prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids, outputs=[self._completion(request)],
+        finished=finished, metrics=metrics, num_cached_tokens=request.num_cached_tokens,
+        error=request.error, prompt_logprobs=self._prompt_logprobs(request))
+
+  def _group_output(self, group: SequenceGroup, seqs: list[Request]) -> RequestOutput | None:
+    """The output of a request with n > 1 whose sequences `seqs` advanced or finished:
+    under DELTA their completions, otherwise all n (FINAL_ONLY: once all finished).
+    Metrics: the earliest first token, the latest last one, decode tokens/s over all
+    sequences, blocks and preemptions summed."""
+    first = group.seqs[0]
+    kind = first.sampling_params.output_kind
+    finished = group.finished
+    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+      return None
+    if kind is not RequestOutputKind.DELTA:
+      seqs = group.seqs
+    completions = [self._completion(s) for s in sorted(seqs, key=lambda s: s.index)]
+    started = [s for s in group.seqs if s.first_token_time is not None]
+    first_time = min((s.first_token_time for s in started), default=None)
+    last_time = max((s.last_token_time for s in started), default=None)
+    decode_tps = None
+    if started and last_time > first_time:
+      decode_tps = sum(len(s.output_token_ids) - 1 for s in started) / (last_time - first_time)
+    blocks = {k: sum(s.blocks_selected[k] for s in group.seqs) for k in first.blocks_selected}
+    metrics = RequestMetrics(
+        arrival_time=first.arrival_time, first_token_time=first_time,
+        last_token_time=last_time,
+        time_to_first_token_s=first_time - first.arrival_time if started else None,
+        decode_tokens_per_s=decode_tps, blocks_selected=blocks,
+        num_preemptions=sum(s.num_preemptions for s in group.seqs))
+    return RequestOutput(
+        request_id=group.request_id, prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=finished,
+        metrics=metrics, num_cached_tokens=first.num_cached_tokens,
+        error=next((s.error for s in group.seqs if s.error), None),
+        prompt_logprobs=self._prompt_logprobs(first))
+
+  def _prompt_logprobs(self, request: Request) -> list | None:
+    """The prompt's logprobs once computed (under DELTA in the first output only)."""
+    if request.sampling_params.prompt_logprobs is None:
+      return None
+    if len(request.prompt_logprobs) < request.num_prompt_tokens:
+      return None  # not computed (yet: the prefill is under way, or failed)
+    if request.sampling_params.output_kind is RequestOutputKind.DELTA:
+      if request.prompt_logprobs_reported:
+        return None
+      request.prompt_logprobs_reported = True
+    return request.prompt_logprobs
+
+  def _completion(self, request: Request) -> CompletionOutput:
+    """One sequence's completion as its `output_kind` streams it (DELTA: what is new
+    since the last one handed out)."""
+    kind = request.sampling_params.output_kind
+    finished = request.is_finished
     text = request.output_text
     hold = request.sampling_params.stop_hold_back
     if hold and not finished:  # what may still turn out to start a stop string
@@ -531,29 +683,14 @@ class Engine:
       request.num_text_reported += len(text)
     elif finished:  # the request is done with them: a copy per request, once
       token_ids = list(token_ids)
-    ttft = (request.first_token_time - request.arrival_time
-            if request.first_token_time is not None else None)
-    decode_tps = None
-    if request.first_token_time is not None and len(request.output_token_ids) > 1:
-      span = request.last_token_time - request.first_token_time
-      decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
     logprobs = cumulative = None
     if request.sampling_params.logprobs is not None:
       cumulative = request.cumulative_logprob
       logprobs = request.logprobs[len(request.logprobs) - len(token_ids):]
-    completion = CompletionOutput(
-        index=0, text=text, token_ids=token_ids, cumulative_logprob=cumulative,
+    return CompletionOutput(
+        index=request.index, text=text, token_ids=token_ids, cumulative_logprob=cumulative,
         logprobs=logprobs, finish_reason=request.finish_reason,
         stop_reason=request.stop_reason)
-    metrics = RequestMetrics(
-        arrival_time=request.arrival_time, first_token_time=request.first_token_time,
-        last_token_time=request.last_token_time, time_to_first_token_s=ttft,
-        decode_tokens_per_s=decode_tps, blocks_selected=request.blocks_selected,
-        num_preemptions=request.num_preemptions)
-    return RequestOutput(
-        request_id=request.request_id, prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-        metrics=metrics, num_cached_tokens=request.num_cached_tokens, error=request.error)
 
   # --- Figures -------------------------------------------------------------------
 
@@ -569,7 +706,13 @@ class Engine:
     self.block_manager.check_invariants()
     sched = self.scheduler
     queued = [r.request_id for r in [*sched.waiting, *sched.running, *sched.swapped]]
+    queued += [c.request_id for r in self.requests.values() for c in r.pending_children]
     assert sorted(queued) == sorted(self.requests), (queued, sorted(self.requests))
+    reserved = sum(len(r.pending_children) for r in [*sched.running, *sched.swapped])
+    assert sched.num_reserved_seats == reserved, (sched.num_reserved_seats, reserved)
+    assert len(sched.running) + reserved <= sched.max_num_seqs
+    assert sorted(self._groups) == sorted(
+        {r.group.request_id for r in self.requests.values() if r.group is not None})
     assert all(not r.is_finished for r in self.requests.values())
     assert set(self.block_manager.seq_ids) <= set(self.requests), self.block_manager.seq_ids
     for request in sched.running:

@@ -5,7 +5,8 @@ Usage::
   hisparse-jax generate --prompt=$'bafu: bapo\\n? bafu:' [--prompt=...] [--prompts_file=F]
       [--model=DIR] [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
       [--max_num_seqs=N] [--max_num_batched_tokens=N] [--max_new_tokens=N]
-      [--temperature=T] [--top_p=P] [--top_k=K] [--seed=S] [--metrics_json=F]
+      [--temperature=T] [--top_p=P] [--top_k=K] [--stop=S] [--n=N] [--logprobs=N]
+      [--seed=S] [--metrics_json=F]
       [--prometheus_port=P] [--log_every_steps=N]
 
 (`$'...'` is bash quoting that turns `\\n` into a newline; absl passes a flag's text as
@@ -14,16 +15,15 @@ is.) `--prompts_file` is JSONL, one object a line (blank lines skipped)::
   {"prompt": "bafu: bapo\\n? bafu:", "expected": "bapo", "max_tokens": 4}
   {"prompt_token_ids": [1, 520, 13, 4, 5, 520]}
 
-Prints (stdout) one line per prompt in input order: the output text, or, when an
-expected answer is given, RIGHT when the first line of the output starts with it (whole words),
-else WRONG; then
-"N/M right" and a metrics summary. The capacity lines, the status line and the progress
-bar go to stderr. Bad input (a bad JSONL line, a file that is not UTF-8, a bad flag
-value, a prompt the engine would refuse) exits 2 with one line naming the flag, or the
-file and line, before the weights load: the flags are checked as an `EngineConfig` and
-the prompts by the engine's rule (`request.check_prompt`) against the checkpoint's
-config and tokenizer. `hisparse-jax demo` runs its prompts through `run` below, the
-same path.
+Prints (stdout) one line per prompt in input order (one per completion with --n > 1):
+the output text, or, when an expected answer is given, RIGHT when the first line of the
+output starts with it (whole words), else WRONG; then "N/M right" and a metrics summary.
+The capacity lines, the status line and the progress bar go to stderr. Bad input (a bad
+JSONL line, a file that is not UTF-8, a bad flag value, a prompt the engine would
+refuse) exits 2 with one line naming the flag, or the file and line, before the weights
+load: the flags are checked as an `EngineConfig` and the prompts by the engine's rule
+(`request.check_prompt`) against the checkpoint's config and tokenizer. `hisparse-jax
+demo` runs its prompts through `run` below, the same path.
 """
 
 from __future__ import annotations
@@ -190,11 +190,15 @@ def sampling_from_flags():
   from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415 (imports jax)
 
   try:
-    return SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                          max_tokens=FLAGS.max_new_tokens, stop=FLAGS.stop,
-                          logprobs=FLAGS.logprobs)
+    params = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                            top_k=FLAGS.top_k, max_tokens=FLAGS.max_new_tokens,
+                            stop=FLAGS.stop, logprobs=FLAGS.logprobs, n=FLAGS.n)
   except ValueError as e:  # name the flag: max_tokens comes from --max_new_tokens
     raise ValueError(f"--{str(e).replace('max_tokens', 'max_new_tokens')}") from None
+  if FLAGS.n > FLAGS.max_num_seqs:
+    raise ValueError(f"--n={FLAGS.n} exceeds --max_num_seqs={FLAGS.max_num_seqs} (the n "
+                     "completions of a prompt run together)")
+  return params
 
 
 def _fmt_seconds(x: float) -> str:
@@ -237,9 +241,14 @@ def metrics_summary(metrics: dict[str, float], wall_s: float) -> list[str]:
   ]
 
 
-def _output_line(index: int, spec: PromptSpec, output) -> tuple[str, bool | None]:
-  """The printed line of one prompt, and whether it was right (None: no expected answer)."""
-  completion = output.outputs[0]
+def _output_line(index: int, spec: PromptSpec, output, completion=None
+                 ) -> tuple[str, bool | None]:
+  """The printed line of one completion of a prompt (`[index]`, or `[index.k]` with
+  --n > 1), and whether it was right (None: no expected answer)."""
+  if completion is None:
+    completion = output.outputs[0]
+  if len(output.outputs) > 1:
+    index = f"{index}.{completion.index}"
   figures = (f"{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
              f"generated, finish {completion.finish_reason}")
   if output.metrics.num_preemptions:
@@ -330,13 +339,14 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
     registry.close()
   num_right = num_expected = 0
   for i, (spec, output) in enumerate(zip(specs, outputs)):
-    line, right = _output_line(i, spec, output)
-    print(line, file=out)
-    if output.outputs[0].logprobs is not None:
-      print(_logprobs_line(output.outputs[0]), file=out)
-    if right is not None:
-      num_expected += 1
-      num_right += int(right)
+    for completion in output.outputs:
+      line, right = _output_line(i, spec, output, completion)
+      print(line, file=out)
+      if completion.logprobs is not None:
+        print(_logprobs_line(completion), file=out)
+      if right is not None:
+        num_expected += 1
+        num_right += int(right)
   if num_expected:
     print(f"{num_right}/{num_expected} right", file=out)
   print("metrics:", file=out)

@@ -30,8 +30,8 @@ from hisparse_jax.sampling import RequestOutputKind, SamplingParams
 from hisparse_jax.status import StatusLogger
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-# Steps in a row without any output before `generate` gives up on a stuck engine (a
-# step that schedules anything returns an output, so a healthy run never gets close).
+# Steps in a row that neither scheduled a token nor returned an output before `generate`
+# gives up on a stuck engine (a healthy run never gets close).
 MAX_IDLE_STEPS = 1000
 
 
@@ -213,14 +213,14 @@ class LLM:
               disable=None if use_tqdm else True, dynamic_ncols=True) as bar:
       while pending:
         outputs = self.engine.step()
-        idle = 0 if outputs else idle + 1
+        idle = 0 if outputs or self.engine.last_step_num_tokens else idle + 1
         if idle > MAX_IDLE_STEPS:
           raise RuntimeError(f"the engine made no progress in {MAX_IDLE_STEPS} steps with "
                              f"{len(pending)} requests unfinished")
         for out in outputs:
           if out.request_id not in pending:
             continue
-          num_tokens = len(out.outputs[0].token_ids)
+          num_tokens = sum(len(c.token_ids) for c in out.outputs)
           num_generated += num_tokens - seen.get(out.request_id, 0)
           seen[out.request_id] = num_tokens
           if out.finished:

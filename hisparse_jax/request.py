@@ -57,9 +57,15 @@ class RequestStatus(enum.Enum):
   FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (queues hold them)
 class Request:
-  """Engine-side state of one request. Invariant: 0 <= num_computed_tokens <= num_tokens."""
+  """Engine-side state of one sequence. Invariant: 0 <= num_computed_tokens <= num_tokens.
+
+  A request with SamplingParams.n > 1 is n sequences under one `SequenceGroup`: the
+  first (index 0) carries the user's request_id and computes the prompt; the others
+  (`pending_children` until then) fork its blocks when its final prefill chunk is
+  scheduled and sample from the same logits in that step.
+  """
 
   request_id: str
   prompt_token_ids: list[int]
@@ -95,6 +101,13 @@ class Request:
   # Whether the block manager holds that token as PENDING_TOKEN (a decode was planned
   # with it before it was read back); the engine fills it in when it arrives.
   pending_in_blocks: bool = False
+  index: int = 0  # the completion's index among the request's n
+  group: SequenceGroup | None = None  # None: n == 1
+  pending_children: list[Request] = dataclasses.field(default_factory=list)
+  # SamplingParams.prompt_logprobs: None, then one {token id: Logprob} per prompt token
+  # from the second on, as the prefill computes them.
+  prompt_logprobs: list = dataclasses.field(default_factory=list)
+  prompt_logprobs_reported: bool = False  # (DELTA: in the first output only)
 
   @property
   def num_prompt_tokens(self) -> int:
@@ -133,6 +146,19 @@ class Request:
   @property
   def is_finished(self) -> bool:
     return self.status == RequestStatus.FINISHED
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceGroup:
+  """The n sequences of one request (SamplingParams.n > 1), reported together under
+  the user's request_id; finished once all of them are."""
+
+  request_id: str
+  seqs: list[Request]
+
+  @property
+  def finished(self) -> bool:
+    return all(s.is_finished for s in self.seqs)
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,7 +216,8 @@ class RequestOutput:
   """What a request produced (vLLM's `RequestOutput`), as `Engine.step()` streams it
   and `LLM.generate` returns it.
 
-  `outputs` holds one `CompletionOutput` (index 0). `prompt` is the text the request was
+  `outputs` holds the request's `CompletionOutput`s by index (SamplingParams.n of them;
+  under DELTA only those with something new). `prompt` is the text the request was
   given (None when it came as token ids). `error` (this engine's addition) says why a
   request whose finish_reason is "error" failed. `finished` is set exactly once. As
   vLLM's cumulative outputs, a running request's `prompt_token_ids`, CUMULATIVE
@@ -206,4 +233,7 @@ class RequestOutput:
   metrics: RequestMetrics
   num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
   error: str | None = None
-  prompt_logprobs: None = None
+  # SamplingParams.prompt_logprobs: per prompt token, None for the first, then
+  # {token id: Logprob} (the token itself and the top prompt_logprobs); once the prompt
+  # is computed (under DELTA in the first output only).
+  prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -125,12 +125,18 @@ class SamplerExtras:
   use_min_p: bool = dataclasses.field(default=False, metadata={"static": True})
   min_tokens: bool = dataclasses.field(default=False, metadata={"static": True})
   num_logprobs: int = dataclasses.field(default=0, metadata={"static": True})  # 0: none
+  # SamplingParams.prompt_logprobs: the logprob of `prompt_targets[j]` (the next prompt
+  # token) after the token at step row `prompt_rows[j]`, and the top
+  # `num_prompt_logprobs` there (-1: none computed; rows past the real ones: padding).
+  prompt_rows: jax.Array | None = None  # int32 [R]
+  prompt_targets: jax.Array | None = None  # int32 [R]
+  num_prompt_logprobs: int = dataclasses.field(default=-1, metadata={"static": True})
 
 
 def needs_extras(sp) -> bool:
   """Whether a request's SamplingParams need `SamplerExtras` in its steps."""
   return (sp.has_penalties or sp.min_p > 0 or sp.min_tokens > 0
-          or sp.logprobs is not None)
+          or sp.logprobs is not None or sp.prompt_logprobs is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +170,9 @@ class StepBatch:
   # int32 [num_seqs] (real rows only): blocks each row's attention reads, the selected
   # ones for sparse rows (min(top_k_blocks, valid blocks), the indexer's invariant).
   blocks_attended: np.ndarray | None = None
+  # SamplingParams.prompt_logprobs: (chunk index, first row in the step's prompt-logprob
+  # arrays, rows) of each chunk whose prompt positions get them.
+  prompt_spans: tuple[tuple[int, int, int], ...] = ()
 
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
@@ -181,6 +190,7 @@ class StepHandle:
   sparse: bool  # whether `counts` and `loaded` are read back
   # (sampled logprob [rows], its rank, top ids [rows, N], top logprobs), or () if none.
   logprobs: tuple = ()
+  prompt_logprobs: tuple = ()  # the same four per prompt-logprob row, or () if none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +202,7 @@ class StepResult:
   loaded: np.ndarray | None  # int32 [layers]: blocks the step's host loads moved, HiSparse
   # (sampled logprob [num_seqs], rank, top ids [num_seqs, N], top logprobs) or None.
   logprobs: tuple[np.ndarray, ...] | None = None
+  prompt_logprobs: tuple[np.ndarray, ...] | None = None  # per StepBatch.prompt_spans row
 
   @property
   def loaded_block_layers(self) -> int:
@@ -307,6 +318,17 @@ class ModelRunner:
     offset = 0
     for i, chunk in enumerate(chunks):
       request, n = chunk.request, chunk.num_tokens
+      if n == 0:  # samples from the logits of the chunk before it (n > 1), attends nothing
+        if chunk.logits_of is None or i == 0 or chunk.logits_of not in (
+            chunks[i - 1].request, chunks[i - 1].logits_of):
+          raise ValueError("a chunk without tokens must follow the chunk it samples from")
+        cu_q_lens[i] = offset
+        logits_indices[i] = logits_indices[i - 1]
+        sp = request.sampling_params
+        temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
+        seeds[i] = request.seed
+        counters[i] = len(request.output_token_ids) + request.num_inflight
+        continue
       if request.num_inflight and chunk.start + n == request.num_tokens:
         # A decode of the token the previous step is still sampling: read it there.
         token_src[offset] = request.inflight_row
@@ -352,15 +374,16 @@ class ModelRunner:
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints,
                         num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())))
-    extras = None
+    extras, spans = None, ()
     if any(needs_extras(c.request.sampling_params) for c in chunks):
-      extras = self._sampler_extras(chunks, b_pad)
+      extras, spans = self._sampler_extras(chunks, b_pad, cu_q_lens)
     return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
-                     top_k, seeds, counters, len(chunks), extras, blocks_attended)
+                     top_k, seeds, counters, len(chunks), extras, blocks_attended, spans)
 
-  def _sampler_extras(self, chunks: Sequence[ScheduledChunk], b_pad: int) -> SamplerExtras:
-    """The batch's `SamplerExtras` (host work O(prompt + output) of the rows that use
-    penalties; O(batch) otherwise)."""
+  def _sampler_extras(self, chunks: Sequence[ScheduledChunk], b_pad: int,
+                      cu_q_lens: np.ndarray) -> tuple[SamplerExtras, tuple]:
+    """The batch's `SamplerExtras` and prompt-logprob spans (host work O(prompt +
+    output) of the rows that use penalties or prompt logprobs; O(batch) otherwise)."""
     vocab = self.vocab_size
     params = [c.request.sampling_params for c in chunks]
     min_p = np.zeros(b_pad, np.float32)
@@ -397,11 +420,35 @@ class ModelRunner:
     for i, ids in stops.items():
       stop_ids[i, :len(ids)] = ids
     num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
-    return SamplerExtras(
+    # Prompt logprobs: after each prompt token of this step but the prompt's last, the
+    # next prompt token (once per request: not again when it is recomputed).
+    spans, rows, targets, num_top = [], [], [], -1
+    for i, (chunk, sp) in enumerate(zip(chunks, params)):
+      request = chunk.request
+      if sp.prompt_logprobs is None or len(request.prompt_logprobs) >= len(
+          request.prompt_token_ids):
+        continue
+      end = min(chunk.start + chunk.num_tokens, len(request.prompt_token_ids) - 1)
+      if end <= chunk.start:
+        continue
+      spans.append((i, len(rows), end - chunk.start))
+      rows.extend(range(cu_q_lens[i], cu_q_lens[i] + end - chunk.start))
+      targets.extend(request.prompt_token_ids[chunk.start + 1:end + 1])
+      num_top = max(num_top, sp.prompt_logprobs)
+    prompt_rows = prompt_targets = None
+    if spans:
+      prompt_rows = np.zeros(bucket(len(rows), 16), np.int32)
+      prompt_targets = np.zeros_like(prompt_rows)
+      prompt_rows[:len(rows)], prompt_targets[:len(rows)] = rows, targets
+      num_top = min(bucket(max(num_top, 1), 1), vocab)
+    extras = SamplerExtras(
         min_p, presence, frequency, repetition, prompt_ids, output_ids, stop_ids, below_min,
         penalties=bool(penalized), use_min_p=any(sp.min_p > 0 for sp in params),
         min_tokens=bool(limited),
-        num_logprobs=0 if num_logprobs < 0 else min(bucket(max(num_logprobs, 1), 1), vocab))
+        num_logprobs=0 if num_logprobs < 0 else min(bucket(max(num_logprobs, 1), 1), vocab),
+        prompt_rows=prompt_rows, prompt_targets=prompt_targets,
+        num_prompt_logprobs=num_top if spans else -1)
+    return extras, tuple(spans)
 
   # --- Device side ---------------------------------------------------------------
 
@@ -421,7 +468,8 @@ class ModelRunner:
         raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
       prev_tokens = self._no_tokens
     host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
-    tokens, arrays, self.bounds, self.hot_state, (counts, loaded), logprobs = self._step(
+    (tokens, arrays, self.bounds, self.hot_state, (counts, loaded),
+     (logprobs, prompt)) = self._step(
         self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
         batch.input_ids, batch.token_src, prev_tokens, batch.positions,
         batch.metadata, batch.logits_indices, batch.temperature, batch.top_p, batch.top_k,
@@ -431,7 +479,7 @@ class ModelRunner:
     if self.hisparse is not None:
       self.step_clock += 1
     return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
-                      logprobs)
+                      logprobs, prompt)
 
   def collect(self, handle: StepHandle) -> StepResult:
     """Waits for a dispatched step and reads back what the host needs of it (the step's
@@ -445,7 +493,8 @@ class ModelRunner:
     logprobs = None
     if handle.logprobs:
       logprobs = tuple(np.asarray(a)[:handle.num_seqs] for a in handle.logprobs)
-    return StepResult(tokens, counts, loaded, logprobs)
+    prompt = tuple(np.asarray(a) for a in handle.prompt_logprobs) or None
+    return StepResult(tokens, counts, loaded, logprobs, prompt)
 
   def execute(self, batch: StepBatch) -> np.ndarray:
     """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
@@ -571,6 +620,11 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   logprobs = ()
   if extras is not None and extras.num_logprobs:
     logprobs = token_logprobs(raw_logits, tokens, extras.num_logprobs)
+  prompt_logprobs = ()
+  if extras is not None and extras.num_prompt_logprobs >= 0:
+    prompt_logprobs = token_logprobs(model.compute_logits(hidden[0, extras.prompt_rows]),
+                                     extras.prompt_targets, extras.num_prompt_logprobs)
+  logprobs = (logprobs, prompt_logprobs)
   # One shape for every step (the next step reads it as prev_tokens).
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:

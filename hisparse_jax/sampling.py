@@ -64,8 +64,20 @@ class SamplingParams:
   # whether special tokens' text is left out of it.
   detokenize: bool = True
   skip_special_tokens: bool = True
+  # Completions per prompt: the n sequences share the prompt's KV blocks (one prefill,
+  # copy-on-write of the last block) and sample from the same prompt logits; with a
+  # seed, completion i draws with seed + i (vLLM's).
+  n: int = 1
+  # Log-probabilities of each prompt token given the tokens before it (the first is
+  # None), and of the top `prompt_logprobs` tokens at each position; such a request
+  # computes its whole prompt (no prefix-cache hits), as vLLM's.
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
+    if isinstance(self.n, bool) or not isinstance(self.n, (int, np.integer)):
+      raise ValueError(f"n must be an int, got {self.n!r}")
+    if self.n < 1:
+      raise ValueError(f"n must be at least 1, got {self.n}")
     if not np.isfinite(self.temperature) or self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
@@ -92,8 +104,12 @@ class SamplingParams:
       raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
     if self.logprobs is not None and self.logprobs < 0:
       raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+    if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+      raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
     if self.stop and not self.detokenize:
       raise ValueError("stop strings need detokenize=True (they match the output's text)")
+    if self.n > 1 and self.greedy:  # n identical completions: vLLM refuses them too
+      raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
     if not isinstance(self.output_kind, RequestOutputKind):
       raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

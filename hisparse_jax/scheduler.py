@@ -30,6 +30,10 @@ write) and they keep only a hot buffer plus their newest blocks on the device, s
 running set is bounded by the host-backed capacity rather than the device's. A swapped
 sparse decoder comes back offloaded (its newest block and hot buffer only).
 
+A request with n > 1 sequences is admitted as its first sequence, with seats for all n
+reserved; when its final prefill chunk is scheduled the others fork its blocks (shared,
+copied on write) and join the running set with a row that samples from the same logits.
+
 The scheduler owns host bookkeeping only (STYLE point 9); the engine executes the
 plans (transfers, copy-on-write copies, the jitted step) in the order the
 `BlockManager` contract gives.
@@ -55,6 +59,9 @@ class ScheduledChunk:
   start: int
   num_tokens: int
   slot_ids: np.ndarray  # int32 [num_tokens]
+  # A row that computes no token (num_tokens 0) and samples from the logits of this
+  # request's last token, whose chunk comes just before it (n > 1: the prompt's logits).
+  logits_of: Request | None = None
   # Whether the chunk ends at the request's last token, so its logits are sampled. Fixed
   # when scheduled: appending the sampled token must not change what this step did.
   samples: bool = dataclasses.field(init=False)
@@ -111,6 +118,8 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.swapped: collections.deque[Request] = collections.deque()
+    # Seats of the sequences not forked yet of admitted (running or swapped) requests.
+    self.num_reserved_seats = 0
 
   # --- Queues --------------------------------------------------------------------
 
@@ -124,6 +133,9 @@ class Scheduler:
 
   def remove(self, request: Request) -> None:
     """Takes a request out of whichever queue holds it and frees its blocks."""
+    if request.pending_children and request.status in (RequestStatus.RUNNING,
+                                                       RequestStatus.SWAPPED):
+      self.num_reserved_seats -= len(request.pending_children)
     if request in self.running:
       self.running.remove(request)
     elif request in self.swapped:
@@ -163,6 +175,30 @@ class Scheduler:
     self.bm.cache_blocks(request.request_id, start + n)
     return ScheduledChunk(request, start, n, self.bm.slot_ids(request.request_id, start,
                                                               start + n))
+
+  def _fork(self, chunk: ScheduledChunk, out: SchedulerOutput) -> list[Request]:
+    """Adds `chunk` to the step; when it is the final prefill chunk of a request with
+    sequences not forked yet, they fork its blocks now and sample in this step from its
+    logits (rows right after its chunk). Returns them (running from now on)."""
+    out.chunks.append(chunk)
+    request = chunk.request
+    if not (chunk.samples and request.pending_children):
+      return []
+    children, request.pending_children = request.pending_children, []
+    self.num_reserved_seats -= len(children)
+    for child in children:
+      self.bm.fork(request.request_id, child.request_id)
+      child.prefill_len = request.prefill_len
+      child.num_cached_tokens = request.num_cached_tokens
+      child.status = RequestStatus.RUNNING
+      out.chunks.append(ScheduledChunk(child, request.prefill_len, 0,
+                                       np.zeros(0, np.int32), logits_of=request))
+    return children
+
+  def _has_seats(self, request: Request | None = None) -> bool:
+    """Whether the running set has a seat (for `request` and its sequences to fork)."""
+    need = 1 if request is None else 1 + len(request.pending_children)
+    return len(self.running) + self.num_reserved_seats + need <= self.max_num_seqs
 
   def is_sparse_decoder(self, request: Request) -> bool:
     """Whether the request's next step is a sparse decode (HiSparse)."""
@@ -218,6 +254,7 @@ class Scheduler:
       self._insert_swapped(victim)
       out.preempted.append(victim)
     else:  # The host pool is full too: drop the blocks and compute them again later.
+      self.num_reserved_seats -= len(victim.pending_children)  # (again at admission)
       self.bm.free(victim.request_id)
       victim.num_computed_tokens = 0
       victim.status = RequestStatus.WAITING
@@ -245,7 +282,7 @@ class Scheduler:
         chunk = self._chunk(request, budget)
         kept.append(request)
         if chunk is not None:
-          out.chunks.append(chunk)
+          kept.extend(self._fork(chunk, out))
           budget -= chunk.num_tokens
         continue
       if request.reaches_length(self.max_model_len):  # its token in flight is its last
@@ -266,7 +303,7 @@ class Scheduler:
     return budget
 
   def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-    while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+    while self.swapped and budget > 0 and self._has_seats():
       request = self.swapped[0]
       if request.num_inflight:  # preempted while its token was in flight: next step
         break
@@ -300,28 +337,33 @@ class Scheduler:
       else:
         chunk = None
       if chunk is not None:
-        out.chunks.append(chunk)
+        for child in self._fork(chunk, out):
+          self._insert_running(child)
         budget -= chunk.num_tokens
     return budget
 
   def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    while self.waiting and budget > 0 and self._has_seats(self.waiting[0]):
       request = self.waiting[0]
       if request.num_inflight:  # recomputed while its token was in flight: next step
         break
       tokens = request.all_token_ids  # a recomputed request re-reads its outputs too
-      spare = len(self.running)
+      # A spare block per running sequence, and per sequence of this request that will
+      # fork its blocks (each copies the shared last block on write).
+      spare = len(self.running) + self.num_reserved_seats + len(request.pending_children)
       needed = -(-len(tokens) // self.bm.block_size)
       if self.hisparse is not None:  # admission by host-backed capacity: offload first
         self._make_room(needed + spare if self.running else needed, out)
-      if not self.bm.can_allocate(tokens):
+      read_cache = request.sampling_params.prompt_logprobs is None
+      if not self.bm.can_allocate(tokens, read_cache=read_cache):
         break
       if self.running and self.bm.device_pool.num_free_blocks < needed + spare:
         break
       if not self.enable_chunked_prefill and len(tokens) > budget:
         break
       self.waiting.popleft()
-      result = self.bm.allocate(request.request_id, tokens, num_new_tokens=0)
+      result = self.bm.allocate(request.request_id, tokens, num_new_tokens=0,
+                                read_cache=read_cache)
       request.prefill_len = len(tokens)
       if result.swap_in.num_blocks:
         out.swap_in.append(result.swap_in)
@@ -331,10 +373,12 @@ class Scheduler:
       if not request.output_token_ids and not request.num_preemptions:  # first admission
         request.num_cached_tokens = min(result.num_cached_tokens, request.num_prompt_tokens)
       request.status = RequestStatus.RUNNING
+      self.num_reserved_seats += len(request.pending_children)
       self._insert_running(request)
       chunk = self._chunk(request, budget)
       if chunk is not None:
-        out.chunks.append(chunk)
+        for child in self._fork(chunk, out):
+          self._insert_running(child)
         budget -= chunk.num_tokens
 
 

@@ -123,6 +123,12 @@ FLAG_ROWS = [
      "--stop strings must be non-empty strings, got ''"),
     ("negative logprobs", "generate", ("--prompt=bafu:", "--logprobs=-1"),
      "--logprobs must be >= 0 or None, got -1"),
+    ("n below 1", "generate", ("--prompt=bafu:", "--n=0"), "--n must be at least 1, got 0"),
+    ("n > 1 greedy", "generate", ("--prompt=bafu:", "--n=3"),
+     "--n must be 1 when using greedy sampling, got 3"),
+    ("n above max_num_seqs", "generate",
+     ("--prompt=bafu:", "--n=8", "--temperature=1", "--max_num_seqs=4"),
+     "--n=8 exceeds --max_num_seqs=4 (the n completions of a prompt run together)"),
     ("top_k_tokens larger than hot_buffer_tokens", "generate",
      ("--prompt=bafu:", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"),
      "--hot_buffer_tokens (32) must be >= top_k_tokens (64): a step's selected blocks must fit "

@@ -145,3 +145,30 @@ def test_answer_is_the_first_line():
   assert answer_of(" lodu \n bafu: moti") == "lodu"
   assert answer_of("lodu") == "lodu"
   assert answer_of("\nlodu") == ""
+
+
+def test_n_completions_print_a_line_each(checkpoint):
+  """--n=3: three lines [prompt.k] per prompt, each checked against its expected answer."""
+  import io  # noqa: PLC0415
+
+  from hisparse_jax import generate_cmd  # noqa: PLC0415
+  from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
+
+  specs = [generate_cmd.PromptSpec(source="test", prompt="bafu: bapo\nbaki: bare\n? baki:",
+                                   expected="bare"),
+           generate_cmd.PromptSpec(source="test", prompt="baki:")]
+  kwargs = dict(model=checkpoint, device_kv_gib=0.0005, host_pool_gib=0.001, max_model_len=64)
+  out = io.StringIO()
+  result = generate_cmd.run(specs, kwargs, SamplingParams(temperature=1.0, n=3, max_tokens=3,
+                                                          seed=1), out=out)
+  lines = out.getvalue().splitlines()
+  assert [ln.split(" ")[0] for ln in lines[:6]] == ["[0.0]", "[0.1]", "[0.2]", "[1.0]", "[1.1]",
+                                                    "[1.2]"]
+  assert all(re.match(r"\[0\.\d\] (RIGHT|WRONG) .* \(expected 'bare'; 9 prompt", ln)
+             for ln in lines[:3])
+  assert lines[6] == f"{result.num_right}/3 right"
+  assert [len(o.outputs) for o in result.outputs] == [3, 3]
+  # One prefill per prompt: the prompt tokens are counted once.
+  assert result.metrics["hisparse_prompt_tokens_total"] == 9 + 2
+  assert result.metrics["hisparse_generation_tokens_total"] == sum(
+      len(c.token_ids) for o in result.outputs for c in o.outputs)

@@ -1,5 +1,6 @@
 """Sampling features against vLLM's CPU build on the same checkpoint: penalties,
-min_tokens, logprobs and stop strings give the same tokens, text and finish reasons.
+min_tokens, logprobs, prompt logprobs, n > 1 and stop strings give the same tokens, text
+and finish reasons.
 
     make peers                                             # once: .venv-vllm
     .venv/bin/python -m hisparse_jax.bench.vllm_api_parity --out results/vllm_api_parity_cpu.json
@@ -9,8 +10,9 @@ This engine runs in this process; vLLM runs this same file with `--engine=vllm` 
 at the top), reading the cases as JSON on stdin and writing its outputs as JSON on stdout.
 Both get the same token-id prompts (the default model's `key: value` text) with the same
 `SamplingParams` keywords, float32, prefix caching off. Per case the table says whether
-the tokens, the text, the finish reason and the stop reason are identical, and the
-largest |logprob difference| over the tokens both engines report (the goal is 1e-4).
+the tokens (of every completion, with n > 1), the text, the finish reason and the stop
+reason are identical, and the largest |logprob difference| over the tokens both engines
+report, prompt logprobs included (the goal is 1e-4).
 Without `.venv-vllm` the script says so and writes a JSON that says "skipped". The exit
 status is 1 when any case differs.
 """
@@ -41,6 +43,9 @@ CASES = {
     "logprobs 5": dict(GREEDY, ignore_eos=True, logprobs=5),
     "logprobs 0 + penalties": dict(GREEDY, ignore_eos=True, logprobs=0,
                                    frequency_penalty=0.7),
+    "prompt_logprobs 3": dict(GREEDY, max_tokens=4, ignore_eos=True, prompt_logprobs=3),
+    # (vLLM refuses n > 1 when greedy; top_k 1 samples the most likely token all the same)
+    "n 3, top_k 1": dict(GREEDY, temperature=1.0, top_k=1, ignore_eos=True, n=3, logprobs=2),
     "stop ' '": dict(GREEDY, stop=[" "]),
     "min_tokens 6, stop ' '": dict(GREEDY, stop=[" "], min_tokens=6),
 }
@@ -78,17 +83,27 @@ def _vllm_worker() -> None:
   for name, case in call["cases"].items():
     outputs = llm.generate([{"prompt_token_ids": p} for p in call["prompts"]],
                            SamplingParams(**case), use_tqdm=False)
-    results[name] = [_completion(o.outputs[0]) for o in outputs]
+    results[name] = [_record(o) for o in outputs]
   protocol.write(json.dumps(results))
   protocol.flush()
 
 
-def _completion(c) -> dict:
-  logprobs = None
-  if c.logprobs is not None:
-    logprobs = [{str(t): lp.logprob for t, lp in position.items()} for position in c.logprobs]
+def _logprobs(positions) -> list | None:
+  if positions is None:
+    return None
+  return [None if p is None else {str(t): lp.logprob for t, lp in p.items()}
+          for p in positions]
+
+
+def _record(output) -> dict:
+  """A request's output as JSON: its first completion's fields, every completion's
+  tokens and logprobs (n > 1), and the prompt logprobs."""
+  c = output.outputs[0]
   return {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
-          "stop_reason": c.stop_reason, "logprobs": logprobs}
+          "stop_reason": c.stop_reason, "logprobs": _logprobs(c.logprobs),
+          "completions": [list(x.token_ids) for x in output.outputs],
+          "completion_logprobs": [_logprobs(x.logprobs) for x in output.outputs],
+          "prompt_logprobs": _logprobs(output.prompt_logprobs)}
 
 
 def _ours(model, prompts, cases) -> dict:
@@ -96,7 +111,7 @@ def _ours(model, prompts, cases) -> dict:
 
   llm = LLM(model, dtype="float32", max_model_len=MAX_MODEL_LEN, device_kv_gib=0.05,
             host_pool_gib=0.05, enable_prefix_caching=False)
-  return {name: [_completion(o.outputs[0]) for o in llm.generate(
+  return {name: [_record(o) for o in llm.generate(
               [{"prompt_token_ids": p} for p in prompts], SamplingParams(**case),
               use_tqdm=False)]
           for name, case in cases.items()}
@@ -116,7 +131,7 @@ def compare(ours: dict, theirs: dict) -> dict:
   rows = {}
   for name in ours:
     a, b = ours[name], theirs[name]
-    row = {"tokens_identical": all(x["token_ids"] == y["token_ids"] for x, y in zip(a, b)),
+    row = {"tokens_identical": all(x["completions"] == y["completions"] for x, y in zip(a, b)),
            "text_identical": all(x["text"] == y["text"] for x, y in zip(a, b)),
            "finish_identical": all(x["finish_reason"] == y["finish_reason"]
                                    and x["stop_reason"] == y["stop_reason"]
@@ -125,8 +140,12 @@ def compare(ours: dict, theirs: dict) -> dict:
            "num_tokens": [len(x["token_ids"]) for x in a]}
     diffs = []
     for x, y in zip(a, b):
-      for px, py in zip(x["logprobs"] or [], y["logprobs"] or []):
-        diffs += [abs(px[t] - py[t]) for t in set(px) & set(py)]
+      pairs = [(x["prompt_logprobs"] or [], y["prompt_logprobs"] or [])]
+      pairs += zip(x["completion_logprobs"], y["completion_logprobs"])
+      for ours_lp, theirs_lp in pairs:
+        for px, py in zip(ours_lp or [], theirs_lp or []):
+          if px is not None and py is not None:
+            diffs += [abs(px[t] - py[t]) for t in set(px) & set(py)]
     row["max_logprob_diff"] = max(diffs) if diffs else None
     row["same"] = (row["tokens_identical"] and row["text_identical"]
                    and row["finish_identical"]

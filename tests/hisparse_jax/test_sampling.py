@@ -87,6 +87,8 @@ def test_mixed_rows_in_one_batch(rng):
     ("top_p", dict(top_p=1.5)),
     ("top_k", dict(top_k=-2)),
     ("max_tokens", dict(max_tokens=0)),
+    ("^n must be at least 1, got 0$", dict(n=0)),
+    ("^prompt_logprobs must be >= 0 or None, got -1$", dict(prompt_logprobs=-1)),
 ])
 def test_bad_params_name_the_field(field, kwargs):
   with pytest.raises(ValueError, match=field):

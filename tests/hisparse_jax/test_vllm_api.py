@@ -295,6 +295,35 @@ def test_logprobs_stream_with_their_tokens(llm):
       sum(p[t].logprob for p, t in zip(positions, tokens)), abs=1e-5)
 
 
+def test_prompt_logprobs_match_a_dense_reference(llm, reference_logits):
+  """Over a prompt prefilled in two chunks, and already in the prefix cache (a request
+  with prompt_logprobs computes its whole prompt all the same, as vLLM's)."""
+  prompt = _prompt(40, seed=40)
+  llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1))
+  sp = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+  (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+  assert out.num_cached_tokens == 0
+  assert len(out.prompt_logprobs) == 40 and out.prompt_logprobs[0] is None
+  for j in range(1, 40):
+    logits = reference_logits(prompt[:j])
+    lp = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+    position = out.prompt_logprobs[j]
+    assert set(position) == set(np.argsort(-lp)[:2].tolist()) | {prompt[j]}
+    for t, entry in position.items():
+      assert entry.logprob == pytest.approx(float(lp[t]), abs=1e-4)
+      assert entry.rank == int((lp > lp[t]).sum()) + 1
+  # Streamed: in the first output only; none without asking.
+  rid = llm.engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
+      max_tokens=3, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA))
+  seen = []
+  while llm.engine.has_unfinished_requests():
+    seen += [o.prompt_logprobs for o in llm.engine.step() if o.request_id == rid]
+  assert [p is not None for p in seen] == [True] + [False] * (len(seen) - 1)
+  assert [list(p) for p in seen[0][1:]] == [[t] for t in prompt[1:]]
+  (plain,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams())
+  assert plain.prompt_logprobs is None
+
+
 CONVERSATION = [{"role": "system", "content": "bafu: bapo\nbaki: bare"},
                 {"role": "user", "content": "? baki:"}]
 
@@ -331,18 +360,25 @@ def test_chat_errors_name_the_conversation(llm):
 def test_vllm_api_parity_compares_tokens_text_finish_and_logprobs(monkeypatch, tmp_path):
   from hisparse_jax.bench import vllm_api_parity as parity
 
-  def completion(ids, text, lps=None, reason="length"):
+  def completion(ids, text, lps=None, reason="length", more=(), prompt_lps=None):
     return {"token_ids": ids, "text": text, "finish_reason": reason, "stop_reason": None,
-            "logprobs": lps}
+            "logprobs": lps, "completions": [ids, *more],
+            "completion_logprobs": [lps] + [None] * len(more), "prompt_logprobs": prompt_lps}
   ours = {"a": [completion([1, 2], " x y", [{"1": -0.5}, {"2": -0.25}])],
-          "b": [completion([1, 2], " x y")], "c": [completion([1], " x", reason="stop")]}
+          "b": [completion([1, 2], " x y")], "c": [completion([1], " x", reason="stop")],
+          "n": [completion([1], " x", more=[[1]])],
+          "p": [completion([1], " x", prompt_lps=[None, {"4": -1.0}])]}
   theirs = {"a": [completion([1, 2], " x y", [{"1": -0.50005}, {"2": -0.2503, "9": -3.0}])],
-            "b": [completion([1, 3], " x z")], "c": [completion([1], " x")]}
+            "b": [completion([1, 3], " x z")], "c": [completion([1], " x")],
+            "n": [completion([1], " x", more=[[2]])],
+            "p": [completion([1], " x", prompt_lps=[None, {"4": -1.01, "5": -2.0}])]}
   rows = parity.compare(ours, theirs)
   assert rows["a"]["tokens_identical"] and rows["a"]["text_identical"]
   assert rows["a"]["max_logprob_diff"] == pytest.approx(3e-4) and not rows["a"]["same"]
   assert not rows["b"]["tokens_identical"] and not rows["b"]["text_identical"]
   assert not rows["c"]["finish_identical"] and not rows["c"]["same"]
+  assert not rows["n"]["tokens_identical"]  # the second completion differs
+  assert rows["p"]["max_logprob_diff"] == pytest.approx(0.01) and not rows["p"]["same"]
   table = parity.format_table({"cases": rows, "all_same": False})
   assert "3.00e-04" in table and "all cases identical (logprobs within 0.0001): NO" in table
   monkeypatch.setattr(parity, "PEER_PYTHON", str(tmp_path / "absent" / "python"))
