@@ -30,6 +30,8 @@ register("generate", "hisparse_jax.generate_cmd",
          "Generate for --prompt / --prompts_file prompts; mark expected answers RIGHT/WRONG.")
 register("demo", "hisparse_jax.demo_cmd",
          "Long retrieval prompts on the default model with a small device KV budget.")
+register("serve", "hisparse_jax.serve_cmd",
+         "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics).")
 register("bench", "hisparse_jax.bench_cmd",
          "Benchmark suites (--suite=NAME|all): side-by-side ratios, table + --out JSON.")
 
@@ -118,6 +120,17 @@ flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
                     "against context here (when the decode_sparse_vs_dense suite runs).")
+
+
+# serve (hisparse_jax.serve_cmd); it also takes the engine flags of generate.
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
+flags.DEFINE_integer("port", 8000, "serve: the TCP port (0: a free one, logged).")
+flags.DEFINE_string("api_key", None, "serve: when set, /v1/* requests need "
+                    "'Authorization: Bearer KEY' (401 otherwise).")
+flags.DEFINE_string("served_model_name", None, "serve: the model name clients send "
+                    "(default: the --model directory's name, or hisparse-tiny).")
+flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running requests "
+                   "get to finish before they are aborted.")
 
 
 class UsageError(ValueError):

@@ -299,6 +299,12 @@ class Engine:
   def has_unfinished_requests(self) -> bool:
     return self.scheduler.num_unfinished > 0
 
+  @property
+  def num_pending_outputs(self) -> int:
+    """Outputs of requests finished between steps (aborted), which the next `step()`
+    hands out."""
+    return len(self._finished)
+
   # --- One step ------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
