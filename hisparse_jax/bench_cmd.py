@@ -44,6 +44,7 @@ SUITES = {
     "engine_vs_hf": "engine_vs_hf",
     "engine_vs_vllm": "engine_vs_vllm",
     "scheduler_overhead": "scheduler_overhead",
+    "serve_load": "serve_load",
 }
 
 

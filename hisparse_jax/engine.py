@@ -704,6 +704,7 @@ class Engine:
     """All metrics as a flat dict (labelled series keyed like `name{label="x"}`)."""
     self.transfer.poll()
     self.stats.on_usage(self.block_manager, self.scheduler)
+    self.stats.on_shapes(len(self.runner.shapes_compiled))
     return self.metrics_registry.to_dict()
 
   def check_invariants(self) -> None:

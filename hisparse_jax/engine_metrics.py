@@ -31,6 +31,10 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
   hisparse_requests_total{finish_reason}        counter finished requests
   hisparse_prompt_tokens_total, hisparse_generation_tokens_total   counters
   hisparse_num_requests{state}                  gauge   running, waiting, swapped
+  hisparse_step_shapes                          gauge   distinct padded step shapes run so
+                                                        far (each compiled a step program
+                                                        the first time: a rise while serving
+                                                        is a compile stall)
   hisparse_time_to_first_token_seconds, hisparse_inter_token_seconds,
   hisparse_step_seconds                         histograms (_count, _sum, _p50, _p99)
 """
@@ -58,6 +62,7 @@ REQUESTS_TOTAL = "hisparse_requests_total"
 PROMPT_TOKENS_TOTAL = "hisparse_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "hisparse_generation_tokens_total"
 NUM_REQUESTS = "hisparse_num_requests"
+STEP_SHAPES = "hisparse_step_shapes"
 TTFT_SECONDS = "hisparse_time_to_first_token_seconds"
 INTER_TOKEN_SECONDS = "hisparse_inter_token_seconds"
 STEP_SECONDS = "hisparse_step_seconds"
@@ -77,6 +82,8 @@ class EngineMetrics:
     self.prefix_hits = r.counter(PREFIX_CACHE_HITS_TOTAL, "Prefix-cache hits (blocks).",
                                  ("memory_kind",))
     self.preemptions = r.counter(PREEMPTIONS_TOTAL, "Requests preempted.")
+    self.step_shapes = r.gauge(STEP_SHAPES, "Distinct padded step shapes run so far (each "
+                               "compiled a step program once).")
     self.thrash = r.counter(THRASH_TOTAL, "Blocks reloaded soon after eviction.")
     self.offloads = r.counter(OFFLOADS_TOTAL, "Sparse requests whose written-through device "
                               "blocks were dropped to make room (HiSparse).")
@@ -177,6 +184,9 @@ class EngineMetrics:
 
   def on_finish(self, request) -> None:
     self.requests.inc(finish_reason=request.finish_reason)
+
+  def on_shapes(self, num_shapes: int) -> None:
+    self.step_shapes.set(num_shapes)
 
   def on_usage(self, block_manager, scheduler) -> None:
     for kind, pool in block_manager.pools.items():

@@ -85,8 +85,7 @@ class AsyncEngine:
             self.engine.abort_request(self._aborts.popleft())
           busy = self.engine.has_unfinished_requests()
           outputs = self.engine.step() if busy or self.engine.num_pending_outputs else []
-        for output in outputs:
-          self._deliver(output.request_id, output)
+        self._deliver_all(outputs)
         if self._stopping and not busy:
           return
         if not busy and not outputs:
@@ -97,6 +96,21 @@ class AsyncEngine:
       self.error = e
       for request_id in list(self._streams):
         self._deliver(request_id, EngineDeadError(f"the engine failed: {e}"))
+
+  def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+    """Hands a step's outputs to their streams: one wake-up of each event loop per step
+    (not one per output: each is a write to the loop's self-pipe, and the GIL the loop
+    then holds is time the next step's host work waits)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for output in outputs:
+      entry = self._streams.get(output.request_id)
+      if entry is not None:
+        by_loop.setdefault(entry[0], []).append((entry[1], output))
+    for loop, items in by_loop.items():
+      try:
+        loop.call_soon_threadsafe(_put_all, items)
+      except RuntimeError:  # the loop is closed: nobody is waiting
+        pass
 
   def _deliver(self, request_id: str, item) -> None:
     entry = self._streams.get(request_id)
@@ -159,6 +173,11 @@ class AsyncEngine:
         yield output
     finally:
       stream.close()
+
+
+def _put_all(items) -> None:
+  for queue, output in items:
+    queue.put_nowait(output)
 
 
 class RequestStream:

@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -20,6 +15,7 @@ import openai
 import pytest
 
 from hisparse_jax import LLM, SamplingParams
+from hisparse_jax.bench.serve_load import ServerProcess
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -31,60 +27,14 @@ PROMPTS = ["bafu: bapo\nbaki: bare\n? baki:", "lodu: moti\n? lodu:", "kavi: rino
            "kavi: tumo\n? bafu:", "sela:"]
 
 
-class Server:
-  """A `hisparse-jax serve` process; its URL from the "serving on" log line."""
+class Server(ServerProcess):
+  """The server of these tests (the bench's `ServerProcess` with their flags)."""
 
   def __init__(self, *extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    self.proc = subprocess.Popen(
-        [sys.executable, "-m", "hisparse_jax", "serve", "--port=0", f"--api_key={KEY}",
-         f"--served_model_name={MODEL}", *ENGINE_FLAGS, *extra],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    self.log: list[str] = []
-    deadline = time.monotonic() + 180
-    self.url = None
-    while self.url is None:
-      line = self.proc.stderr.readline()
-      if not line:
-        raise AssertionError("the server exited:\n" + "".join(self.log[-30:]))
-      self.log.append(line)
-      m = re.search(r"serving on (http://\S+)", line)
-      if m:
-        self.url = m.group(1)
-      assert time.monotonic() < deadline, "the server did not start"
-    # The rest of its log, read as it comes (the pipe must not fill up).
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-    for _ in range(100):  # ready once the engine thread runs
-      try:
-        if httpx.get(self.url + "/health").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.1)
-
-  def _read(self):
-    for line in self.proc.stderr:
-      self.log.append(line)
+    super().__init__(f"--api_key={KEY}", f"--served_model_name={MODEL}", *ENGINE_FLAGS, *extra)
 
   def client(self, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kwargs)
-
-  def metrics(self) -> dict[str, float]:
-    text = httpx.get(self.url + "/metrics").text
-    out = {}
-    for line in text.splitlines():
-      if line and not line.startswith("#"):
-        key, value = line.rsplit(" ", 1)
-        out[key] = float(value)
-    return out
-
-  def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
-    if self.proc.poll() is None:
-      self.proc.send_signal(sig)
-    rc = self.proc.wait(timeout)
-    self._reader.join(5)
-    return rc
 
 
 @pytest.fixture(scope="module")

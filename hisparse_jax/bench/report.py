@@ -68,6 +68,12 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
                  f"of context ({c['num_seqs']} seqs, caches flushed alike; as run "
                  f"{_fmt(c['host_ratio_long_vs_short_warm'])})",
                  _fmt(c["host_ratio_long_vs_short"]), f"<= {c['goal_ratio']}"))
+  if "serve_load" in suites:
+    sl = suites["serve_load"]
+    rows.append(("serve_load", f"output tokens/s, {sl['num_clients']} streaming clients over "
+                 f"HTTP / the same requests through `LLM.generate` (compile stalls in the timed "
+                 f"rounds: {sl['server_step_shapes_new']:.0f})",
+                 _fmt(sl["served_over_offline"]), "-"))
   if "kernel" in suites:
     for name, k in suites["kernel"]["summary"].items():
       rows.append(("kernel", f"{name}: {k['pallas_impl']} / jnp reference time",
@@ -99,6 +105,25 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {engine} | {_fmt(r['median_s'])} | "
                      f"{_fmt(r['tokens_per_s'])} | {_fmt(r['ttft_p50_ms'])} | "
                      f"{_fmt(r['itl_p50_ms'])} |")
+  if "serve_load" in result["suites"]:
+    sl = result["suites"]["serve_load"]
+    ms = lambda x: "-" if x is None else _fmt(1e3 * x)
+    s, o = sl["served"], sl["offline"]
+    lines += ["", f"`hisparse-jax serve` under load (`serve_load`): {sl['num_clients']} "
+              "concurrent streaming clients on loopback, retrieval prompts of "
+              f"{'/'.join(str(x) for x in sl['config']['context_lens'])} tokens, "
+              f"{'/'.join(str(x) for x in sl['config']['max_tokens'])} new tokens, greedy, "
+              f"engine flags `{' '.join(sl['config']['engine_flags'])}`, median of "
+              f"{sl['config']['reps']} rounds alternated with the same requests through "
+              f"`LLM.generate` (rounds served: "
+              f"{', '.join(_fmt(x) for x in sl['served_round_seconds'])} s):", "",
+              "| side | s | requests/s | output tokens/s | TTFT p50 ms | TTFT p99 ms "
+              "| ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|---|---|---|",
+              f"| served | {_fmt(s['seconds'])} | {_fmt(s['requests_per_s'])} | "
+              f"{_fmt(s['output_tokens_per_s'])} | {ms(s['ttft_s']['p50'])} | "
+              f"{ms(s['ttft_s']['p99'])} | {ms(s['itl_s']['p50'])} | {ms(s['itl_s']['p99'])} |",
+              f"| offline | {_fmt(o['seconds'])} | {_fmt(o['requests_per_s'])} | "
+              f"{_fmt(o['output_tokens_per_s'])} | - | - | - | - |"]
   if "decode_sparse_vs_dense" in result["suites"]:
     d = result["suites"]["decode_sparse_vs_dense"]
     lines += ["", f"Decode step, batch {d['batch']}, block size {d['block_size']}, top-k "

@@ -188,6 +188,19 @@ def test_scheduler_overhead_fields(smoke):
   assert 1 <= len(s["profile"]) <= 8 and all("function" in p for p in s["profile"])
 
 
+def test_serve_load_fields(smoke):
+  """The served streams give the offline texts; the server drained and exited 0."""
+  sl = smoke[0]["suites"]["serve_load"]
+  assert sl["texts_equal"] and sl["server_exit_status"] == 0
+  assert _positive(sl["served_over_offline"], sl["served"]["output_tokens_per_s"],
+                   sl["offline"]["output_tokens_per_s"], sl["served"]["ttft_s"]["p50"])
+  assert len(sl["served_round_seconds"]) == len(sl["offline_round_seconds"]) == \
+      sl["config"]["reps"]
+  assert sl["served"]["seconds"] == pytest.approx(common.median(sl["served_round_seconds"]))
+  assert sl["served_over_offline"] == pytest.approx(
+      sl["offline"]["seconds"] / sl["served"]["seconds"])
+
+
 def test_kernel_fields(smoke):
   k = smoke[0]["suites"]["kernel"]
   assert set(k["summary"]) == {"paged_attention", "ragged_paged_attention", "write_kv",
