@@ -123,6 +123,8 @@ FLAG_ROWS = [
      "--stop strings must be non-empty strings, got ''"),
     ("negative logprobs", "generate", ("--prompt=bafu:", "--logprobs=-1"),
      "--logprobs must be >= 0 or None, got -1"),
+    ("port out of range", "serve", ("--port=70000",),
+     "--port must be in [0, 65535], got 70000"),
     ("n below 1", "generate", ("--prompt=bafu:", "--n=0"), "--n must be at least 1, got 0"),
     ("n > 1 greedy", "generate", ("--prompt=bafu:", "--n=3"),
      "--n must be 1 when using greedy sampling, got 3"),

@@ -144,7 +144,11 @@ async def _stream(client, url: str, prompt: list[int], max_tokens: int) -> dict:
 
 
 def _served_round(url: str, prompts, max_tokens) -> dict:
+  import logging  # noqa: PLC0415
+
   import httpx  # noqa: PLC0415
+
+  logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
   async def main():
     limits = httpx.Limits(max_connections=len(prompts) + 4)
