@@ -286,6 +286,13 @@ class CapacityReport:
         return tier
     raise KeyError(memory_kind)
 
+  def __iter__(self):
+    """The tiers (TierCapacity), device first: `list(report)` works as `report.tiers`."""
+    return iter(self.tiers)
+
+  def __len__(self) -> int:
+    return len(self.tiers)
+
   @property
   def total_tokens(self) -> int:
     return sum(t.num_tokens for t in self.tiers)

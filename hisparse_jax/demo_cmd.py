@@ -94,6 +94,7 @@ def main(argv: list[str]) -> int:
 
   if FLAGS.demo_num_prompts < 1:
     raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
+  generate_cmd.check_output_flags()
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # capacity lines and status lines
   try:

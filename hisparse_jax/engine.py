@@ -91,6 +91,8 @@ class EngineConfig:
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.seed < 0:
+      raise ValueError(f"seed must be >= 0, got {self.seed}")
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -163,7 +164,27 @@ def block_size_from_flags() -> int:
   """--block_size, or the engine's default for this platform and --hisparse."""
   from hisparse_jax.engine import default_block_size  # noqa: PLC0415 (imports jax)
 
-  return FLAGS.block_size if FLAGS.block_size is not None else default_block_size(FLAGS.hisparse)
+  size = FLAGS.block_size
+  if size is not None and (size <= 0 or size & (size - 1)):
+    raise ValueError(f"--block_size must be a power of two, got {size}")
+  return size if size is not None else default_block_size(FLAGS.hisparse)
+
+
+def check_output_flags() -> None:
+  """--log_every_steps, --prometheus_port and --metrics_json, checked before the model
+  loads (a bad path must not cost the whole run)."""
+  if FLAGS.log_every_steps < 0:
+    raise ValueError(f"--log_every_steps must be >= 0, got {FLAGS.log_every_steps}")
+  port = FLAGS.prometheus_port
+  if port is not None and not 1 <= port <= 65535:
+    raise ValueError(f"--prometheus_port must be in [1, 65535], got {port}")
+  if FLAGS.metrics_json:
+    folder = os.path.dirname(os.path.abspath(FLAGS.metrics_json))
+    if not os.path.isdir(folder):
+      raise ValueError(f"--metrics_json={FLAGS.metrics_json}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+      raise ValueError(f"--metrics_json={FLAGS.metrics_json}: directory {folder} is not "
+                       "writable")
 
 
 HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
@@ -365,6 +386,7 @@ def main(argv: list[str]) -> int:
   specs = prompts_from_flags()  # bad input fails here, before the model loads
   sampling_params = sampling_from_flags()
   llm_kwargs = engine_kwargs_from_flags()
+  check_output_flags()
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # capacity lines and status lines
   run(specs, llm_kwargs, sampling_params,

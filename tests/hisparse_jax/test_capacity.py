@@ -66,6 +66,7 @@ def test_report_equals_allocated_arrays_and_logs_three_lines(caplog):
   assert report["pinned_host"].kv_bytes == allocated["pinned_host"] == 4096 * 4096
   assert report["device"].num_blocks == 1013  # the null block is never handed out
   assert report["pinned_host"].num_blocks == 4095
+  assert [t.memory_kind for t in report] == ["device", "pinned_host"] and len(report) == 2
   for tier in report.tiers:
     assert tier.num_tokens == tier.num_blocks * tier.block_size
 
