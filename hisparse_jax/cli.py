@@ -133,6 +133,50 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
                    "get to finish before they are aborted.")
 
 
+# The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`.
+_MODEL = ("model", "dtype", "block_size", "device_kv_gib", "host_pool_gib", "max_model_len")
+_ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "seed")
+_HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
+             "sparse_threshold_tokens")
+_OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
+COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
+                 ("HiSparse", _HISPARSE)),
+    "generate": (("prompts", ("prompt", "prompts_file")),
+                 ("sampling", ("max_new_tokens", "temperature", "top_p", "top_k", "stop",
+                               "logprobs", "n")),
+                 ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
+                 ("output", _OUTPUT)),
+    "demo": (("demo", ("demo_num_prompts", "demo_context_len", "demo_seed")),
+             ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
+             ("output", _OUTPUT)),
+    "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
+    "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
+              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE)),
+}
+HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
+
+
+def help_text(command: str | None = None) -> str:
+  """`hisparse-jax --help`: the commands; `hisparse-jax COMMAND --help`: that command's
+  flags by group, each with its default and help."""
+  if command not in COMMANDS:
+    return (_usage() + "\n\n`hisparse-jax COMMAND --help` lists a command's flags; "
+            "`--helpfull` lists every flag (absl's included).")
+  lines = [f"usage: hisparse-jax {command} [--flags]", "", COMMANDS[command][1]]
+  for group, names in COMMAND_FLAGS.get(command, ()):
+    lines += ["", f"{group}:"]
+    for name in names:
+      flag = FLAGS[name]
+      default = flag.default
+      shown = ("none" if default is None else str(default).lower()
+               if isinstance(default, bool) else str(default))
+      lines.append(f"  --{'[no]' if isinstance(default, bool) else ''}{name} "
+                   f"(default: {shown})")
+      lines.append(f"      {flag.help.split(';' + chr(10))[0]}")  # (not absl's list note)
+  return "\n".join(lines)
+
+
 class UsageError(ValueError):
   """Bad input from the command line; reported as one line, exit status 2."""
 
@@ -178,6 +222,11 @@ def error_line(error: ValueError) -> str:
 
 def run() -> None:
   """Console-script entry point."""
+  if any(a in HELP_FLAGS for a in sys.argv[1:]):  # help on stdout, exit 0
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    print(help_text(command))
+    sys.exit(0)
+
   def main(argv):
     sys.exit(_main(argv))
   app.run(main, flags_parser=_parse_flags)
