@@ -67,7 +67,11 @@ class CapacityPlan:
 
 
 def _gib(num_bytes: float) -> str:
-  return f"{num_bytes / GIB:.2f} GiB"
+  """GiB with two decimals and thousands separators; under 0.01 GiB in MiB, so a small
+  pool never reads "0.00 GiB"."""
+  if num_bytes < 0.01 * GIB:
+    return f"{num_bytes / 2**20:,.2f} MiB"
+  return f"{num_bytes / GIB:,.2f} GiB"
 
 
 def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float,
@@ -323,11 +327,11 @@ class CapacityReport:
       lines[0] += "; " + self.hisparse.device_detail(self.tiers[0].block_size)
     line = (f"KV cache capacity [total]: {self.total_tokens:,} tokens; max concurrency for "
             f"{tokens_per_request:,} tokens per request: "
-            f"{self.max_concurrency(tokens_per_request):.2f}x (device only: "
-            f"{self.max_concurrency(tokens_per_request, (DEVICE,)):.2f}x)")
+            f"{self.max_concurrency(tokens_per_request):,.2f}x (device only: "
+            f"{self.max_concurrency(tokens_per_request, (DEVICE,)):,.2f}x)")
     running = self.hisparse_concurrency(tokens_per_request)
     if running is not None:
-      line += (f"; HiSparse runs {running:.2f}x at once (full KV on {PINNED_HOST}, hot "
+      line += (f"; HiSparse runs {running:,.2f}x at once (full KV on {PINNED_HOST}, hot "
                f"buffer + newest block on {DEVICE})")
     elif self.hisparse is not None:
       line += (f"; HiSparse: requests up to {self.hisparse.sparse_threshold_tokens:,} tokens "

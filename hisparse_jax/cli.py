@@ -10,6 +10,7 @@ prints the traceback before that line.
 from __future__ import annotations
 
 import importlib
+import logging as std_logging
 import sys
 import traceback
 
@@ -229,6 +230,8 @@ def run() -> None:
 
   def main(argv):
     sys.exit(_main(argv))
+  # jax logs at INFO that it found no TPU library on every start: not this tool's news.
+  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   app.run(main, flags_parser=_parse_flags)
 
 

@@ -220,7 +220,7 @@ def test_capacity_refusals_name_the_flag(good_checkpoint, capsys):
   assert _main_in_process("generate", "--prompt=bafu:", f"--model={good_checkpoint}",
                           "--max_model_len=256", "--host_pool_gib=100000") == 2
   _assert_one_line(capsys.readouterr().err, re.compile(
-      r"hisparse-jax generate: error: --host_pool_gib=100000\.0 asks for 100000\.00 GiB of "
+      r"hisparse-jax generate: error: --host_pool_gib=100000\.0 asks for 100,000\.00 GiB of "
       r"pinned host memory, above 95% of the available RAM \(\d+\.\d\d GiB available, at most "
       r"\d+\.\d\d GiB\)"))
   # A device budget that cannot hold one request of --max_model_len: 107,374 bytes are
@@ -229,7 +229,7 @@ def test_capacity_refusals_name_the_flag(good_checkpoint, capsys):
                           "--device_kv_gib=0.0001", "--block_size=16") == 2
   _assert_one_line(capsys.readouterr().err, (
       "hisparse-jax capacity: error: --device_kv_gib: the device KV budget of 107,374 bytes = "
-      "0.00 GiB (--device_kv_gib) holds 25 usable blocks after the null block and 0 bytes "
+      "0.10 MiB (--device_kv_gib) holds 25 usable blocks after the null block and 0 bytes "
       "reserved for the indexer and hot buffers, but one request of --max_model_len=512 "
       "tokens needs 32 blocks of 16 tokens (131,072 bytes); raise --device_kv_gib or lower "
       "--max_model_len"))

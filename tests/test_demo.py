@@ -35,7 +35,7 @@ def test_demo_offloads_to_the_host_pool_and_marks_every_answer(tmp_path):
   assert out[0].startswith("demo: 5 key-value retrieval prompts of 99 tokens (seed 4242), 31 "
                            "output tokens each, up to 8 at once; device KV pool 384 tokens")
   assert "HiSparse top-k 32 tokens, hot buffer 32 tokens" in out[0]
-  for kind in ("memory_kind=device]: 0.00 GiB = 24 blocks x 16 tokens = 384 tokens",
+  for kind in ("memory_kind=device]: 0.39 MiB = 24 blocks x 16 tokens = 384 tokens",
                "memory_kind=pinned_host]", "total]"):
     assert f"KV cache capacity [{kind}" in r.stderr
   assert "HiSparse: indexer key bounds" in r.stderr and "HiSparse runs" in r.stderr

@@ -150,7 +150,7 @@ def test_capacity_refusals_name_the_flag():
     Engine(EngineConfig(**fields, device_kv_gib=gib_for_blocks(model.config, 13),
                         host_pool_gib=1e6), model=model, model_config=model.config)
   assert re.fullmatch(
-      r"--host_pool_gib=1000000\.0 asks for 1000000\.00 GiB of pinned host memory, above 95% "
+      r"--host_pool_gib=1000000\.0 asks for 1,000,000\.00 GiB of pinned host memory, above 95% "
       r"of the available RAM \(\d+\.\d\d GiB available, at most \d+\.\d\d GiB\)",
       str(info.value)), str(info.value)
   # 8 blocks, one the null block: 7 usable, but 64 tokens need 8.
@@ -159,7 +159,7 @@ def test_capacity_refusals_name_the_flag():
                         host_pool_gib=gib_for_blocks(model.config, 33)),
            model=model, model_config=model.config)
   assert str(info.value) == (
-      "--device_kv_gib: the device KV budget of 17,408 bytes = 0.00 GiB (--device_kv_gib) "
+      "--device_kv_gib: the device KV budget of 17,408 bytes = 0.02 MiB (--device_kv_gib) "
       "holds 7 usable blocks after the null block and 0 bytes reserved for the indexer and "
       "hot buffers, but one request of --max_model_len=64 tokens needs 8 blocks of 8 tokens "
       "(16,384 bytes); raise --device_kv_gib or lower --max_model_len")

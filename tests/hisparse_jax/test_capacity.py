@@ -17,11 +17,12 @@ GIB = 2**30
 # 2 layers x K,V x 2 heads x 8 dims x 4 bytes = 256 bytes per token, 4,096 per block.
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
 
+SIZE = r"([\d,]+\.\d\d (?:GiB|MiB))"  # (MiB under 0.01 GiB)
 DEVICE_LINE = re.compile(
-    r"^KV cache capacity \[memory_kind=device\]: (\d+\.\d\d) GiB = ([\d,]+) blocks x (\d+) "
+    r"^KV cache capacity \[memory_kind=device\]: " + SIZE + r" = ([\d,]+) blocks x (\d+) "
     r"tokens = ([\d,]+) tokens(; .*)?$")
 HOST_LINE = re.compile(
-    r"^KV cache capacity \[memory_kind=pinned_host\]: (\d+\.\d\d) GiB = ([\d,]+) blocks x "
+    r"^KV cache capacity \[memory_kind=pinned_host\]: " + SIZE + r" = ([\d,]+) blocks x "
     r"(\d+) tokens = ([\d,]+) tokens(; .*)?$")
 TOTAL_LINE = re.compile(
     r"^KV cache capacity \[total\]: ([\d,]+) tokens; max concurrency for ([\d,]+) tokens "
@@ -78,7 +79,8 @@ def test_report_equals_allocated_arrays_and_logs_three_lines(caplog):
   device, host, total = DEVICE_LINE.match(lines[0]), HOST_LINE.match(lines[1]), \
       TOTAL_LINE.match(lines[2])
   assert device and host and total, lines
-  assert device.group(1) == f"{1014 * 4096 / GIB:.2f}"
+  assert device.group(1) == f"{1014 * 4096 / 2**20:.2f} MiB"  # (under 0.01 GiB: MiB)
+  assert host.group(1) == f"{4096 * 4096 / GIB:.2f} GiB"
   assert (_num(device.group(2)), _num(device.group(3)), _num(device.group(4))) == \
       (1013, 16, 1013 * 16)
   assert (_num(host.group(2)), _num(host.group(4))) == (4095, 4095 * 16)

@@ -91,7 +91,7 @@ def test_capacity_lines_of_a_checkpoint(tiny_checkpoint, caplog):
   lines = [r.getMessage() for r in caplog.records if "KV cache capacity" in r.getMessage()]
   lines = [line.split("; ")[0] if "[total]" not in line else line for line in lines]
   assert lines == [
-      "KV cache capacity [memory_kind=device]: 0.00 GiB = 1,023 blocks x 16 tokens = "
+      "KV cache capacity [memory_kind=device]: 4.00 MiB = 1,023 blocks x 16 tokens = "
       "16,368 tokens",
       "KV cache capacity [memory_kind=pinned_host]: 0.02 GiB = 4,095 blocks x 16 tokens = "
       "65,520 tokens",
@@ -105,7 +105,7 @@ def test_refusal_is_one_line_naming_the_flag(tiny_checkpoint, capsys):
   err = capsys.readouterr().err.strip()
   assert "\n" not in err
   assert err.startswith("hisparse-jax capacity: error: --host_pool_gib=1000000.0 asks for "
-                        "1000000.00 GiB of pinned host memory, above 95% of the available RAM")
+                        "1,000,000.00 GiB of pinned host memory, above 95% of the available RAM")
 
 
 DEFAULT_CONFIG = os.path.join(models.DEFAULT_MODEL_DIR, "config.json")
