@@ -126,6 +126,14 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"--host_pool_gib={host_pool_gib} asks for {_gib(host_bytes)} of pinned host memory, "
         f"above 95% of the available RAM ({_gib(available)} available, at most "
         f"{_gib(MAX_HOST_RAM_FRACTION * available)})")
+  if free is None and device.platform == "cpu" and source == "--device_kv_gib":
+    # On CPU the device pool is host RAM too: both pools must fit it.
+    if budget + host_bytes > MAX_HOST_RAM_FRACTION * available:
+      raise ValueError(
+          f"--device_kv_gib={device_kv_gib} and --host_pool_gib={host_pool_gib} ask for "
+          f"{_gib(budget + host_bytes)} in all; on CPU both pools are host RAM, and that is "
+          f"above 95% of the available RAM ({_gib(available)} available, at most "
+          f"{_gib(MAX_HOST_RAM_FRACTION * available)})")
   num_host_blocks = host_bytes // spec.bytes_per_block
   if num_host_blocks - NUM_NULL_BLOCKS < blocks_per_request:
     raise ValueError(f"--host_pool_gib={host_pool_gib} ({host_bytes:,} bytes) holds "

@@ -153,6 +153,14 @@ def test_capacity_refusals_name_the_flag():
       r"--host_pool_gib=1000000\.0 asks for 1,000,000\.00 GiB of pinned host memory, above 95% "
       r"of the available RAM \(\d+\.\d\d GiB available, at most \d+\.\d\d GiB\)",
       str(info.value)), str(info.value)
+  # On CPU the device pool is host RAM: a device budget beyond it is refused the same way.
+  with pytest.raises(ValueError) as info:
+    Engine(EngineConfig(**fields, device_kv_gib=1e6, host_pool_gib=0.001), model=model,
+           model_config=model.config)
+  assert re.fullmatch(
+      r"--device_kv_gib=1000000\.0 and --host_pool_gib=0\.001 ask for 1,000,000\.00 GiB in "
+      r"all; on CPU both pools are host RAM, and that is above 95% of the available RAM "
+      r"\(\d+\.\d\d GiB available, at most \d+\.\d\d GiB\)", str(info.value)), str(info.value)
   # 8 blocks, one the null block: 7 usable, but 64 tokens need 8.
   with pytest.raises(ValueError) as info:
     Engine(EngineConfig(**fields, device_kv_gib=gib_for_blocks(model.config, 8),
