@@ -144,8 +144,12 @@ def test_host_pool_above_95_percent_of_available_ram_is_refused(monkeypatch):
   assert "--host_pool_gib=1.92" in message
   assert "1.92 GiB" in message and "2.00 GiB available" in message
   assert "at most 1.90 GiB" in message
-  plan = plan_capacity(SPEC, max_model_len=1024, device_kv_gib=0.01, host_pool_gib=1.9)
-  assert plan.num_host_blocks == int(1.9 * GIB) // 4096
+  # On CPU the device pool is host RAM too: both pools together must fit the 95%.
+  with pytest.raises(ValueError, match=r"--device_kv_gib=0.01 and --host_pool_gib=1.9 ask "
+                     r"for 1.91 GiB in all; on CPU both pools are host RAM"):
+    plan_capacity(SPEC, max_model_len=1024, device_kv_gib=0.01, host_pool_gib=1.9)
+  plan = plan_capacity(SPEC, max_model_len=1024, device_kv_gib=0.01, host_pool_gib=1.89)
+  assert plan.num_host_blocks == int(1.89 * GIB) // 4096
 
 
 @pytest.mark.parametrize("kwargs, match", [
