@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 import time
 from collections.abc import Sequence
 
@@ -46,6 +47,23 @@ from hisparse_jax.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
 from hisparse_jax.sampling import RequestOutputKind, SamplingParams
 from hisparse_jax.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.transfer import TransferEngine
+
+
+def configure_library_logging() -> None:
+  """Shows this engine's INFO lines (the capacity of each memory kind at model load, the
+  status lines) to a library user, as vLLM's logger does: when no absl app parsed the
+  flags (the CLI and absl apps set their own verbosity) and the verbosity is below INFO,
+  it becomes INFO. `HISPARSE_CONFIGURE_LOGGING=0` leaves logging alone."""
+  import logging as std_logging  # noqa: PLC0415
+
+  from absl import flags  # noqa: PLC0415
+
+  if os.environ.get("HISPARSE_CONFIGURE_LOGGING", "1") == "0" or flags.FLAGS.is_parsed():
+    return
+  if logging.get_verbosity() < logging.INFO:
+    logging.set_verbosity(logging.INFO)
+    # jax logs at INFO that it found no TPU library: not the embedder's news.
+    std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
 
 
 def default_block_size(hisparse: bool = False) -> int:
@@ -191,6 +209,7 @@ class Engine:
                              f"allocated {self.runner.reserved_bytes:,}")
     self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
                                               self.runner.reserved_bytes, hisparse)
+    configure_library_logging()
     self.capacity.log(config.max_model_len)
     self.metrics_registry = MetricsRegistry()
     self.capacity.export(self.metrics_registry)
