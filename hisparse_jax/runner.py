@@ -231,6 +231,7 @@ class ModelRunner:
     self.max_blocks_per_seq = -(-max_model_len // self.block_size)
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
+    self.kernel_backend = kernel_backend
     self.ops = kernels_pallas.ops(kernel_backend)
     self.hisparse = hisparse
     self.hisparse_blocks = hisparse.blocks(self.block_size) if hisparse is not None else None
@@ -261,18 +262,25 @@ class ModelRunner:
           _zeros((*rows, slots), jnp.int32, resolver.NEVER, device_pool.sharding),
           _zeros((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
                  device_pool.sharding))
-    graphdef, self.params = nnx.split(model)
-    self._step = _step_program(
-        graphdef, self.ops, device_pool.spec.dtype, device_pool.storage_dtype,
-        self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
-        hisparse.thrash_window_steps if hisparse is not None else 0,
-        device_pool.sharding, host_pool.sharding if host_pool is not None else None)
+    self._graphdef, self.params = nnx.split(model)
+    self._step = self._step_for(self.ops, one_memory=None)
     self._copy = _copy_program()
     self._refresh = _refresh_program(self.ops, device_pool.spec.dtype, self.block_size)
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
     # The previous-step tokens of a step that reads none (its token_src is all -1).
     self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), device_pool.sharding)
+
+  def _step_for(self, ops: kernels_pallas.KernelOps, one_memory: bool | None):
+    """The jitted step program over `ops` (`one_memory`: how HiSparse loads cross, see
+    resolver.load_blocks; None: as this process's devices do)."""
+    hisparse = self.hisparse
+    return _step_program(
+        self._graphdef, ops, self.pool.spec.dtype, self.pool.storage_dtype,
+        self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
+        hisparse.thrash_window_steps if hisparse is not None else 0,
+        self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
+        one_memory)
 
   @property
   def reserved_bytes(self) -> int:
@@ -467,19 +475,45 @@ class ModelRunner:
       if np.any(batch.token_src >= 0):
         raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
       prev_tokens = self._no_tokens
-    host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
     (tokens, arrays, self.bounds, self.hot_state, (counts, loaded),
-     (logprobs, prompt)) = self._step(
-        self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
-        batch.input_ids, batch.token_src, prev_tokens, batch.positions,
-        batch.metadata, batch.logits_indices, batch.temperature, batch.top_p, batch.top_k,
-        batch.seeds, batch.counters, batch.extras, greedy_only=greedy_only,
-        num_token_rows=self.max_num_seqs)
+     (logprobs, prompt)) = self._step(*self._step_args(batch, prev_tokens),
+                                      greedy_only=greedy_only,
+                                      num_token_rows=self.max_num_seqs)
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1
     return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
                       logprobs, prompt)
+
+  def _step_args(self, batch: StepBatch, prev_tokens: jax.Array) -> tuple:
+    host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
+    return (self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
+            batch.input_ids, batch.token_src, prev_tokens, batch.positions, batch.metadata,
+            batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
+            batch.counters, batch.extras)
+
+  def lower(self, batch: StepBatch, *, platform: str = "cuda",
+            kernel_backend: str | None = None) -> jax.stages.Lowered:
+    """The step program of `batch`, lowered for `platform` ("cuda", "rocm", "cpu" or
+    "tpu") from whatever machine this is, without running it: what a GPU would compile,
+    checked from a CPU-only host (tests/kernels_pallas/test_lowering_cuda.py). The
+    kernels are those of `kernel_backend` (None: the runner's) resolved for that
+    platform ("auto" gives the compiled Pallas kernels on a GPU), and HiSparse loads
+    cross between separate device and host memories unless the platform is CPU."""
+    target = kernels_pallas.backend.target_platform(platform)
+    backend = self.kernel_backend if kernel_backend is None else kernel_backend
+    ops = kernels_pallas.ops(backend, platform=target)
+    step = self._step_for(ops, one_memory=target == "cpu")
+    # The dense call's static sizes are the target kernels' own (build_batch gave this
+    # runner's).
+    meta = batch.metadata
+    q_lens = np.diff(np.asarray(meta.cu_q_lens)[:batch.num_seqs + 1])
+    sparse = np.asarray(meta.sparse_rows)[:batch.num_seqs]
+    hints = tuple(sorted(ops.ragged_hints(q_lens[~sparse].tolist()).items()))
+    batch = dataclasses.replace(batch, metadata=dataclasses.replace(meta, ragged_hints=hints))
+    greedy_only = not np.any(batch.temperature > 0)
+    return step.trace(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
+                      num_token_rows=self.max_num_seqs).lower(lowering_platforms=(platform,))
 
   def collect(self, handle: StepHandle) -> StepResult:
     """Waits for a dispatched step and reads back what the host needs of it (the step's
@@ -546,11 +580,12 @@ def _zeros(shape, dtype, value, sharding):
 @functools.cache  # one jitted program per model structure, shared by engines of a process
 def _step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
                   blocks: HiSparseBlocks | None = None, selection: str | None = None,
-                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None):
+                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
+                  one_memory: bool | None = None):
   sparse = None
   if blocks is not None:
     sparse = _SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
-                           host_sharding)
+                           host_sharding, one_memory)
   attn_fn = functools.partial(_attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
                               sparse)
   forward = functools.partial(_forward, graphdef, attn_fn)
@@ -567,6 +602,7 @@ class _SparseStatic:
   thrash_window_steps: int
   device_sharding: jax.sharding.Sharding
   host_sharding: jax.sharding.Sharding
+  one_memory: bool | None = None  # resolver.load_blocks' (None: the devices say)
 
 
 @functools.cache
@@ -773,7 +809,7 @@ def _sparse_rows(sparse: _SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps,
   (k_pages, v_pages), loaded = resolver.load_blocks(
       (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
       res.load_device_ids, device_sharding=sparse.device_sharding,
-      host_sharding=sparse.host_sharding)
+      host_sharding=sparse.host_sharding, one_memory=sparse.one_memory)
   # attend: the newest, partly filled block is last (indexer order).
   out = ops.paged_attention(q_rows, _from_storage(k_pages, kv_dtype),
                             _from_storage(v_pages, kv_dtype), res.block_tables,

@@ -4,6 +4,11 @@ Two knobs, resolved here and nowhere else:
 
 * ``interpret`` of each Pallas kernel: ``None`` means interpret mode on CPU (tests
   only; slow) and a compiled kernel on GPU.
+* the **target** platform: what the program is lowered for, by default the platform
+  this process runs on. ``ops(backend, platform="gpu")`` binds the kernels compiled
+  (``interpret=False``, Triton compiler parameters) whatever the host, so that
+  ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` lowers the GPU
+  program from a CPU-only machine (``tests/kernels_pallas/test_lowering_cuda.py``).
 * ``backend`` of :func:`ops`: ``"pallas"`` (the kernels), ``"xla"`` (the attention of
   :mod:`kernels_pallas.xla_attention`, shaped for XLA:CPU, with the references' write_kv
   and block_key_bounds), ``"reference"`` (each kernel's pure-jnp reference, jit-compiled,
@@ -26,6 +31,7 @@ per-kernel swap behind :func:`compiler_params`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -36,22 +42,39 @@ BackendName = Literal["auto", "pallas", "xla", "reference"]
 BACKENDS = ("pallas", "xla", "reference")
 
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+# Lowering-platform names (`lowering_platforms=`) and what they target here.
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
 def platform() -> str:
   """The default JAX platform: "cpu", "gpu" or "tpu"."""
   return jax.default_backend()
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-  """`None` -> interpret mode exactly when running on CPU."""
+def target_platform(target: str | None = None) -> str:
+  """The platform a program is built for: `target` ("cpu", "gpu", "tpu"; "cuda" and
+  "rocm" mean "gpu"), or this process's platform when None."""
+  if target is None:
+    return platform()
+  name = _PLATFORM_ALIASES.get(target, target)
+  if name not in PLATFORMS:
+    raise ValueError(f"platform must be one of cpu, gpu, cuda, rocm or tpu, got {target!r}")
+  return name
+
+
+def resolve_interpret(interpret: bool | None, target: str | None = None) -> bool:
+  """`None` -> interpret mode exactly when the target platform is CPU."""
   if interpret is None:
-    return platform() == "cpu"
+    return target_platform(target) == "cpu"
   return bool(interpret)
 
 
-def resolve_backend(backend: BackendName | None) -> Literal["pallas", "xla", "reference"]:
+def resolve_backend(backend: BackendName | None,
+                    target: str | None = None) -> Literal["pallas", "xla", "reference"]:
   """`"auto"`/`None` -> ``"pallas"`` on GPU, ``"xla"`` on CPU and TPU."""
   if backend in (None, "auto"):
-    return "pallas" if platform() == "gpu" else "xla"
+    return "pallas" if target_platform(target) == "gpu" else "xla"
   if backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto', 'pallas', 'xla' or 'reference', got {backend!r}")
   return backend
@@ -63,12 +86,17 @@ def min_dot_rows(interpret: bool) -> int:
 
 
 def compiler_params(interpret: bool, *, num_warps: int = 4, num_stages: int = 2) -> Any:
-  """Triton compiler parameters on GPU, `None` in interpret mode."""
-  if interpret or platform() != "gpu":
-    return None
-  from jax.experimental.pallas import triton as plgpu  # GPU-only import.
+  """Triton compiler parameters for a compiled kernel, `None` in interpret mode.
 
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  Given whatever the host: the parameters' type is what selects the Triton lowering of
+  `pallas_call` for "cuda"/"rocm" (with none, jax picks Mosaic GPU, which these
+  whole-pool BlockSpecs do not fit), and a compiled kernel runs nowhere but a GPU.
+  """
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltriton
+
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def check_triton_sizes(interpret: bool, **sizes: int) -> None:
@@ -101,18 +129,22 @@ class KernelOps(NamedTuple):
   ragged_hints: Callable[[Sequence[int]], dict[str, int]] = _no_hints
 
 
-def ops(backend: BackendName | None = None) -> KernelOps:
-  """The kernels the engine calls, for `backend` (see module docstring)."""
+@functools.cache  # the same KernelOps (a static argument of the step) per backend
+def ops(backend: BackendName | None = None, *, platform: str | None = None) -> KernelOps:
+  """The kernels the engine calls, for `backend` (see module docstring), built for the
+  `platform` target (None: this process's platform). The Pallas kernels come bound to
+  `interpret` = the target is CPU."""
   # Imported here: the kernel modules import this module for `resolve_interpret`. By module
   # path, since the package re-exports functions under the same names as the modules.
   pa, rpa, wkv, bkb, xa = (importlib.import_module(f"kernels_pallas.{m}") for m in (
       "paged_attention", "ragged_paged_attention", "write_kv", "block_key_bounds",
       "xla_attention"))
 
-  name = resolve_backend(backend)
+  name = resolve_backend(backend, platform)
   if name == "pallas":
-    return KernelOps(name, pa.paged_attention, rpa.ragged_paged_attention, wkv.write_kv,
-                     bkb.block_key_bounds)
+    bind = functools.partial(functools.partial, interpret=resolve_interpret(None, platform))
+    return KernelOps(name, bind(pa.paged_attention), bind(rpa.ragged_paged_attention),
+                     bind(wkv.write_kv), bind(bkb.block_key_bounds))
   if name == "xla":
     return KernelOps(name, xa.paged_attention_xla, xa.ragged_paged_attention_xla,
                      wkv.write_kv_reference, bkb.block_key_bounds_reference, xa.ragged_hints)

@@ -21,13 +21,15 @@ def test_cpu_defaults():
 def test_ops_binds_kernels_xla_attention_or_references():
   auto, pallas, xla, ref = (kernels_pallas.ops(b) for b in (None, "pallas", "xla", "reference"))
   assert auto.backend == "xla" and pallas.backend == "pallas" and ref.backend == "reference"
-  assert pallas.paged_attention is kernels_pallas.paged_attention
+  # The Pallas kernels come bound to interpret mode for this (CPU) platform.
+  assert pallas.paged_attention.func is kernels_pallas.paged_attention
+  assert pallas.paged_attention.keywords == {"interpret": True}
   assert xla.paged_attention is kernels_pallas.paged_attention_xla
   assert xla.ragged_paged_attention is kernels_pallas.ragged_paged_attention_xla
   assert ref.paged_attention is kernels_pallas.paged_attention_reference
   assert ref.ragged_paged_attention is kernels_pallas.ragged_paged_attention_reference
   assert auto.write_kv is kernels_pallas.write_kv_reference
-  assert pallas.block_key_bounds is kernels_pallas.block_key_bounds
+  assert pallas.block_key_bounds.func is kernels_pallas.block_key_bounds
   # Static sizes of the ragged call: the xla backend's prefill tiles, nothing elsewhere.
   assert xla.ragged_hints([1, 37, 1, 300]) == {"prefill_tile": 128, "num_prefill_tiles": 4,
                                                "num_decode_rows": 8}
@@ -35,6 +37,25 @@ def test_ops_binds_kernels_xla_attention_or_references():
                                       "num_decode_rows": 8}
   assert xla.ragged_hints([37])["num_decode_rows"] == 0  # no decode work compiled
   assert ref.ragged_hints([1, 37]) == {} and pallas.ragged_hints([5]) == {}
+  assert kernels_pallas.ops("pallas") is pallas  # one KernelOps per backend: one step program
+
+
+def test_ops_for_a_gpu_target_from_this_cpu_host():
+  # Built for the target, not the host: "auto" is the compiled Pallas kernels on a GPU.
+  for target in ("gpu", "cuda", "rocm"):
+    gpu = kernels_pallas.ops(None, platform=target)
+    assert gpu.backend == "pallas"
+    assert gpu.ragged_paged_attention.keywords == {"interpret": False}
+  assert kernels_pallas.ops(None, platform="tpu").backend == "xla"
+  assert backend.resolve_interpret(None, "cuda") is False
+  assert backend.resolve_interpret(None, "cpu") is True
+  with pytest.raises(ValueError, match="platform must be one of .* got 'metal'"):
+    kernels_pallas.ops(None, platform="metal")
+  # A compiled kernel gets Triton's parameters whatever the host (their type is what picks
+  # the Triton lowering for cuda); interpret mode gets none.
+  from jax.experimental.pallas import triton as pltriton
+  assert isinstance(backend.compiler_params(False), pltriton.CompilerParams)
+  assert backend.compiler_params(True) is None
 
 
 def test_triton_size_check_names_bad_sizes():
