@@ -10,7 +10,7 @@ the engine executes the plans with the TransferEngine and the jitted step.
                                       |  |  `-- partial: never cached, copied on write
                                       `--`----- full: chained hash, shareable
     device pool  [0=null][1][2][3][4][5][6][7] ...
-                      swap_out, spill |  ^  swap_in, host prefix hit
+                            swap_out |  ^  swap_in, host prefix hit
                                       v  |
     host pool    [0=null][1][2][3][4] ...
     sequence B (swapped out)  host table [2, 4]   (device table empty)
@@ -18,7 +18,7 @@ the engine executes the plans with the TransferEngine and the jitted step.
 A block's tier-local life (FREE -> OWNED -> CACHED -> evicted) is described in
 `hisparse_jax.block_pool`. Across tiers, a block's content moves:
 - device -> host: `swap_out(seq)` (preemption by swapping, not recomputing) and
-  `spill_cold_blocks(n)` (write-back of cold cached device blocks);
+  `write_through(seq)` (HiSparse host copies, below);
 - host -> device: `swap_in(seq)` and host-tier prefix hits in `allocate`.
 
 Plan contract for one engine step. A block freed during the step may be handed out
@@ -675,27 +675,6 @@ class BlockManager:
     if not seq.offloaded:
       seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
     return gain
-
-  def spill_cold_blocks(self, max_num_blocks: int) -> SwapOutPlan:
-    """Writes back up to `max_num_blocks` CACHED device blocks, coldest first.
-
-    Only blocks whose hash the host tier lacks are copied; each gets a host block that
-    holds its hash (pinned until `finish_step`, then CACHED). The device copies stay
-    CACHED too, until a device allocation reuses them: then the prefix survives on host.
-    """
-    device_src, host_dst = [], []
-    for device_id in self.device_pool.cached_block_ids_lru():
-      if len(device_src) >= max_num_blocks or self.host_pool.num_free_blocks == 0:
-        break
-      block_hash = self.device_pool.block_hash(device_id)
-      if self.host_pool.peek_cached_block(block_hash) is not None:
-        continue
-      (host_id,) = self.host_pool.allocate(1)
-      self.host_pool.cache_block(host_id, block_hash)
-      device_src.append(device_id)
-      host_dst.append(host_id)
-    self._pin_host_blocks(host_dst, touch=False)  # Coldest first already.
-    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
 
   # --- Checks --------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ A block's life in one tier:
 Two tiers of one engine, each with its own BlockPool:
 
     device pool   [0=null][ 1 ][ 2 ] ...      memory_kind="device"
-                      ^ swap_in (host -> device)   | swap_out / spill (device -> host)
+                      ^ swap_in (host -> device)   | swap_out (device -> host)
     host pool     [0=null][ 1 ][ 2 ] ...      memory_kind="pinned_host"
 
 Both tiers reserve block 0 as the null block by default. On the device it pads

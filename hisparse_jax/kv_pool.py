@@ -202,58 +202,10 @@ class KVPool:
       return x
     return jax.lax.bitcast_convert_type(x, jnp.dtype(self.spec.dtype))
 
-  def read_blocks(self, layer: int, block_ids) -> tuple[jax.Array, jax.Array]:
-    """Copies of K and V of `block_ids` in `layer`, in the logical dtype, on the device.
-
-    Each `[len(block_ids), block_size, num_kv_heads, head_dim]`. For tests and debugging:
-    the result shares no buffer with the pool, so later donations stay in place.
-    """
-    ids = np.asarray(block_ids, np.int32)
-    k, v = _gather_fn(self.memory_kind, self.device)(self.k[layer], self.v[layer], ids)
-    return self.from_storage(k), self.from_storage(v)
-
-  def write_blocks(self, layer: int, block_ids, k, v) -> None:
-    """Writes K and V (logical dtype, `[n, block_size, num_kv_heads, head_dim]`) into
-    `block_ids` of `layer` of a device pool, in place (donated)."""
-    if self.memory_kind != DEVICE:
-      raise ValueError("write_blocks writes the device pool; the host pool is written "
-                       "by TransferEngine.swap_out")
-    ids = np.asarray(block_ids, np.int32)
-    shape = (len(ids),) + self.spec.block_shape(1)[1:]
-    if tuple(np.shape(k)) != shape or tuple(np.shape(v)) != shape:
-      raise ValueError(f"k and v must have shape {shape}, got {np.shape(k)}, {np.shape(v)}")
-    new_k, new_v = _scatter_fn(self.sharding)(
-        self.k[layer], self.v[layer], ids, self.to_storage(jnp.asarray(k)),
-        self.to_storage(jnp.asarray(v)))
-    self.k = self.k[:layer] + (new_k,) + self.k[layer + 1:]
-    self.v = self.v[:layer] + (new_v,) + self.v[layer + 1:]
-
   def __repr__(self) -> str:
     return (f"KVPool({self.memory_kind}, {self.num_layers} layers x 2 x "
             f"{self.storage_dtype}{list(self.spec.block_shape(self.num_blocks))}, "
             f"{self.nbytes:,} bytes)")
-
-
-@functools.cache
-def _gather_fn(memory_kind: str, device: jax.Device):
-  device_sharding = SingleDeviceSharding(device, memory_kind=DEVICE)
-
-  def gather(k, v, ids):
-    if memory_kind == DEVICE:
-      return k[ids], v[ids]
-    ids = jax.device_put(ids, SingleDeviceSharding(device, memory_kind=memory_kind))
-    with compute_on("device_host"):
-      return k[ids], v[ids]
-
-  return jax.jit(gather, out_shardings=(device_sharding, device_sharding))
-
-
-@functools.cache
-def _scatter_fn(sharding: SingleDeviceSharding):
-  def scatter(k_pool, v_pool, ids, k, v):
-    return k_pool.at[ids].set(k), v_pool.at[ids].set(v)
-
-  return jax.jit(scatter, donate_argnums=(0, 1), out_shardings=(sharding, sharding))
 
 
 @functools.cache
