@@ -73,8 +73,9 @@ from hisparse_jax.block_plans import (  # noqa: F401 (re-exported)
     SwapOutPlan,
     as_block_ids,
 )
-from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
+from hisparse_jax.block_pool import BlockPool
 from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
+from hisparse_jax.kv_pool import NULL_BLOCK_ID
 
 # The token id of a slot appended before its token is known (the engine's steps overlap:
 # a decode is planned while the token it computes is still being sampled); `set_token`

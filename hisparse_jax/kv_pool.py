@@ -39,7 +39,12 @@ DEVICE = "device"
 PINNED_HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, PINNED_HOST)
 KV_DTYPES = ("float32", "bfloat16", "float16")
-NUM_NULL_BLOCKS = 1  # block 0 of each pool is the null block
+NULL_BLOCK_ID = 0  # block 0 of each pool (and of each tier's BlockPool): the null block
+
+
+def num_usable_blocks(num_blocks: int) -> int:
+  """Blocks of a pool of `num_blocks` that can be handed out: all but the null block."""
+  return num_blocks - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +114,27 @@ def memory_sharding(device: jax.Device, memory_kind: str) -> SingleDeviceShardin
   return SingleDeviceSharding(device, memory_kind=memory_kind)
 
 
+def to_storage(x: jax.Array, kv_dtype, storage_dtype) -> jax.Array:
+  """Logical dtype -> storage dtype: a bitcast for bfloat16 stored as uint16 (CPU), else
+  identity. Traceable (the step program calls it on each layer's new K/V)."""
+  if x.dtype == storage_dtype:
+    return x
+  return jax.lax.bitcast_convert_type(x.astype(kv_dtype), storage_dtype)
+
+
+def from_storage(x: jax.Array, kv_dtype) -> jax.Array:
+  """Storage dtype -> logical dtype (the inverse bitcast of `to_storage`). Traceable."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  return x if x.dtype == kv_dtype else jax.lax.bitcast_convert_type(x, kv_dtype)
+
+
 class KVPool:
   """The K and V block arrays of every layer in one memory kind of one device.
 
   Invariants: `len(k) == len(v) == spec.num_layers`; every array has shape
   `spec.block_shape(num_blocks)`, dtype `storage_dtype` and a sharding of kind
-  `memory_kind`; block ids `[0, num_null_blocks)` are reserved (block 0, the null
-  block, in both memory kinds), so usable ids are `[num_null_blocks, num_blocks)`. The
+  `memory_kind`; block `NULL_BLOCK_ID` (0, the null block, in both memory kinds) is
+  reserved, so usable ids are `[1, num_blocks)`. The
   arrays change only through `set_arrays`, with arrays returned by a donating jitted
   update.
   """
@@ -128,10 +147,9 @@ class KVPool:
     self.memory_kind = memory_kind
     self.device = device if device is not None else jax.devices()[0]
     self.sharding = memory_sharding(self.device, memory_kind)
-    self.num_null_blocks = NUM_NULL_BLOCKS
-    if num_blocks <= self.num_null_blocks:
-      raise ValueError(f"a {memory_kind} pool needs more than {self.num_null_blocks} "
-                       f"blocks, got {num_blocks}")
+    if num_usable_blocks(num_blocks) < 1:
+      raise ValueError(f"a {memory_kind} pool needs more than 1 blocks (the null block), "
+                       f"got {num_blocks}")
     self.num_blocks = int(num_blocks)
     self.storage_dtype = storage_dtype(spec.dtype, self.device.platform)
     shape = spec.block_shape(self.num_blocks)
@@ -159,7 +177,7 @@ class KVPool:
 
   @property
   def num_usable_blocks(self) -> int:
-    return self.num_blocks - self.num_null_blocks
+    return num_usable_blocks(self.num_blocks)
 
   @property
   def num_layers(self) -> int:
@@ -191,16 +209,12 @@ class KVPool:
     return sum(int(a.nbytes) for a in self.arrays())
 
   def to_storage(self, x: jax.Array) -> jax.Array:
-    """Logical dtype -> storage dtype (bitcast for bfloat16 on CPU, else identity)."""
-    if x.dtype == self.storage_dtype:
-      return x
-    return jax.lax.bitcast_convert_type(x.astype(self.spec.dtype), self.storage_dtype)
+    """Logical dtype -> this pool's storage dtype (`to_storage`)."""
+    return to_storage(x, self.spec.dtype, self.storage_dtype)
 
   def from_storage(self, x: jax.Array) -> jax.Array:
-    """Storage dtype -> logical dtype."""
-    if x.dtype == jnp.dtype(self.spec.dtype):
-      return x
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(self.spec.dtype))
+    """This pool's storage dtype -> logical dtype (`from_storage`)."""
+    return from_storage(x, self.spec.dtype)
 
   def __repr__(self) -> str:
     return (f"KVPool({self.memory_kind}, {self.num_layers} layers x 2 x "

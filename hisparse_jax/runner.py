@@ -63,7 +63,7 @@ import kernels_pallas
 from hisparse_jax import indexer, resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseBlocks, HiSparseConfig
-from hisparse_jax.kv_pool import KVPool
+from hisparse_jax.kv_pool import KVPool, from_storage, to_storage
 from hisparse_jax.sampling import (
     apply_penalties,
     greedy,
@@ -72,13 +72,8 @@ from hisparse_jax.sampling import (
     token_logprobs,
 )
 from hisparse_jax.scheduler import ScheduledChunk
+from hisparse_jax.transfer import bucket_size
 from kernels_pallas.xla_attention import decode_rows_bucket
-
-
-def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
-  """Next power of two >= n (at least `minimum`, at most `maximum` when n fits)."""
-  b = max(minimum, 1 << max(0, n - 1).bit_length())
-  return max(n, min(b, maximum)) if maximum is not None else b
 
 
 @jax.tree_util.register_dataclass
@@ -296,9 +291,9 @@ class ModelRunner:
     live (None: every block device-resident, no hot buffer).
     """
     num_tokens = sum(c.num_tokens for c in chunks)
-    t_pad = bucket(num_tokens, 16, self.max_num_batched_tokens)
-    b_pad = bucket(len(chunks), 4, self.max_num_seqs)
-    w_pad = bucket(block_tables.shape[1], 4, self.max_blocks_per_seq)
+    t_pad = bucket_size(num_tokens, 16, self.max_num_batched_tokens)
+    b_pad = bucket_size(len(chunks), 4, self.max_num_seqs)
+    w_pad = bucket_size(block_tables.shape[1], 4, self.max_blocks_per_seq)
     input_ids = np.zeros(t_pad, np.int32)
     token_src = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -394,14 +389,14 @@ class ModelRunner:
     penalized = [i for i, sp in enumerate(params) if sp.has_penalties]
     repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
     limited = [i for i, sp in enumerate(params) if sp.min_tokens > 0]
-    p_len = bucket(max(len(chunks[i].request.prompt_token_ids) for i in repeated), 16) \
+    p_len = bucket_size(max(len(chunks[i].request.prompt_token_ids) for i in repeated), 16) \
         if repeated else 0
-    o_len = bucket(max(len(chunks[i].request.output_token_ids) for i in penalized), 8) \
+    o_len = bucket_size(max(len(chunks[i].request.output_token_ids) for i in penalized), 8) \
         if penalized else 0
     stops = {i: sorted(set(params[i].stop_token_ids)
                        | (set() if params[i].ignore_eos else set(self.eos_token_ids)))
              for i in limited}
-    s_len = bucket(max(len(v) for v in stops.values()), 4) if limited else 0
+    s_len = bucket_size(max(len(v) for v in stops.values()), 4) if limited else 0
     prompt_ids = np.full((b_pad, p_len), vocab, np.int32)
     output_ids = np.full((b_pad, o_len), vocab, np.int32)
     stop_ids = np.full((b_pad, s_len), vocab, np.int32)
@@ -437,15 +432,15 @@ class ModelRunner:
       num_top = max(num_top, sp.prompt_logprobs)
     prompt_rows = prompt_targets = None
     if spans:
-      prompt_rows = np.zeros(bucket(len(rows), 16), np.int32)
+      prompt_rows = np.zeros(bucket_size(len(rows), 16), np.int32)
       prompt_targets = np.zeros_like(prompt_rows)
       prompt_rows[:len(rows)], prompt_targets[:len(rows)] = rows, targets
-      num_top = min(bucket(max(num_top, 1), 1), vocab)
+      num_top = min(bucket_size(max(num_top, 1), 1), vocab)
     extras = SamplerExtras(
         min_p, presence, frequency, repetition, prompt_ids, output_ids, stop_ids, below_min,
         penalties=bool(penalized), use_min_p=any(sp.min_p > 0 for sp in params),
         min_tokens=bool(limited),
-        num_logprobs=0 if num_logprobs < 0 else min(bucket(max(num_logprobs, 1), 1), vocab),
+        num_logprobs=0 if num_logprobs < 0 else min(bucket_size(max(num_logprobs, 1), 1), vocab),
         prompt_rows=prompt_rows, prompt_targets=prompt_targets,
         num_prompt_logprobs=num_top if spans else -1)
     return extras, tuple(spans)
@@ -505,7 +500,7 @@ class ModelRunner:
     written to the host pool keep their key bounds on the device for the indexer)."""
     if not self.bounds or len(device_ids) == 0:
       return
-    n = bucket(len(device_ids), 4)
+    n = bucket_size(len(device_ids), 4)
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.bounds[0].shape[0], np.int32)  # padding: out of range, dropped
     src[:len(device_ids)] = device_ids
@@ -516,7 +511,7 @@ class ModelRunner:
     """Copy-on-write: device block src -> dst, every layer, one jitted call."""
     if not copies:
       return
-    n = bucket(len(copies), 4)
+    n = bucket_size(len(copies), 4)
     src = np.zeros(n, np.int32)
     # Padding: out of range of every array (the bounds have the host blocks' rows too).
     dst = np.full(n, max([self.pool.num_blocks] + [b.shape[0] for b in self.bounds]),
@@ -534,7 +529,7 @@ class ModelRunner:
     recomputes it over its valid tokens."""
     if not self.bounds or len(device_ids) == 0:
       return
-    slots = np.full(bucket(len(device_ids), 4), -1, np.int32)
+    slots = np.full(bucket_size(len(device_ids), 4), -1, np.int32)
     slots[:len(device_ids)] = np.asarray(device_ids) * self.block_size + self.block_size - 1
     self.bounds = self._refresh(self.bounds, self.pool.arrays()[:self.pool.num_layers], slots)
 
@@ -574,7 +569,7 @@ def _refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: i
   del block_size  # part of the cache key only (slots encode it)
 
   def refresh(bounds, k_arrays, slots):
-    return tuple(ops.block_key_bounds(b, _from_storage(k, jnp.dtype(kv_dtype)), slots)
+    return tuple(ops.block_key_bounds(b, from_storage(k, jnp.dtype(kv_dtype)), slots)
                  for b, k in zip(bounds, k_arrays))
 
   return jax.jit(refresh, donate_argnums=(0,))
@@ -654,17 +649,6 @@ def _process_logits(logits, extras: SamplerExtras, last_input, inflight):
   return logits
 
 
-def _to_storage(x, kv_dtype, storage_dtype):
-  """Logical -> storage dtype (a bitcast for bfloat16 stored as uint16 on CPU; KVPool)."""
-  if x.dtype == storage_dtype:
-    return x
-  return jax.lax.bitcast_convert_type(x.astype(kv_dtype), storage_dtype)
-
-
-def _from_storage(x, kv_dtype):
-  return x if x.dtype == kv_dtype else jax.lax.bitcast_convert_type(x, kv_dtype)
-
-
 def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
             sparse: _SparseStatic | None, q, k, v, *, layer_idx, kv_cache,
             metadata: StepMetadata, config):
@@ -674,18 +658,18 @@ def _attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
   if sparse is None:
     k_pages, v_pages = kv_cache
     k_pages, v_pages = ops.write_kv(
-        k_pages, v_pages, _to_storage(k[0], kv_dtype, storage_dtype),
-        _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
+        k_pages, v_pages, to_storage(k[0], kv_dtype, storage_dtype),
+        to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
     out = ops.ragged_paged_attention(
-        q[0], _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype),
+        q[0], from_storage(k_pages, kv_dtype), from_storage(v_pages, kv_dtype),
         metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
         sliding_window=config.sliding_window, **dict(metadata.ragged_hints))
     return out[None], (k_pages, v_pages)
   cache = dict(kv_cache)
   k_pages, v_pages = ops.write_kv(
-      cache["k"], cache["v"], _to_storage(k[0], kv_dtype, storage_dtype),
-      _to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
-  bounds = ops.block_key_bounds(cache["bounds"], _from_storage(k_pages, kv_dtype),
+      cache["k"], cache["v"], to_storage(k[0], kv_dtype, storage_dtype),
+      to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
+  bounds = ops.block_key_bounds(cache["bounds"], from_storage(k_pages, kv_dtype),
                                 metadata.slot_ids)
   out, k_pages, v_pages, state, (counts, loaded) = _hisparse_attention(
       ops, sparse, kv_dtype, q[0], k_pages, v_pages, bounds, cache, metadata, config)
@@ -718,7 +702,7 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: _SparseStatic, kv
         sparse, kv_dtype, ops, q[token], k_pages, v_pages, bounds, cache, metadata, rows,
         live)
     counts = counts.at[out_rows].set(row_counts, mode="drop")
-  k_view, v_view = _from_storage(k_pages, kv_dtype), _from_storage(v_pages, kv_dtype)
+  k_view, v_view = from_storage(k_pages, kv_dtype), from_storage(v_pages, kv_dtype)
   # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows get
   # no key there (their output is replaced below). A step with no dense row (a batch of
   # long decodes) skips the call: the reference's and the Pallas kernel's cost follows
@@ -775,8 +759,8 @@ def _sparse_rows(sparse: _SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps,
       res.load_device_ids, device_sharding=sparse.device_sharding,
       host_sharding=sparse.host_sharding)
   # attend: the newest, partly filled block is last (indexer order).
-  out = ops.paged_attention(q_rows, _from_storage(k_pages, kv_dtype),
-                            _from_storage(v_pages, kv_dtype), res.block_tables,
+  out = ops.paged_attention(q_rows, from_storage(k_pages, kv_dtype),
+                            from_storage(v_pages, kv_dtype), res.block_tables,
                             jnp.where(live, sel.lengths, 0))
   # The rows' new state goes back to their state rows (rows without one are dropped).
   dst = jnp.where(own_row, hot_rows, num_state_rows)

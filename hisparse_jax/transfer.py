@@ -51,12 +51,15 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import metrics as m
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVPool
+from hisparse_jax.kv_pool import DEVICE, NULL_BLOCK_ID, PINNED_HOST, KVPool
+from kernels_pallas.common import next_power_of_2
 
 
-def bucket_size(n: int, min_bucket: int) -> int:
-  """The padded length for `n` ids: the next power of two, at least `min_bucket`."""
-  return max(min_bucket, 1 << max(0, int(n) - 1).bit_length())
+def bucket_size(n: int, min_bucket: int, max_bucket: int | None = None) -> int:
+  """The padded length for `n` items (ids, tokens, rows): the next power of two, at least
+  `min_bucket`, and at most `max_bucket` when `n` fits (never less than `n`)."""
+  b = max(min_bucket, next_power_of_2(n))
+  return max(n, min(b, max_bucket)) if max_bucket is not None else b
 
 
 def hop_free(sharding) -> bool:
@@ -224,10 +227,10 @@ class TransferEngine:
       if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise ValueError(f"{pool.memory_kind} block ids must be a 1-D integer array, "
                          f"got {ids.dtype}{list(ids.shape)}")
-      bad = ids[(ids < pool.num_null_blocks) | (ids >= pool.num_blocks)]
+      bad = ids[(ids <= NULL_BLOCK_ID) | (ids >= pool.num_blocks)]
       if bad.size:
         raise ValueError(f"{pool.memory_kind} block ids must be in "
-                         f"[{pool.num_null_blocks}, {pool.num_blocks}), got {bad.tolist()}")
+                         f"[{NULL_BLOCK_ID + 1}, {pool.num_blocks}), got {bad.tolist()}")
     if src.shape != dst.shape:
       raise ValueError(f"source and destination id lists differ in length: "
                        f"{src.size} != {dst.size}")

@@ -65,7 +65,7 @@ def test_pool_arrays_live_in_their_memory_kind(memory_kind, dtype, stored):
     assert a.dtype == stored
     assert a.sharding.memory_kind == memory_kind
   assert pool.nbytes == 10 * spec.bytes_per_block
-  assert pool.num_null_blocks == 1 and pool.num_usable_blocks == 9
+  assert pool.num_usable_blocks == 9
 
 
 def test_set_arrays_refuses_the_wrong_memory_kind():
