@@ -35,7 +35,7 @@ pages), and each layer of the step runs:
                  this program (GPU: one host gather under compute_on("device_host") sized
                  to the misses; CPU, one memory: a loop of exactly the misses' block
                  copies); no miss moves nothing
-        attend   paged_attention(q, pages, resolved table, selection lengths)
+        attend   paged_attention(q, pages, resolved table, selection kv_lens)
 
 `sparse_rows` (a per-row flag in StepMetadata) decides; shapes stay static (the
 selected table is [num_seqs, top_k_blocks]), so the step is still one program.
@@ -761,7 +761,7 @@ def _sparse_rows(sparse: _SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps,
   # attend: the newest, partly filled block is last (indexer order).
   out = ops.paged_attention(q_rows, from_storage(k_pages, kv_dtype),
                             from_storage(v_pages, kv_dtype), res.block_tables,
-                            jnp.where(live, sel.lengths, 0))
+                            jnp.where(live, sel.kv_lens, 0))
   # The rows' new state goes back to their state rows (rows without one are dropped).
   dst = jnp.where(own_row, hot_rows, num_state_rows)
   new_state = (slot_block.at[dst].set(res.state.slot_block, mode="drop"),

@@ -285,7 +285,7 @@ def test_select_resolve_load_attend_in_one_jit_matches_host_tokens(rng):
   spec = KVCacheSpec(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      dtype="float32", block_size=bs)
   device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=17)
-  seq_lens = np.array([30, 21], np.int32)  # 8 and 6 blocks
+  kv_lens = np.array([30, 21], np.int32)  # 8 and 6 blocks
   host_ids = 1 + np.arange(2)[:, None] * max_blocks + np.arange(max_blocks)[None]
   # Resident device copies: the sinks, the newest blocks and seq 0's block 3.
   resident = np.zeros((2, max_blocks), np.int32)
@@ -298,21 +298,21 @@ def test_select_resolve_load_attend_in_one_jit_matches_host_tokens(rng):
   noise = rng.standard_normal((8, bs, num_kv_heads, head_dim)).astype(np.float32) * 50
   write_blocks(device_pool, 0, range(6, 14), noise, noise)  # stale slots: must be loaded
   keys = host_k[host_ids]  # [batch, max_blocks, bs, kv heads, d]
-  valid_tok = (np.arange(max_blocks * bs) < seq_lens[:, None]).reshape(2, max_blocks, bs)
+  valid_tok = (np.arange(max_blocks * bs) < kv_lens[:, None]).reshape(2, max_blocks, bs)
   bounds = np.stack([np.where(valid_tok[..., None, None], keys, np.inf).min(2),
                      np.where(valid_tok[..., None, None], keys, -np.inf).max(2)], axis=2)
   blocks = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=4,
                           local_tokens=4).blocks(bs)
 
   def step(q, state, step_id, host_arrays, device_arrays):
-    sel = indexer.select(q, jnp.asarray(bounds), jnp.asarray(seq_lens), blocks, "shared")
+    sel = indexer.select(q, jnp.asarray(bounds), jnp.asarray(kv_lens), blocks, "shared")
     res = resolver.resolve(sel.logical_ids, sel.valid, state, jnp.asarray(resident),
                            slot_device, jnp.asarray(host_ids, jnp.int32), step_id,
                            num_device_blocks=NUM_DEVICE_BLOCKS, thrash_window_steps=2)
     device_arrays, _ = _load_fn(device_pool, host_pool)(
         host_arrays, device_arrays, res.load_host_ids, res.load_device_ids)
     out = kernels_pallas.paged_attention_reference(q, *device_arrays, res.block_tables,
-                                                   sel.lengths)
+                                                   sel.kv_lens)
     return out, sel, res, device_arrays
 
   step = jax.jit(step, donate_argnums=(4,))
@@ -331,9 +331,9 @@ def test_select_resolve_load_attend_in_one_jit_matches_host_tokens(rng):
     totals += counts.sum(1)
     for b in range(2):
       ids = np.asarray(sel.logical_ids[b, :int(sel.num_selected[b])])
-      assert ids[0] == 0 and ids[-1] == -(-seq_lens[b] // bs) - 1  # sink and newest
+      assert ids[0] == 0 and ids[-1] == -(-kv_lens[b] // bs) - 1  # sink and newest
       toks = (ids[:, None] * bs + np.arange(bs)).reshape(-1)
-      toks = toks[toks < seq_lens[b]]
+      toks = toks[toks < kv_lens[b]]
       flat_k = keys[b].reshape(-1, num_kv_heads, head_dim)
       flat_v = host_v[host_ids[b]].reshape(-1, num_kv_heads, head_dim)
       np.testing.assert_allclose(out[b], _attend_selected(q[b], flat_k[toks], flat_v[toks]),
