@@ -159,7 +159,7 @@ class KVPool:
   def _zeros(self, shape: tuple[int, ...]) -> jax.Array:
     if self.memory_kind == DEVICE:
       # Built on the device: no host buffer, no host-to-device copy.
-      return _device_zeros_fn(shape, self.storage_dtype, self.sharding)()
+      return device_full_fn(shape, self.storage_dtype, 0, self.sharding)()
     # Host kind. The array must come out of a jitted program: measured on jax 0.10.2 CPU,
     # an array device_put from numpy is donated in place only some of the time (60-95% of
     # first donations reused the buffer), a jitted program's output every time. And its
@@ -232,8 +232,10 @@ def _host_copy_fn(sharding: SingleDeviceSharding):
 
 
 @functools.cache  # one compile per shape, shared by every layer and every pool
-def _device_zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: SingleDeviceSharding):
-  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+def device_full_fn(shape: tuple[int, ...], dtype, value, sharding: SingleDeviceSharding):
+  """A jitted program returning a `shape` array of `value`, built where `sharding` says
+  (no host buffer, no host-to-device copy): pools, the runner's bounds and hot state."""
+  return jax.jit(functools.partial(jnp.full, shape, value, dtype), out_shardings=sharding)
 
 
 @functools.cache

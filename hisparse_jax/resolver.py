@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hisparse_jax import transfer
+from kernels_pallas.common import packed_ids
 
 NEVER = -(2**30)  # step of "never used / never evicted"; far enough to never thrash
 _LAST = 2**31 - 1  # LRU key of slots used by this step: never a victim
@@ -239,9 +240,7 @@ def load_blocks(
   num_device_blocks = device_arrays[0].shape[0]
   device_ids = device_ids.astype(jnp.int32)
   loads = (device_ids >= 0) & (device_ids < num_device_blocks)
-  (order,) = jnp.nonzero(loads, size=total, fill_value=total)
-  packed = order < total
-  order = jnp.minimum(order, total - 1)
+  order, packed = packed_ids(loads, total)
   host_packed = jnp.where(packed, host_ids.astype(jnp.int32)[order], 0)
   device_packed = jnp.where(packed, device_ids[order], num_device_blocks)
   count = loads.sum(dtype=jnp.int32)

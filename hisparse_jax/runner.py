@@ -23,7 +23,6 @@ The runner is assembled from one module per concern:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -35,7 +34,7 @@ import kernels_pallas
 from hisparse_jax import resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVPool
+from hisparse_jax.kv_pool import KVPool, device_full_fn
 from hisparse_jax.sparse_attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.step_batch import (  # noqa: F401 (re-exported)
     BatchBuilderMixin,
@@ -121,16 +120,16 @@ class ModelRunner(BatchBuilderMixin):
       spec = device_pool.spec
       # Blocks written to the host pool keep their key bounds on the device, so a
       # dropped block can still be scored.
-      self.bounds = tuple(
-          _zeros((device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
-                  spec.head_dim), jnp.float32, 0, device_pool.sharding)
-          for _ in range(spec.num_layers))
+      bounds_shape = (device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
+                      spec.head_dim)
+      self.bounds = tuple(device_full_fn(bounds_shape, jnp.float32, 0, device_pool.sharding)()
+                          for _ in range(spec.num_layers))
       rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
       self.hot_state = (
-          _zeros((*rows, slots), jnp.int32, -1, device_pool.sharding),
-          _zeros((*rows, slots), jnp.int32, resolver.NEVER, device_pool.sharding),
-          _zeros((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
-                 device_pool.sharding))
+          device_full_fn((*rows, slots), jnp.int32, -1, device_pool.sharding)(),
+          device_full_fn((*rows, slots), jnp.int32, resolver.NEVER, device_pool.sharding)(),
+          device_full_fn((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
+                         device_pool.sharding)())
     graphdef, self.params = nnx.split(model)
     self._step = step_program(
         graphdef, self.ops, device_pool.spec.dtype, device_pool.storage_dtype,
@@ -242,7 +241,3 @@ class ModelRunner(BatchBuilderMixin):
     slots = np.full(bucket_size(len(device_ids), 4), -1, np.int32)
     slots[:len(device_ids)] = np.asarray(device_ids) * self.block_size + self.block_size - 1
     self.bounds = self._refresh(self.bounds, self.pool.arrays()[:self.pool.num_layers], slots)
-
-
-def _zeros(shape, dtype, value, sharding):
-  return jax.jit(functools.partial(jnp.full, shape, value, dtype), out_shardings=sharding)()

@@ -44,6 +44,7 @@ from hisparse_jax import indexer, resolver
 from hisparse_jax.hisparse_config import HiSparseBlocks
 from hisparse_jax.kv_pool import from_storage, to_storage
 from hisparse_jax.step_batch import StepMetadata
+from kernels_pallas.common import packed_ids
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
@@ -104,9 +105,7 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   sparse_out = None
   num_sparse = min(metadata.num_sparse_rows, batch)
   if num_sparse:
-    (rows,) = jnp.nonzero(is_sparse, size=num_sparse, fill_value=batch)
-    live = rows < batch
-    rows = jnp.minimum(rows, batch - 1)
+    rows, live = packed_ids(is_sparse, num_sparse)
     out_rows = jnp.where(live, rows, batch)  # for scatters back to the batch (padding dropped)
     token = jnp.minimum(metadata.cu_q_lens[rows], num_tokens - 1)  # each row's query token
     (k_pages, v_pages), new_state, row_counts, loaded, sparse_out = _sparse_rows(

@@ -154,16 +154,16 @@ class BatchBuilderMixin:
     offset = 0
     for i, chunk in enumerate(chunks):
       request, n = chunk.request, chunk.num_tokens
+      sp = request.sampling_params
+      temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
+      seeds[i] = request.seed
+      counters[i] = len(request.output_token_ids) + request.num_inflight
       if n == 0:  # samples from the logits of the chunk before it (n > 1), attends nothing
         if chunk.logits_of is None or i == 0 or chunk.logits_of not in (
             chunks[i - 1].request, chunks[i - 1].logits_of):
           raise ValueError("a chunk without tokens must follow the chunk it samples from")
         cu_q_lens[i] = offset
         logits_indices[i] = logits_indices[i - 1]
-        sp = request.sampling_params
-        temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
-        seeds[i] = request.seed
-        counters[i] = len(request.output_token_ids) + request.num_inflight
         continue
       if request.num_inflight and chunk.start + n == request.num_tokens:
         # A decode of the token the previous step is still sampling: read it there.
@@ -175,10 +175,6 @@ class BatchBuilderMixin:
       cu_q_lens[i] = offset
       kv_lens[i] = chunk.start + n
       logits_indices[i] = offset + n - 1
-      sp = request.sampling_params
-      temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
-      seeds[i] = request.seed
-      counters[i] = len(request.output_token_ids) + request.num_inflight
       num_blocks = -(-kv_lens[i] // self.block_size)
       # A sparse row decodes one token past the prefill (an output token); prefill
       # chunks, even of one token (after a prefix-cache hit), stay dense, so a prompt's

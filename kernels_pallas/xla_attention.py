@@ -335,9 +335,7 @@ def ragged_paged_attention_xla(
   # Decode rows (one query, at KV position kv_len - 1), gathered into num_decode_rows.
   num_decode_rows = batch if num_decode_rows is None else min(num_decode_rows, batch)
   if num_decode_rows:
-    (rows,) = jnp.nonzero(q_lens == 1, size=num_decode_rows, fill_value=batch)
-    is_decode = rows < batch
-    rows = jnp.minimum(rows, batch - 1)
+    rows, is_decode = common.packed_ids(q_lens == 1, num_decode_rows)
     decode_kv_lens = jnp.where(is_decode, kv_lens[rows], 0)
     starts = None
     if sliding_window is not None:
