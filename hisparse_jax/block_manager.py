@@ -1,6 +1,6 @@
-"""Block tables of sequences over two KV tiers, with prefix caching and swap plans.
+"""Block tables of sequences over two KV tiers: the BlockManager.
 
-This module owns which KV blocks each sequence holds: device block tables in
+The BlockManager owns which KV blocks each sequence holds: device block tables in
 attention order, the host blocks of sequences swapped out, prefix-cache lookups in
 both tiers, copy-on-write of shared blocks, and the plans of the block moves that
 follow from these decisions. It is host bookkeeping only (plain Python and numpy):
@@ -10,7 +10,7 @@ the engine executes the plans with the TransferEngine and the jitted step.
                                       |  |  `-- partial: never cached, copied on write
                                       `--`----- full: chained hash, shareable
     device pool  [0=null][1][2][3][4][5][6][7] ...
-                      swap_out, spill |  ^  swap_in, host prefix hit
+                            swap_out |  ^  swap_in, host prefix hit
                                       v  |
     host pool    [0=null][1][2][3][4] ...
     sequence B (swapped out)  host table [2, 4]   (device table empty)
@@ -18,54 +18,29 @@ the engine executes the plans with the TransferEngine and the jitted step.
 A block's tier-local life (FREE -> OWNED -> CACHED -> evicted) is described in
 `hisparse_jax.block_pool`. Across tiers, a block's content moves:
 - device -> host: `swap_out(seq)` (preemption by swapping, not recomputing) and
-  `spill_cold_blocks(n)` (write-back of cold cached device blocks);
+  `write_through(seq)` (HiSparse host copies, below);
 - host -> device: `swap_in(seq)` and host-tier prefix hits in `allocate`.
 
-Plan contract for one engine step. A block freed during the step may be handed out
-again in the same step, so the order of the batched moves matters:
-  1. all device->host plans (SwapOutPlan), as one batched transfer: they read blocks
-     that this step may hand out again;
-  2. copy-on-write copies (device -> device): their source may have been freed by the
-     copy itself and reused as a swap-in target;
-  3. all host->device plans (SwapInPlan), as one batched transfer;
-  4. the forward step, which writes the KV of the slots handed out;
-  5. `finish_step()`, which releases the host blocks pinned as sources or targets of
-     this step's transfers.
-A sequence that was allocated, appended to or swapped in during a step is neither
-freed nor swapped out before that step's forward has run; only a sequence whose prompt
-is computed is appended to. A sequence may be forked in the step that computes the end
-of its prompt (the forward writes the shared blocks; neither sequence appends, so
-copies them on write, before a later step).
+The BlockManager is assembled from one module per concern (all host bookkeeping):
 
-HiSparse tiering (sequences that decode sparsely, hisparse_jax.resolver):
-
-    write_through(seq)   full, computed blocks get a host copy as they fill (d2h plan;
-                         the host block is owned by the sequence: `host_ids`)
-    offload(seq)         under device pressure: device copies of written-through blocks
-                         are dropped (table entry -> null block 0, no write needed) and
-                         the sequence gets its hot-buffer slots (`hot_slots`, device
-                         blocks); selected blocks that are not resident are loaded into
-                         those slots inside the step
-    swap_out(seq)        blocks with a host copy are not copied again
-    swap_in(seq, hot_buffer_blocks=n)   a long sequence comes back offloaded: only its
-                         blocks past the written-through prefix are copied back
-
-    offloaded sequence  block_ids [0, 0, 9, 0, 12]   (9: filled since, not dropped yet;
-                                                      a full last block may be dropped too)
-                        host_ids  [4, 5, 6, 7]       (full, computed blocks)
-                        hot_slots [20, 21, ...]      (device blocks of the hot buffer)
-
-A write-through plan is a SwapOutPlan and goes with the step's other d2h plans (first),
-so dropping its device blocks in the same step is safe.
+    block_manager.py        sequences and their tables: allocate / append / fork / free,
+                            the queries the scheduler and runner read (this file)
+    seq_state.py            SeqState: one sequence's blocks; PENDING_TOKEN
+    prefix_cache.py         PrefixCacheMixin: chained hashes, lookups in both tiers
+    tier_moves.py           TierMovesMixin: swap-out / swap-in plans, host pins, and the
+                            plan contract of one engine step
+    hisparse_placement.py   HiSparsePlacementMixin: write-through, offload, hot slots
+    block_invariants.py     BlockInvariantsMixin: check_invariants
+    block_plans.py          the plans it returns
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from hisparse_jax.block_invariants import BlockInvariantsMixin
 from hisparse_jax.block_plans import (  # noqa: F401 (re-exported)
     AllocateResult,
     AppendResult,
@@ -73,47 +48,19 @@ from hisparse_jax.block_plans import (  # noqa: F401 (re-exported)
     SwapOutPlan,
     as_block_ids,
 )
-from hisparse_jax.block_pool import NULL_BLOCK_ID, BlockPool
-from hisparse_jax.kv_hash import BlockHash, hash_full_blocks
+from hisparse_jax.block_pool import BlockPool
+from hisparse_jax.hisparse_placement import HiSparsePlacementMixin
+from hisparse_jax.kv_pool import NULL_BLOCK_ID
+from hisparse_jax.prefix_cache import PrefixCacheMixin
+from hisparse_jax.seq_state import PENDING_TOKEN, SeqState
+from hisparse_jax.tier_moves import TierMovesMixin
 
-# The token id of a slot appended before its token is known (the engine's steps overlap:
-# a decode is planned while the token it computes is still being sampled); `set_token`
-# fills it in. A block holding a pending token is not hashed (cached) until then.
-PENDING_TOKEN = -1
-
-
-@dataclasses.dataclass
-class _SeqState:
-  token_ids: list[int]
-  block_ids: list[int]  # device ids when resident, host ids when swapped out
-  block_hashes: list[BlockHash]  # one per full block whose KV is computed (and cached)
-  extra_keys: tuple | None
-  swapped: bool = False
-  num_cached_tokens: int = 0
-  # HiSparse (resident sequences only): host copy of each leading full, computed block
-  # (written through; owned), and the device blocks of the hot buffer once offloaded.
-  host_ids: list[int] = dataclasses.field(default_factory=list)
-  hot_slots: list[int] = dataclasses.field(default_factory=list)
-  # The numpy mirror of `block_ids` that step arrays are copied from (see `_table_row`):
-  # `table_version` changes whenever an entry of `block_ids` is replaced (appends do not
-  # change it); the mirror is valid for `mirror_version` and its first `mirror_len`
-  # entries.
-  pending: int | None = None  # position of the PENDING_TOKEN in token_ids, if any
-  table_version: int = 0
-  mirror: np.ndarray | None = None
-  mirror_len: int = 0
-  mirror_version: int = -1
-
-  @property
-  def offloaded(self) -> bool:
-    return bool(self.hot_slots)
-
-  def replaced_blocks(self) -> None:
-    """Records that entries of `block_ids` were replaced (not just appended)."""
-    self.table_version += 1
+__all__ = ["PENDING_TOKEN", "AllocateResult", "AppendResult", "BlockManager", "SwapInPlan",
+           "SwapOutPlan"]
 
 
-class BlockManager:
+class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
+                   BlockInvariantsMixin):
   """Tiered block manager: device blocks for running sequences, host blocks for the rest.
 
   Invariants (checked by `check_invariants`):
@@ -131,9 +78,8 @@ class BlockManager:
   - a block carries a hash only once it is full and its KV is computed (or computed
     in the step that cached it), and the hash is that of the sequence's tokens up to
     it, so a prefix hit never changes what attention reads.
-  Prefix lookups use the device tier first, then the host tier (so a host query is
-  counted only for a device miss); hits stop at the first miss (hashes are chained)
-  and never cover the last prompt token, which must be computed to produce logits.
+  Prefix lookups: `prefix_cache`. Moves between tiers and the plan contract:
+  `tier_moves`. HiSparse write-through and offload: `hisparse_placement`.
   """
 
   def __init__(
@@ -150,7 +96,7 @@ class BlockManager:
     self.enable_prefix_caching = enable_prefix_caching
     self.device_pool = BlockPool(num_device_blocks, "device")
     self.host_pool = BlockPool(num_host_blocks, "pinned_host")
-    self._seqs: dict[Hashable, _SeqState] = {}
+    self._seqs: dict[Hashable, SeqState] = {}
     self._pinned_host_groups: list[list[int]] = []
 
   @property
@@ -167,12 +113,12 @@ class BlockManager:
   def seq_ids(self) -> list[Hashable]:
     return list(self._seqs)
 
-  def _seq(self, seq_id: Hashable) -> _SeqState:
+  def _seq(self, seq_id: Hashable) -> SeqState:
     if seq_id not in self._seqs:
       raise ValueError(f"unknown sequence {seq_id!r}")
     return self._seqs[seq_id]
 
-  def _resident(self, seq_id: Hashable) -> _SeqState:
+  def _resident(self, seq_id: Hashable) -> SeqState:
     seq = self._seq(seq_id)
     if seq.swapped:
       raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
@@ -194,42 +140,6 @@ class BlockManager:
     """Device block ids of a resident sequence, in attention order (the null block 0
     for blocks an offloaded sequence dropped)."""
     return list(self._resident(seq_id).block_ids)
-
-  def is_offloaded(self, seq_id: Hashable) -> bool:
-    """Whether a resident sequence has hot-buffer slots (and may have dropped blocks)."""
-    return self._seq(seq_id).offloaded
-
-  def host_copy_ids(self, seq_id: Hashable) -> list[int]:
-    """Written-through host copies of a resident sequence's leading blocks."""
-    return list(self._resident(seq_id).host_ids)
-
-  def hot_slots(self, seq_id: Hashable) -> list[int]:
-    """Device blocks of a resident sequence's hot buffer (empty unless offloaded)."""
-    return list(self._resident(seq_id).hot_slots)
-
-  def num_resident_blocks(self, seq_id: Hashable) -> int:
-    """Device blocks a resident sequence holds (table entries that are not null, and
-    hot slots)."""
-    seq = self._resident(seq_id)
-    return sum(b != NULL_BLOCK_ID for b in seq.block_ids) + len(seq.hot_slots)
-
-  def host_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
-    """[num_seqs, max_num_blocks] int32 host copies per logical block (0 = none)."""
-    tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
-    for row, seq_id in enumerate(seq_ids):
-      host_ids = self._resident(seq_id).host_ids[:max_num_blocks]
-      tables[row, :len(host_ids)] = host_ids
-    return tables
-
-  def hot_slot_tables(self, seq_ids: Sequence[Hashable], num_slots: int) -> np.ndarray:
-    """[num_seqs, num_slots] int32 hot-buffer device blocks (0 rows: not offloaded)."""
-    tables = np.full((len(seq_ids), num_slots), NULL_BLOCK_ID, dtype=np.int32)
-    for row, seq_id in enumerate(seq_ids):
-      slots = self._resident(seq_id).hot_slots
-      if len(slots) > num_slots:
-        raise ValueError(f"sequence {seq_id!r} has {len(slots)} hot slots > {num_slots}")
-      tables[row, :len(slots)] = slots
-    return tables
 
   def host_block_table(self, seq_id: Hashable) -> list[int]:
     """Host block ids of a swapped-out sequence, in attention order."""
@@ -257,7 +167,7 @@ class BlockManager:
     return tables
 
   @staticmethod
-  def _table_row(seq: _SeqState) -> np.ndarray:
+  def _table_row(seq: SeqState) -> np.ndarray:
     """`seq.block_ids` as int32 numpy (a view of the mirror): entries appended since the
     last call are copied into it; a replaced entry (`table_version`) rewrites it."""
     n = len(seq.block_ids)
@@ -290,31 +200,6 @@ class BlockManager:
     return -(-num_tokens // self.block_size)
 
   # --- New sequences -------------------------------------------------------------
-
-  def _prefix_hits(self, hashes: list[BlockHash], num_tokens: int,
-                   count: bool) -> list[tuple[str, int]]:
-    """(memory_kind, block_id) of the longest cached prefix, device tier first."""
-    hits = []
-    for block_hash in hashes[:(num_tokens - 1) // self.block_size]:
-      for pool in (self.device_pool, self.host_pool):
-        lookup = pool.get_cached_block if count else pool.peek_cached_block
-        block_id = lookup(block_hash)
-        if block_id is not None:
-          hits.append((pool.memory_kind, block_id))
-          break
-      else:
-        break
-    return hits
-
-  def _hashes(self, token_ids: Sequence[int], extra_keys: tuple | None) -> list[BlockHash]:
-    if not self.enable_prefix_caching:
-      return []
-    return hash_full_blocks(token_ids, self.block_size, extra_keys)
-
-  def _num_device_blocks_needed(self, num_blocks: int, device_hit_ids: list[int]) -> int:
-    # A hit on an OWNED block costs nothing; a hit on a CACHED block leaves the free
-    # queue just as a new block would.
-    return num_blocks - sum(self.device_pool.ref_cnt(i) > 0 for i in device_hit_ids)
 
   def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None, *,
                    read_cache: bool = True) -> bool:
@@ -367,7 +252,7 @@ class BlockManager:
         device_dst.append(block_id)
     self._pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
     num_cached_tokens = len(hits) * self.block_size
-    seq = _SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens)
+    seq = SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens)
     self._seqs[seq_id] = seq
     num_computed = len(token_ids) if num_new_tokens is None else num_new_tokens
     self._cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
@@ -377,35 +262,9 @@ class BlockManager:
         slot_ids=self.slot_ids(seq_id, num_cached_tokens, len(token_ids)),
         swap_in=SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst)))
 
-  def cache_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> None:
-    """Caches the full blocks within the first `num_computed_tokens` tokens.
-
-    Call it when a prefill chunk that ends at `num_computed_tokens` is scheduled (its
-    KV is written in that step's forward, before any later request reads it).
-    Idempotent; blocks cached already stay cached.
-    """
-    self._cache_full_blocks(self._resident(seq_id), num_computed_tokens)
-
-  def _cache_full_blocks(self, seq: _SeqState, num_computed_tokens: int,
-                         hashes: list[BlockHash] | None = None) -> None:
-    if not self.enable_prefix_caching:
-      return
-    known = len(seq.token_ids) if seq.pending is None else seq.pending
-    num_full = min(num_computed_tokens, known) // self.block_size
-    start = len(seq.block_hashes)
-    if num_full <= start:
-      return
-    if hashes is None:
-      hashes = seq.block_hashes + hash_full_blocks(
-          seq.token_ids[start * self.block_size:num_full * self.block_size], self.block_size,
-          seq.extra_keys, seq.block_hashes[-1] if seq.block_hashes else None)
-    for i in range(start, num_full):
-      self.device_pool.cache_block(seq.block_ids[i], hashes[i])
-    seq.block_hashes.extend(hashes[start:num_full])
-
   # --- Decoding ------------------------------------------------------------------
 
-  def _needs_new_block(self, seq: _SeqState) -> bool:
+  def _needs_new_block(self, seq: SeqState) -> bool:
     if len(seq.token_ids) % self.block_size == 0:
       return True
     return self.device_pool.ref_cnt(seq.block_ids[-1]) > 1  # Shared: copy-on-write.
@@ -469,7 +328,7 @@ class BlockManager:
     if parent.pending is not None:
       raise ValueError(f"sequence {parent_id!r} has a pending token; fork it once it is known")
     self.device_pool.touch(parent.block_ids)
-    self._seqs[child_id] = _SeqState(
+    self._seqs[child_id] = SeqState(
         list(parent.token_ids), list(parent.block_ids), list(parent.block_hashes),
         parent.extra_keys, num_cached_tokens=parent.num_cached_tokens)
 
@@ -483,261 +342,3 @@ class BlockManager:
     self.device_pool.free(reversed(seq.hot_slots))
     self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
     self.host_pool.free(reversed(seq.host_ids))
-
-  # --- Moves between tiers -------------------------------------------------------
-
-  def _pin_host_blocks(self, host_ids: Sequence[int], touch: bool) -> None:
-    """Holds host blocks until `finish_step`; `host_ids` in eviction order."""
-    if touch:
-      self.host_pool.touch(host_ids)
-    if host_ids:
-      self._pinned_host_groups.append(list(host_ids))
-
-  def finish_step(self) -> None:
-    """Releases the host blocks pinned by this step's plans (call after the forward)."""
-    for group in self._pinned_host_groups:
-      self.host_pool.free(group)
-    self._pinned_host_groups.clear()
-
-  def _hits_in(self, pool: BlockPool, seq: _SeqState) -> list[int | None]:
-    """Per block of `seq`: the block of `pool` holding its hash, or None."""
-    hashes = seq.block_hashes
-    return [pool.peek_cached_block(hashes[i]) if i < len(hashes) else None
-            for i in range(len(seq.block_ids))]
-
-  def _num_needed_in(self, pool: BlockPool, seq: _SeqState) -> int:
-    return sum(h is None or pool.ref_cnt(h) == 0 for h in self._hits_in(pool, seq))
-
-  def _move(self, seq: _SeqState, dst_pool: BlockPool) -> tuple[list[int], list[int], list[int]]:
-    """New table of `seq` in `dst_pool`, and the (src, dst) ids of the blocks to copy.
-
-    Full blocks whose hash `dst_pool` holds are shared there, not copied; the others get
-    new blocks that take over their hashes.
-    """
-    hits = self._hits_in(dst_pool, seq)
-    dst_pool.touch([h for h in hits if h is not None])
-    new_ids = iter(dst_pool.allocate(sum(h is None for h in hits)))
-    table, src_ids, dst_ids = [], [], []
-    for i, (src_id, hit_id) in enumerate(zip(seq.block_ids, hits)):
-      if hit_id is not None:
-        table.append(hit_id)
-        continue
-      dst_id = next(new_ids)
-      table.append(dst_id)
-      src_ids.append(src_id)
-      dst_ids.append(dst_id)
-      if i < len(seq.block_hashes):
-        dst_pool.cache_block(dst_id, seq.block_hashes[i])
-    return table, src_ids, dst_ids
-
-  @staticmethod
-  def _tail(seq: _SeqState, start: int) -> _SeqState:
-    """A view of `seq` from block `start` on, for `_move` (which reads ids and hashes)."""
-    return _SeqState([], seq.block_ids[start:], seq.block_hashes[start:], seq.extra_keys)
-
-  def can_swap_out(self, seq_id: Hashable) -> bool:
-    """Whether the host tier can take every block of the sequence now (blocks with a
-    written-through host copy need none)."""
-    seq = self._resident(seq_id)
-    tail = self._tail(seq, len(seq.host_ids))
-    return self._num_needed_in(self.host_pool, tail) <= self.host_pool.num_free_blocks
-
-  def swap_out(self, seq_id: Hashable) -> SwapOutPlan:
-    """Preempts a sequence by moving its blocks to the host; frees its device blocks.
-
-    Full blocks whose hash the host tier already holds are shared, not copied, and
-    written-through blocks keep their host copy. The freed device blocks keep their
-    hashes (CACHED), so a quick return finds them.
-    """
-    seq = self._resident(seq_id)
-    if not self.can_swap_out(seq_id):
-      raise ValueError(
-          f"cannot swap out {seq_id!r}: {len(seq.block_ids)} blocks, "
-          f"{self.host_pool.num_free_blocks} host blocks free")
-    num_copied = len(seq.host_ids)
-    host_tail, device_src, host_dst = self._move(self._tail(seq, num_copied), self.host_pool)
-    # Pinned too: if the sequence is freed in this step, its host blocks must not be
-    # written by a second transfer of the same batch.
-    self._pin_host_blocks(host_dst[::-1], touch=True)
-    self.device_pool.free(reversed(seq.hot_slots))
-    self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
-    seq.block_ids = seq.host_ids + host_tail
-    seq.replaced_blocks()
-    seq.host_ids, seq.hot_slots = [], []
-    seq.swapped = True
-    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
-
-  def _num_kept_on_host(self, seq: _SeqState, hot_buffer_blocks: int,
-                        num_computed_tokens: int | None) -> int:
-    if hot_buffer_blocks <= 0:
-      return 0
-    if num_computed_tokens is None:
-      raise ValueError("a swap-in with a hot buffer needs num_computed_tokens")
-    # Leading full, computed blocks stay on the host (all of them when every block is
-    # full: the next token opens a new block).
-    return min(num_computed_tokens // self.block_size, len(seq.block_ids))
-
-  def can_swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
-                  num_computed_tokens: int | None = None) -> bool:
-    """Whether the device tier has the blocks to bring the sequence back now (with
-    `hot_buffer_blocks`, only its blocks past the computed full ones, plus the slots)."""
-    seq = self._seq(seq_id)
-    if not seq.swapped:
-      raise ValueError(f"sequence {seq_id!r} is not swapped out")
-    keep = self._num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
-    needed = self._num_needed_in(self.device_pool, self._tail(seq, keep))
-    return needed + (hot_buffer_blocks if keep else 0) <= self.device_pool.num_free_blocks
-
-  def swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
-              num_computed_tokens: int | None = None) -> SwapInPlan:
-    """Brings a swapped-out sequence back to device blocks before it runs again.
-
-    Full blocks still cached on the device are reused without a copy. The host blocks
-    stay pinned until `finish_step`, then become CACHED host blocks (full ones).
-    With `hot_buffer_blocks` > 0 (a HiSparse sequence that decodes), the leading full
-    blocks of its first `num_computed_tokens` tokens stay on the host as its host
-    copies and it comes back offloaded, with that many hot-buffer slots.
-    """
-    if not self.can_swap_in(seq_id, hot_buffer_blocks, num_computed_tokens):
-      raise ValueError(
-          f"cannot swap in {seq_id!r}: {self.device_pool.num_free_blocks} device blocks free")
-    seq = self._seqs[seq_id]
-    keep = self._num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
-    device_tail, host_src, device_dst = self._move(self._tail(seq, keep), self.device_pool)
-    self._pin_host_blocks(seq.block_ids[keep:][::-1], touch=False)  # Its refs become pins.
-    seq.host_ids = seq.block_ids[:keep]
-    seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks) if keep else []
-    seq.block_ids = [NULL_BLOCK_ID] * keep + device_tail
-    seq.replaced_blocks()
-    seq.swapped = False
-    return SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst))
-
-  # --- HiSparse: write-through and offload ---------------------------------------
-
-  def write_through(self, seq_id: Hashable, num_computed_tokens: int) -> SwapOutPlan:
-    """Host copies of the full blocks within the first `num_computed_tokens` tokens
-    that have none yet, in order (a d2h plan for this step's first batch).
-
-    A block whose hash the host tier holds is shared, not copied. Stops early when the
-    host pool is full (the sequence then cannot drop those blocks). The caller passes
-    the tokens computed by EARLIER steps: the copy runs before this step's forward.
-    The new host blocks stay pinned until `finish_step`."""
-    seq = self._resident(seq_id)
-    num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
-    device_src, host_dst = [], []
-    for i in range(len(seq.host_ids), num_full):
-      block_hash = seq.block_hashes[i] if i < len(seq.block_hashes) else None
-      hit = self.host_pool.peek_cached_block(block_hash) if block_hash is not None else None
-      if hit is not None:
-        self.host_pool.touch([hit])
-        seq.host_ids.append(hit)
-        continue
-      if self.host_pool.num_free_blocks == 0:
-        break
-      (host_id,) = self.host_pool.allocate(1)
-      if block_hash is not None:
-        self.host_pool.cache_block(host_id, block_hash)
-      seq.host_ids.append(host_id)
-      device_src.append(seq.block_ids[i])
-      host_dst.append(host_id)
-    # Pinned too (as swap_out's targets): if the sequence is freed in this step, its new
-    # host blocks must not be handed out to a second transfer of the same batch.
-    self._pin_host_blocks(host_dst[::-1], touch=True)
-    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
-
-  def _droppable(self, seq: _SeqState) -> list[int]:
-    """Table indices of resident blocks with a host copy (full and computed, so never a
-    block the next token is written into)."""
-    return [i for i in range(len(seq.host_ids)) if seq.block_ids[i] != NULL_BLOCK_ID]
-
-  def offload_gain(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
-    """Device blocks `offload` would free, net of the hot-buffer slots it allocates."""
-    seq = self._resident(seq_id)
-    freed = sum(self.device_pool.ref_cnt(seq.block_ids[i]) == 1 for i in self._droppable(seq))
-    return freed - (0 if seq.offloaded else hot_buffer_blocks)
-
-  def offload(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
-    """Drops the device copies of the sequence's written-through blocks (no write: the
-    host holds them; the last block too when it is full) and gives it
-    `hot_buffer_blocks` hot-buffer slots if it has none. Returns the net device blocks
-    freed. The dropped blocks keep their hashes (CACHED)."""
-    seq = self._resident(seq_id)
-    if hot_buffer_blocks < 1:
-      raise ValueError(f"hot_buffer_blocks must be >= 1, got {hot_buffer_blocks}")
-    gain = self.offload_gain(seq_id, hot_buffer_blocks)
-    if self.device_pool.num_free_blocks + gain < 0:
-      raise ValueError(f"cannot offload {seq_id!r}: no device blocks for its hot buffer")
-    drop = self._droppable(seq)
-    self.device_pool.free(seq.block_ids[i] for i in reversed(drop))
-    for i in drop:
-      seq.block_ids[i] = NULL_BLOCK_ID
-    seq.replaced_blocks()
-    if not seq.offloaded:
-      seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
-    return gain
-
-  def spill_cold_blocks(self, max_num_blocks: int) -> SwapOutPlan:
-    """Writes back up to `max_num_blocks` CACHED device blocks, coldest first.
-
-    Only blocks whose hash the host tier lacks are copied; each gets a host block that
-    holds its hash (pinned until `finish_step`, then CACHED). The device copies stay
-    CACHED too, until a device allocation reuses them: then the prefix survives on host.
-    """
-    device_src, host_dst = [], []
-    for device_id in self.device_pool.cached_block_ids_lru():
-      if len(device_src) >= max_num_blocks or self.host_pool.num_free_blocks == 0:
-        break
-      block_hash = self.device_pool.block_hash(device_id)
-      if self.host_pool.peek_cached_block(block_hash) is not None:
-        continue
-      (host_id,) = self.host_pool.allocate(1)
-      self.host_pool.cache_block(host_id, block_hash)
-      device_src.append(device_id)
-      host_dst.append(host_id)
-    self._pin_host_blocks(host_dst, touch=False)  # Coldest first already.
-    return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
-
-  # --- Checks --------------------------------------------------------------------
-
-  def check_invariants(self) -> None:
-    """Raises AssertionError when a class invariant does not hold."""
-    self.device_pool.check_invariants()
-    self.host_pool.check_invariants()
-    refs = {"device": np.zeros(self.device_pool.num_blocks, np.int64),
-            "pinned_host": np.zeros(self.host_pool.num_blocks, np.int64)}
-    for group in self._pinned_host_groups:
-      np.add.at(refs["pinned_host"], group, 1)
-    for seq_id, seq in self._seqs.items():
-      assert len(seq.block_ids) == self._num_blocks(len(seq.token_ids)), seq_id
-      if seq.mirror is not None and seq.mirror_version == seq.table_version:
-        # The numpy mirror of the table is stale only where `_table_row` re-syncs it.
-        m = min(seq.mirror_len, len(seq.block_ids))
-        assert seq.mirror[:m].tolist() == seq.block_ids[:m], (seq_id, "table mirror")
-      assert NULL_BLOCK_ID not in seq.host_ids and NULL_BLOCK_ID not in seq.hot_slots, seq_id
-      if seq.swapped:
-        assert NULL_BLOCK_ID not in seq.block_ids, seq_id
-        assert not seq.host_ids and not seq.hot_slots, seq_id
-        np.add.at(refs["pinned_host"], seq.block_ids, 1)
-      else:
-        dropped = [i for i, b in enumerate(seq.block_ids) if b == NULL_BLOCK_ID]
-        assert not dropped or seq.offloaded, (seq_id, dropped)
-        assert not dropped or max(dropped) < len(seq.host_ids), (seq_id, dropped)
-        # The block the next token goes into is resident: the last one, unless it is full.
-        assert seq.block_ids[-1] != NULL_BLOCK_ID or (
-            len(seq.token_ids) % self.block_size == 0), seq_id
-        assert len(seq.host_ids) <= len(seq.token_ids) // self.block_size, seq_id
-        resident = [b for b in seq.block_ids if b != NULL_BLOCK_ID]
-        np.add.at(refs["device"], resident + seq.hot_slots, 1)
-        np.add.at(refs["pinned_host"], seq.host_ids, 1)
-      if self.enable_prefix_caching:
-        assert seq.block_hashes == hash_full_blocks(
-            seq.token_ids, self.block_size, seq.extra_keys)[:len(seq.block_hashes)], seq_id
-        pool = self.host_pool if seq.swapped else self.device_pool
-        for block_id, block_hash in zip(seq.block_ids, seq.block_hashes):
-          if block_id != NULL_BLOCK_ID:
-            assert pool.block_hash(block_id) == block_hash, (seq_id, block_id)
-        for host_id, block_hash in zip(seq.host_ids, seq.block_hashes):
-          assert self.host_pool.block_hash(host_id) == block_hash, (seq_id, host_id)
-    for kind, pool in self.pools.items():
-      actual = [pool.ref_cnt(i) for i in range(pool.num_blocks)]
-      assert actual == refs[kind].tolist(), (kind, actual, refs[kind].tolist())

@@ -22,7 +22,7 @@ A block's life in one tier:
 Two tiers of one engine, each with its own BlockPool:
 
     device pool   [0=null][ 1 ][ 2 ] ...      memory_kind="device"
-                      ^ swap_in (host -> device)   | swap_out / spill (device -> host)
+                      ^ swap_in (host -> device)   | swap_out (device -> host)
     host pool     [0=null][ 1 ][ 2 ] ...      memory_kind="pinned_host"
 
 Both tiers reserve block 0 as the null block by default. On the device it pads
@@ -36,9 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hisparse_jax.kv_hash import BlockHash
-
-MEMORY_KINDS = ("device", "pinned_host")
-NULL_BLOCK_ID = 0
+from hisparse_jax.kv_pool import MEMORY_KINDS, NULL_BLOCK_ID
 
 
 class _Block:
@@ -131,7 +129,7 @@ class BlockPool:
     self.memory_kind = memory_kind
     self._blocks = [_Block(i) for i in range(num_blocks)]
     self.null_block_id: int | None = NULL_BLOCK_ID if reserve_null_block else None
-    first = 1 if reserve_null_block else 0
+    first = NULL_BLOCK_ID + 1 if reserve_null_block else 0
     self._free_queue = _FreeBlockQueue(self._blocks[first:])
     self._hash_to_blocks: dict[BlockHash, dict[int, _Block]] = {}
     self._num_owned_blocks = 0

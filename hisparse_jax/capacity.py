@@ -32,10 +32,10 @@ from hisparse_jax import metrics as m
 from hisparse_jax.kv_pool import (
   DEVICE,
   MEMORY_KINDS,
-  NUM_NULL_BLOCKS,
   PINNED_HOST,
   KVCacheSpec,
   KVPool,
+  num_usable_blocks,
 )
 
 GIB = 2**30
@@ -108,11 +108,11 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   else:
     budget, source = int(DEFAULT_DEVICE_KV_GIB * GIB), "default"
   num_device_blocks = max(0, (budget - device_reserved_bytes) // spec.bytes_per_block)
-  if num_device_blocks - NUM_NULL_BLOCKS < blocks_per_request:
+  if num_usable_blocks(num_device_blocks) < blocks_per_request:
     raise ValueError(
         f"--device_kv_gib: the device KV budget of {budget:,} bytes = {_gib(budget)} "
         f"({source}) holds "
-        f"{max(0, num_device_blocks - NUM_NULL_BLOCKS):,} usable blocks after the null block and "
+        f"{max(0, num_usable_blocks(num_device_blocks)):,} usable blocks after the null block and "
         f"{device_reserved_bytes:,} bytes reserved for the indexer and hot buffers, but "
         f"{need}; raise --device_kv_gib or lower --max_model_len")
 
@@ -135,9 +135,9 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
           f"above 95% of the available RAM ({_gib(available)} available, at most "
           f"{_gib(MAX_HOST_RAM_FRACTION * available)})")
   num_host_blocks = host_bytes // spec.bytes_per_block
-  if num_host_blocks - NUM_NULL_BLOCKS < blocks_per_request:
+  if num_usable_blocks(num_host_blocks) < blocks_per_request:
     raise ValueError(f"--host_pool_gib={host_pool_gib} ({host_bytes:,} bytes) holds "
-                     f"{max(0, num_host_blocks - NUM_NULL_BLOCKS):,} usable blocks after the "
+                     f"{max(0, num_usable_blocks(num_host_blocks)):,} usable blocks after the "
                      f"null block, but {need}; raise --host_pool_gib or lower --max_model_len")
   return CapacityPlan(spec=spec, num_device_blocks=num_device_blocks,
                       num_host_blocks=num_host_blocks, device_budget_bytes=budget,
@@ -278,8 +278,8 @@ class CapacityReport:
         if kind != pool.memory_kind:
           raise ValueError(f"a {pool.memory_kind} pool holds an array in {kind}")
         acc["kv_bytes"] += int(array.nbytes)
-      acc["num_blocks"] += int(pool.k[0].shape[0]) - pool.num_null_blocks
-      acc["num_null_blocks"] += pool.num_null_blocks
+      acc["num_blocks"] += pool.num_usable_blocks
+      acc["num_null_blocks"] += pool.num_blocks - pool.num_usable_blocks
     specs = {pool.spec for pool in pools}
     if len(specs) != 1:
       raise ValueError(f"pools of one report must share one KVCacheSpec, got {specs}")

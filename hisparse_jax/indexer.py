@@ -45,13 +45,13 @@ class Selection:
 
   Invariants: `logical_ids[..., :num_selected]` are distinct, ascending, within the
   sequence's valid blocks, and end with its newest block; the rest is `PAD`;
-  `lengths = (num_selected - 1) * block_size + tokens of the newest block` (0 when
-  nothing is selected), the `lengths` argument of paged attention.
+  `kv_lens = (num_selected - 1) * block_size + tokens of the newest block` (0 when
+  nothing is selected), the `kv_lens` argument of paged attention.
   """
 
   logical_ids: jax.Array  # int32 [batch, (num_kv_heads,) k]
   num_selected: jax.Array  # int32 [batch, (num_kv_heads,)]
-  lengths: jax.Array  # int32 [batch, (num_kv_heads,)]
+  kv_lens: jax.Array  # int32 [batch, (num_kv_heads,)]
 
   @property
   def valid(self) -> jax.Array:  # bool [batch, (num_kv_heads,) k]
@@ -59,9 +59,9 @@ class Selection:
     return jnp.arange(k) < self.num_selected[..., None]
 
 
-def num_valid_blocks(seq_lens: jax.Array, block_size: int) -> jax.Array:
+def num_valid_blocks(kv_lens: jax.Array, block_size: int) -> jax.Array:
   """int32 [batch]: blocks holding at least one token of each sequence."""
-  return (seq_lens + block_size - 1) // block_size
+  return (kv_lens + block_size - 1) // block_size
 
 
 def block_scores(
@@ -98,13 +98,13 @@ def block_scores(
 
 def shared_scores(
     scores: jax.Array,  # [batch, num_kv_heads, max_blocks]
-    seq_lens: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     block_size: int,
 ) -> jax.Array:
   """float32 [batch, max_blocks]: per-head scores normalised to [0, 1] over the valid
   blocks, then the max over KV heads (see the module docstring for why)."""
   max_blocks = scores.shape[-1]
-  valid = (jnp.arange(max_blocks) < num_valid_blocks(seq_lens, block_size)[:, None])
+  valid = (jnp.arange(max_blocks) < num_valid_blocks(kv_lens, block_size)[:, None])
   valid = valid[:, None, :]  # [batch, 1, max_blocks]
   hi = jnp.where(valid, scores, -jnp.inf).max(axis=-1, keepdims=True)
   lo = jnp.where(valid, scores, jnp.inf).min(axis=-1, keepdims=True)
@@ -115,7 +115,7 @@ def shared_scores(
 
 def select_blocks(
     scores: jax.Array,  # float [batch, (num_kv_heads,) max_blocks]
-    seq_lens: jax.Array,  # int32 [batch]: tokens in the cache, the query's own included
+    kv_lens: jax.Array,  # int32 [batch]: tokens in the cache, the query's own included
     blocks: HiSparseBlocks,
 ) -> Selection:
   """Sink blocks, local blocks (the newest included) and the best-scored others, at
@@ -125,13 +125,13 @@ def select_blocks(
   [batch, num_kv_heads, max_blocks] (a row per KV head). A sequence with at most
   `top_k_blocks` valid blocks selects all of them.
   """
-  if scores.ndim not in (2, 3) or scores.shape[0] != seq_lens.shape[0]:
+  if scores.ndim not in (2, 3) or scores.shape[0] != kv_lens.shape[0]:
     raise ValueError(f"scores must be [batch, (num_kv_heads,) max_blocks] with batch = "
-                     f"len(seq_lens) = {seq_lens.shape[0]}, got {scores.shape}")
+                     f"len(kv_lens) = {kv_lens.shape[0]}, got {scores.shape}")
   block_size = blocks.block_size
   max_blocks = scores.shape[-1]
   k = min(blocks.top_k_blocks, max_blocks)
-  lens = seq_lens.astype(jnp.int32).reshape((-1,) + (1,) * (scores.ndim - 1))
+  lens = kv_lens.astype(jnp.int32).reshape((-1,) + (1,) * (scores.ndim - 1))
   n = num_valid_blocks(lens, block_size)  # [batch, (1,) 1]
   idx = jnp.arange(max_blocks, dtype=jnp.int32)
   valid = idx < n
@@ -146,15 +146,16 @@ def select_blocks(
   logical_ids = jnp.where(ordered < max_blocks, ordered, PAD).astype(jnp.int32)
   lens = lens[..., 0]
   last_tokens = lens - (n[..., 0] - 1) * block_size
-  lengths = jnp.where(num_selected > 0, (num_selected - 1) * block_size + last_tokens, 0)
+  selected_lens = jnp.where(num_selected > 0, (num_selected - 1) * block_size + last_tokens,
+                            0)
   return Selection(logical_ids=logical_ids, num_selected=num_selected,
-                   lengths=lengths.astype(jnp.int32))
+                   kv_lens=selected_lens.astype(jnp.int32))
 
 
 def select(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     bounds: jax.Array,  # [batch, max_blocks, 2, num_kv_heads, head_dim]
-    seq_lens: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     blocks: HiSparseBlocks,
     selection: str = "shared",
 ) -> Selection:
@@ -162,7 +163,7 @@ def select(
   [batch, num_kv_heads, k] ("per_kv_head")."""
   scores = block_scores(q, bounds)
   if selection == "shared":
-    scores = shared_scores(scores, seq_lens, blocks.block_size)
+    scores = shared_scores(scores, kv_lens, blocks.block_size)
   elif selection != "per_kv_head":
     raise ValueError(f"selection must be 'shared' or 'per_kv_head', got {selection!r}")
-  return select_blocks(scores, seq_lens, blocks)
+  return select_blocks(scores, kv_lens, blocks)

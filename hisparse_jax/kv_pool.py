@@ -39,7 +39,12 @@ DEVICE = "device"
 PINNED_HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, PINNED_HOST)
 KV_DTYPES = ("float32", "bfloat16", "float16")
-NUM_NULL_BLOCKS = 1  # block 0 of each pool is the null block
+NULL_BLOCK_ID = 0  # block 0 of each pool (and of each tier's BlockPool): the null block
+
+
+def num_usable_blocks(num_blocks: int) -> int:
+  """Blocks of a pool of `num_blocks` that can be handed out: all but the null block."""
+  return num_blocks - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +114,27 @@ def memory_sharding(device: jax.Device, memory_kind: str) -> SingleDeviceShardin
   return SingleDeviceSharding(device, memory_kind=memory_kind)
 
 
+def to_storage(x: jax.Array, kv_dtype, storage_dtype) -> jax.Array:
+  """Logical dtype -> storage dtype: a bitcast for bfloat16 stored as uint16 (CPU), else
+  identity. Traceable (the step program calls it on each layer's new K/V)."""
+  if x.dtype == storage_dtype:
+    return x
+  return jax.lax.bitcast_convert_type(x.astype(kv_dtype), storage_dtype)
+
+
+def from_storage(x: jax.Array, kv_dtype) -> jax.Array:
+  """Storage dtype -> logical dtype (the inverse bitcast of `to_storage`). Traceable."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  return x if x.dtype == kv_dtype else jax.lax.bitcast_convert_type(x, kv_dtype)
+
+
 class KVPool:
   """The K and V block arrays of every layer in one memory kind of one device.
 
   Invariants: `len(k) == len(v) == spec.num_layers`; every array has shape
   `spec.block_shape(num_blocks)`, dtype `storage_dtype` and a sharding of kind
-  `memory_kind`; block ids `[0, num_null_blocks)` are reserved (block 0, the null
-  block, in both memory kinds), so usable ids are `[num_null_blocks, num_blocks)`. The
+  `memory_kind`; block `NULL_BLOCK_ID` (0, the null block, in both memory kinds) is
+  reserved, so usable ids are `[1, num_blocks)`. The
   arrays change only through `set_arrays`, with arrays returned by a donating jitted
   update.
   """
@@ -128,10 +147,9 @@ class KVPool:
     self.memory_kind = memory_kind
     self.device = device if device is not None else jax.devices()[0]
     self.sharding = memory_sharding(self.device, memory_kind)
-    self.num_null_blocks = NUM_NULL_BLOCKS
-    if num_blocks <= self.num_null_blocks:
-      raise ValueError(f"a {memory_kind} pool needs more than {self.num_null_blocks} "
-                       f"blocks, got {num_blocks}")
+    if num_usable_blocks(num_blocks) < 1:
+      raise ValueError(f"a {memory_kind} pool needs more than 1 blocks (the null block), "
+                       f"got {num_blocks}")
     self.num_blocks = int(num_blocks)
     self.storage_dtype = storage_dtype(spec.dtype, self.device.platform)
     shape = spec.block_shape(self.num_blocks)
@@ -141,7 +159,7 @@ class KVPool:
   def _zeros(self, shape: tuple[int, ...]) -> jax.Array:
     if self.memory_kind == DEVICE:
       # Built on the device: no host buffer, no host-to-device copy.
-      return _device_zeros_fn(shape, self.storage_dtype, self.sharding)()
+      return device_full_fn(shape, self.storage_dtype, 0, self.sharding)()
     # Host kind. The array must come out of a jitted program: measured on jax 0.10.2 CPU,
     # an array device_put from numpy is donated in place only some of the time (60-95% of
     # first donations reused the buffer), a jitted program's output every time. And its
@@ -159,7 +177,7 @@ class KVPool:
 
   @property
   def num_usable_blocks(self) -> int:
-    return self.num_blocks - self.num_null_blocks
+    return num_usable_blocks(self.num_blocks)
 
   @property
   def num_layers(self) -> int:
@@ -191,69 +209,17 @@ class KVPool:
     return sum(int(a.nbytes) for a in self.arrays())
 
   def to_storage(self, x: jax.Array) -> jax.Array:
-    """Logical dtype -> storage dtype (bitcast for bfloat16 on CPU, else identity)."""
-    if x.dtype == self.storage_dtype:
-      return x
-    return jax.lax.bitcast_convert_type(x.astype(self.spec.dtype), self.storage_dtype)
+    """Logical dtype -> this pool's storage dtype (`to_storage`)."""
+    return to_storage(x, self.spec.dtype, self.storage_dtype)
 
   def from_storage(self, x: jax.Array) -> jax.Array:
-    """Storage dtype -> logical dtype."""
-    if x.dtype == jnp.dtype(self.spec.dtype):
-      return x
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(self.spec.dtype))
-
-  def read_blocks(self, layer: int, block_ids) -> tuple[jax.Array, jax.Array]:
-    """Copies of K and V of `block_ids` in `layer`, in the logical dtype, on the device.
-
-    Each `[len(block_ids), block_size, num_kv_heads, head_dim]`. For tests and debugging:
-    the result shares no buffer with the pool, so later donations stay in place.
-    """
-    ids = np.asarray(block_ids, np.int32)
-    k, v = _gather_fn(self.memory_kind, self.device)(self.k[layer], self.v[layer], ids)
-    return self.from_storage(k), self.from_storage(v)
-
-  def write_blocks(self, layer: int, block_ids, k, v) -> None:
-    """Writes K and V (logical dtype, `[n, block_size, num_kv_heads, head_dim]`) into
-    `block_ids` of `layer` of a device pool, in place (donated)."""
-    if self.memory_kind != DEVICE:
-      raise ValueError("write_blocks writes the device pool; the host pool is written "
-                       "by TransferEngine.swap_out")
-    ids = np.asarray(block_ids, np.int32)
-    shape = (len(ids),) + self.spec.block_shape(1)[1:]
-    if tuple(np.shape(k)) != shape or tuple(np.shape(v)) != shape:
-      raise ValueError(f"k and v must have shape {shape}, got {np.shape(k)}, {np.shape(v)}")
-    new_k, new_v = _scatter_fn(self.sharding)(
-        self.k[layer], self.v[layer], ids, self.to_storage(jnp.asarray(k)),
-        self.to_storage(jnp.asarray(v)))
-    self.k = self.k[:layer] + (new_k,) + self.k[layer + 1:]
-    self.v = self.v[:layer] + (new_v,) + self.v[layer + 1:]
+    """This pool's storage dtype -> logical dtype (`from_storage`)."""
+    return from_storage(x, self.spec.dtype)
 
   def __repr__(self) -> str:
     return (f"KVPool({self.memory_kind}, {self.num_layers} layers x 2 x "
             f"{self.storage_dtype}{list(self.spec.block_shape(self.num_blocks))}, "
             f"{self.nbytes:,} bytes)")
-
-
-@functools.cache
-def _gather_fn(memory_kind: str, device: jax.Device):
-  device_sharding = SingleDeviceSharding(device, memory_kind=DEVICE)
-
-  def gather(k, v, ids):
-    if memory_kind == DEVICE:
-      return k[ids], v[ids]
-    ids = jax.device_put(ids, SingleDeviceSharding(device, memory_kind=memory_kind))
-    with compute_on("device_host"):
-      return k[ids], v[ids]
-
-  return jax.jit(gather, out_shardings=(device_sharding, device_sharding))
-
-
-@functools.cache
-def _scatter_fn(sharding: SingleDeviceSharding):
-  def scatter(k_pool, v_pool, ids, k, v):
-    return k_pool.at[ids].set(k), v_pool.at[ids].set(v)
-
-  return jax.jit(scatter, donate_argnums=(0, 1), out_shardings=(sharding, sharding))
 
 
 @functools.cache
@@ -266,8 +232,10 @@ def _host_copy_fn(sharding: SingleDeviceSharding):
 
 
 @functools.cache  # one compile per shape, shared by every layer and every pool
-def _device_zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: SingleDeviceSharding):
-  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+def device_full_fn(shape: tuple[int, ...], dtype, value, sharding: SingleDeviceSharding):
+  """A jitted program returning a `shape` array of `value`, built where `sharding` says
+  (no host buffer, no host-to-device copy): pools, the runner's bounds and hot state."""
+  return jax.jit(functools.partial(jnp.full, shape, value, dtype), out_shardings=sharding)
 
 
 @functools.cache

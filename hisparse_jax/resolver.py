@@ -14,10 +14,10 @@ attend is one jitted program with no host sync.
             ^ (a) resident: no copy  ^ (b) hot hit      v  LRU slot of that sequence (c)
 
   per layer, per step:
-    select   indexer.select(q, bounds[block_tables], seq_lens)  -> logical ids [B, k]
+    select   indexer.select(q, bounds[block_tables], kv_lens)  -> logical ids [B, k]
     resolve  resolve(...)   -> device block table [B, k], load list, new HotBufferState
     load     load_blocks(host k/v, device k/v, load list)       -> device k/v with misses
-    attend   paged_attention(q, k, v, table, selection.lengths)
+    attend   paged_attention(q, k, v, table, selection.kv_lens)
 
 Each selected block resolves, in this order, to (a) its resident device block
 (`resident_ids[b, i] != 0`), (b) the hot-buffer slot already holding it, or (c) a miss:
@@ -35,16 +35,16 @@ How the engine plugs this in:
   which logical blocks still have a resident device copy (`resident_ids`, 0 once the
   device copy is dropped under pressure). A sequence's row moves with it when the batch
   is reordered; a new sparse sequence starts from `HotBufferState.create` rows.
-- The runner passes, per step: the gathered `bounds[block_tables]` and `seq_lens` to the
+- The runner passes, per step: the gathered `bounds[block_tables]` and `kv_lens` to the
   indexer; `resident_ids`, `slot_device_ids`, `host_ids` (int32 [B, max_blocks] and
   [B, num_slots]), the step counter, the state, and the host pool arrays (pinned_host,
-  read-only) beside the device pool arrays (donated) to the jitted step; `_attend`
+  read-only) beside the device pool arrays (donated) to the jitted step; `sparse_attention.attend`
   calls select -> resolve -> load_blocks -> paged_attention instead of the dense table,
   and the step returns the new state and the counts for the metrics.
 - selection="per_kv_head": flatten the [B, num_kv_heads, k] selection to one row per
   sequence for `resolve` (a block chosen by several heads resolves and loads once; the
   hot buffer needs num_kv_heads * k slots), reshape the table back, and attend per KV
-  head (paged_attention on the pages' head slice with its own table and lengths).
+  head (paged_attention on the pages' head slice with its own table and kv_lens).
 - Write-through: the newest (partly filled) block is always resident (it receives this
   step's K/V). When a block of a sparse sequence fills, the engine swaps it out to its
   host block after the step (TransferEngine.swap_out, batched with the others), so the
@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hisparse_jax import transfer
+from kernels_pallas.common import packed_ids
 
 NEVER = -(2**30)  # step of "never used / never evicted"; far enough to never thrash
 _LAST = 2**31 - 1  # LRU key of slots used by this step: never a victim
@@ -239,9 +240,7 @@ def load_blocks(
   num_device_blocks = device_arrays[0].shape[0]
   device_ids = device_ids.astype(jnp.int32)
   loads = (device_ids >= 0) & (device_ids < num_device_blocks)
-  (order,) = jnp.nonzero(loads, size=total, fill_value=total)
-  packed = order < total
-  order = jnp.minimum(order, total - 1)
+  order, packed = packed_ids(loads, total)
   host_packed = jnp.where(packed, host_ids.astype(jnp.int32)[order], 0)
   device_packed = jnp.where(packed, device_ids[order], num_device_blocks)
   count = loads.sum(dtype=jnp.int32)

@@ -30,9 +30,9 @@ before reading pool contents on the host or to time a transfer); `poll()` collec
 finished transfers without blocking. Latency is observed from dispatch to the first
 `poll`/`wait` that sees the transfer done, so it is an upper bound when polled late.
 
-`TransferEngine` is the whole interface other modules use; it also does the
-copy-on-write copies inside the device pool (`copy_device_blocks`, same batching), which
-are not tier transfers and are not counted in the transfer metrics. On GPU, XLA's host
+`TransferEngine` is the whole interface other modules use for tier moves (copy-on-write
+copies inside the device pool are the runner's `copy_blocks`: they move the key bounds
+too, and are not tier transfers). On GPU, XLA's host
 offloading has known bugs (openxla/xla#34565: scatter into pinned_host with computed
 indices); a fallback (per-block host arrays plus `jax.device_put`) can replace
 `_dispatch` without changing callers.
@@ -51,12 +51,15 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import metrics as m
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVPool
+from hisparse_jax.kv_pool import DEVICE, NULL_BLOCK_ID, PINNED_HOST, KVPool
+from kernels_pallas.common import next_power_of_2
 
 
-def bucket_size(n: int, min_bucket: int) -> int:
-  """The padded length for `n` ids: the next power of two, at least `min_bucket`."""
-  return max(min_bucket, 1 << max(0, int(n) - 1).bit_length())
+def bucket_size(n: int, min_bucket: int, max_bucket: int | None = None) -> int:
+  """The padded length for `n` items (ids, tokens, rows): the next power of two, at least
+  `min_bucket`, and at most `max_bucket` when `n` fits (never less than `n`)."""
+  b = max(min_bucket, next_power_of_2(n))
+  return max(n, min(b, max_bucket)) if max_bucket is not None else b
 
 
 def hop_free(sharding) -> bool:
@@ -153,18 +156,6 @@ def _swap_in_program(num_layers: int, device_sharding, host_sharding, one_memory
   return jax.jit(swap_in, donate_argnums=(1,), out_shardings=shardings)
 
 
-@functools.cache
-def _copy_program(num_layers: int, device_sharding):
-  """(device arrays [donated], src_ids, dst_ids) -> device arrays with dst := src."""
-
-  def copy(device_arrays, src_ids, dst_ids):
-    out = tuple(a.at[dst_ids].set(a[src_ids], mode="drop") for a in device_arrays)
-    return out, src_ids[0]
-
-  shardings = (tuple([device_sharding] * 2 * num_layers), device_sharding)
-  return jax.jit(copy, donate_argnums=(0,), out_shardings=shardings)
-
-
 def register_transfer_metrics(registry: m.MetricsRegistry):
   """The transfer metrics, labelled by direction (h2d, d2h)."""
   labels = ("direction",)
@@ -212,7 +203,6 @@ class TransferEngine:
                                        self.one_memory)
     self._swap_in = _swap_in_program(num_layers, device_sharding, host_pool.sharding,
                                      self.one_memory)
-    self._copy = _copy_program(num_layers, device_sharding)
     self._pending: list[tuple[str, float, jax.Array]] = []
     self.buckets_used: set[tuple[str, int]] = set()  # (direction, padded length)
 
@@ -230,21 +220,6 @@ class TransferEngine:
     if len(host_ids):
       self._dispatch(m.DIRECTION_H2D, host_ids, device_ids)
 
-  def copy_device_blocks(self, src_ids, dst_ids) -> None:
-    """Copies device blocks `src_ids[i]` to device blocks `dst_ids[i]` (all layers), for
-    copy-on-write. All sources are read before any destination is written."""
-    src, dst = self._check(src_ids, self.device_pool, dst_ids, self.device_pool)
-    if not len(src):
-      return
-    padded = bucket_size(len(src), self.min_bucket)
-    self.buckets_used.add(("d2d", padded))
-    src_padded = np.zeros(padded, np.int32)
-    src_padded[:len(src)] = src
-    dst_padded = np.full(padded, self.device_pool.num_blocks, np.int32)
-    dst_padded[:len(dst)] = dst
-    new_arrays, _ = self._copy(self.device_pool.arrays(), src_padded, dst_padded)
-    self.device_pool.set_arrays(new_arrays)
-
   def _check(self, src_ids, src_pool: KVPool, dst_ids, dst_pool: KVPool):
     src = np.asarray(src_ids)
     dst = np.asarray(dst_ids)
@@ -252,10 +227,10 @@ class TransferEngine:
       if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise ValueError(f"{pool.memory_kind} block ids must be a 1-D integer array, "
                          f"got {ids.dtype}{list(ids.shape)}")
-      bad = ids[(ids < pool.num_null_blocks) | (ids >= pool.num_blocks)]
+      bad = ids[(ids <= NULL_BLOCK_ID) | (ids >= pool.num_blocks)]
       if bad.size:
         raise ValueError(f"{pool.memory_kind} block ids must be in "
-                         f"[{pool.num_null_blocks}, {pool.num_blocks}), got {bad.tolist()}")
+                         f"[{NULL_BLOCK_ID + 1}, {pool.num_blocks}), got {bad.tolist()}")
     if src.shape != dst.shape:
       raise ValueError(f"source and destination id lists differ in length: "
                        f"{src.size} != {dst.size}")

@@ -1,18 +1,18 @@
 """Pallas kernels for paged attention over a device-resident block array.
 
 KV layout per layer: ``k_pages, v_pages [num_blocks, block_size, num_kv_heads,
-head_dim]``; block 0 is the null block (padding in block tables). Dense and top-k
-sparse attention are the same kernel: a sparse block table lists only the selected
-blocks.
+head_dim]``; block 0 is the null block (padding in block tables). The engine's dense
+rows go through ``ragged_paged_attention``; its top-k sparse decode rows through
+``paged_attention`` over a block table that lists only the selected blocks.
 
 Public API (each kernel file ends with its pure-jnp ``*_reference``, the
 jit-compiled "reference" backend with the same signature; :mod:`kernels_pallas.
 xla_attention` holds the "xla" backend's attention, the same contracts shaped for
 XLA:CPU, tested against the references):
 
-* ``paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
+* ``paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale=None,
   soft_cap=None, interpret=None)`` -- decode, split-K with a log-sum-exp combine.
-* ``ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
+* ``ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
   *, sm_scale=None, soft_cap=None, sliding_window=None, interpret=None)`` --
   prefill, chunked prefill and decode rows, causal with offset kv_len - q_len.
 * ``write_kv(k_pages, v_pages, k_new, v_new, slot_ids)`` -- in place (donated);

@@ -141,14 +141,14 @@ def _cases(size: Size, rng: np.random.Generator):
   tables = jnp.asarray(perm.reshape(size.batch, size.max_blocks))
   token_bytes = size.num_kv_heads * size.head_dim * item  # one token's K (or V)
 
-  # Decode: lengths spread over the table; bytes = the K and V of the attended tokens.
+  # Decode: KV lengths spread over the table; bytes = the K and V of the attended tokens.
   max_len = size.max_blocks * size.block_size
-  lengths = np.linspace(max_len // 4, max_len, size.batch).astype(np.int32)
+  decode_kv_lens = np.linspace(max_len // 4, max_len, size.batch).astype(np.int32)
   q = jnp.asarray(rng.standard_normal((size.batch, size.num_q_heads, size.head_dim)), dtype)
-  args = (q, k_pages, v_pages, tables, jnp.asarray(lengths))
+  args = (q, k_pages, v_pages, tables, jnp.asarray(decode_kv_lens))
   yield ("paged_attention", f"B={size.batch} Hq={size.num_q_heads} Hkv={size.num_kv_heads} "
          f"D={size.head_dim} bs={size.block_size} len<={max_len}",
-         int(2 * lengths.sum() * token_bytes + 2 * q.size * item),
+         int(2 * decode_kv_lens.sum() * token_bytes + 2 * q.size * item),
          lambda: paged_attention(*args), lambda: paged_attention_reference(*args))
 
   # Ragged: two chunked prefills of prefill_len new tokens plus decode rows.

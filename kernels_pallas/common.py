@@ -31,6 +31,15 @@ def round_up(a: int, b: int) -> int:
   return cdiv(a, b) * b
 
 
+def packed_ids(mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+  """The indices of `mask`'s True entries, packed to the front of a static `size`
+  (traced): (ids [size], live [size]); past the True entries `live` is False and the id
+  is clamped to the last index (a harmless read; scatter those to an out-of-range row)."""
+  n = mask.shape[0]
+  (ids,) = jnp.nonzero(mask, size=size, fill_value=n)
+  return jnp.minimum(ids, n - 1), ids < n
+
+
 def next_power_of_2(x: int) -> int:
   return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 

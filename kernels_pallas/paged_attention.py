@@ -90,7 +90,7 @@ def _paged_attention_kernel(
   l_ref[...] = l
 
 
-def _paged_attention_call(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_cap,
+def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, soft_cap,
                           num_splits, blocks_per_step, block_h, interpret):
   """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim]."""
   batch, num_q_heads, head_dim = q.shape
@@ -133,7 +133,7 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, lengths, *, sm_scal
       interpret=interpret,
       compiler_params=backend.compiler_params(interpret),
       name="paged_attention",
-  )(q4, k_pages, v_pages, tables, lengths)
+  )(q4, k_pages, v_pages, tables, kv_lens)
 
   # Log-sum-exp combine of the splits. Empty splits carry m = MASK_VALUE, l = 0.
   m_all = m.max(axis=0)  # [batch, num_kv_heads, block_h]
@@ -150,7 +150,7 @@ def _default_num_splits(max_blocks: int, blocks_per_step: int) -> int:
   return max(1, min(MAX_SPLITS, steps * blocks_per_step // MIN_BLOCKS_PER_SPLIT, steps))
 
 
-def _check(q, k_pages, v_pages, block_tables, lengths):
+def _check(q, k_pages, v_pages, block_tables, kv_lens):
   _, _, num_kv_heads, head_dim = common.check_pages(k_pages, v_pages)
   batch = common.check_query(q, num_kv_heads, head_dim, k_pages.dtype)[0]
   if block_tables.ndim != 2 or block_tables.shape[0] != batch:
@@ -158,7 +158,7 @@ def _check(q, k_pages, v_pages, block_tables, lengths):
         f"block_tables must be int32 [batch={batch}, max_blocks_per_seq], got shape "
         f"{block_tables.shape} (q shape {q.shape})")
   common.check_int32("block_tables", block_tables, block_tables.shape)
-  common.check_int32("lengths", lengths, (batch,))
+  common.check_int32("kv_lens", kv_lens, (batch,))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "num_splits",
@@ -168,7 +168,7 @@ def paged_attention(
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
-    lengths: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
@@ -184,7 +184,7 @@ def paged_attention(
     k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim].
     block_tables: int32 [batch, max_blocks_per_seq], blocks in attention order,
       padded with 0; all listed blocks but the last counted one are full.
-    lengths: int32 [batch], tokens attended (0 gives a zero output).
+    kv_lens: int32 [batch], tokens attended (0 gives a zero output).
     sm_scale: logit scale, default 1/sqrt(head_dim).
     soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
     interpret: None = interpret mode on CPU, compiled on GPU (see backend.py).
@@ -193,7 +193,7 @@ def paged_attention(
   Returns:
     [batch, num_q_heads, head_dim] in q's dtype.
   """
-  _check(q, k_pages, v_pages, block_tables, lengths)
+  _check(q, k_pages, v_pages, block_tables, kv_lens)
   interpret = backend.resolve_interpret(interpret)
   _, block_size, num_kv_heads, head_dim = k_pages.shape
   group = q.shape[1] // num_kv_heads
@@ -209,7 +209,7 @@ def paged_attention(
   backend.check_triton_sizes(interpret, block_h=block_h, head_dim=head_dim,
                              tokens_per_step=block_size * blocks_per_step)
   return _paged_attention_call(
-      q, k_pages, v_pages, block_tables, lengths,
+      q, k_pages, v_pages, block_tables, kv_lens,
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
       num_splits=num_splits, blocks_per_step=blocks_per_step, block_h=block_h,
       interpret=interpret)
@@ -221,7 +221,7 @@ def paged_attention_reference(
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
-    lengths: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
@@ -229,7 +229,7 @@ def paged_attention_reference(
 ) -> jax.Array:
   """Pure-jnp reference (the "xla" backend): gather the listed blocks, masked softmax."""
   del interpret  # Same signature as the kernel; nothing to interpret.
-  _check(q, k_pages, v_pages, block_tables, lengths)
+  _check(q, k_pages, v_pages, block_tables, kv_lens)
   batch, num_q_heads, head_dim = q.shape
   _, block_size, num_kv_heads, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -240,7 +240,7 @@ def paged_attention_reference(
   s = jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
   if soft_cap is not None:
     s = soft_cap * jnp.tanh(s / soft_cap)
-  valid = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+  valid = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, None, None, :]
   s = jnp.where(valid, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)

@@ -101,9 +101,9 @@ def _ragged_kernel(
   o_ref[...] = jnp.where(l[:, None] > 0, acc / safe_l[:, None], 0.0).astype(o_ref.dtype)
 
 
-def _tile_plan(cu_q_lens, kv_lengths, num_tokens: int, block_q: int, num_tiles: int):
+def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int, num_tiles: int):
   """Per tile: (seq id, meta [q_start, q_len, kv_len, 0]); per token: its flat tile row."""
-  batch = kv_lengths.shape[0]
+  batch = kv_lens.shape[0]
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [batch]
   cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                               jnp.cumsum((q_lens + block_q - 1) // block_q, dtype=jnp.int32)])
@@ -112,7 +112,7 @@ def _tile_plan(cu_q_lens, kv_lengths, num_tokens: int, block_q: int, num_tiles: 
   used = tile < cu_tiles[batch]
   q_start = (tile - cu_tiles[tile_seq]) * block_q
   meta = jnp.stack([q_start, jnp.where(used, q_lens[tile_seq], 0),
-                    jnp.where(used, kv_lengths[tile_seq], 0), jnp.zeros_like(tile)], axis=-1)
+                    jnp.where(used, kv_lens[tile_seq], 0), jnp.zeros_like(tile)], axis=-1)
   token = jnp.arange(num_tokens, dtype=jnp.int32)
   token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), batch - 1)
   r = token - cu_q_lens[token_seq]
@@ -121,17 +121,17 @@ def _tile_plan(cu_q_lens, kv_lengths, num_tokens: int, block_q: int, num_tiles: 
   return tile_seq, meta, token_row, tile_first_token
 
 
-def _ragged_call(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, *, sm_scale,
+def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale,
                  soft_cap, sliding_window, block_q, blocks_per_step, block_h, interpret):
   """Builds tiles, grid and BlockSpecs; returns [total_q_tokens, num_q_heads, head_dim]."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_blocks, block_size, num_kv_heads, _ = k_pages.shape
-  batch = kv_lengths.shape[0]
+  batch = kv_lens.shape[0]
   group = num_q_heads // num_kv_heads
   num_tiles = common.cdiv(num_tokens, block_q) + batch
   rows = block_q * block_h
 
-  tile_seq, meta, token_row, tile_first = _tile_plan(cu_q_lens, kv_lengths, num_tokens,
+  tile_seq, meta, token_row, tile_first = _tile_plan(cu_q_lens, kv_lens, num_tokens,
                                                      block_q, num_tiles)
   tables = jnp.pad(block_tables, ((0, 0), (0, blocks_per_step)))[tile_seq]
   # Gather q into tiles: [num_tiles, num_kv_heads, block_q * block_h, head_dim].
@@ -170,13 +170,13 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, *, sm
       q.dtype)
 
 
-def _check(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window):
+def _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sliding_window):
   _, _, num_kv_heads, head_dim = common.check_pages(k_pages, v_pages)
   common.check_query(q, num_kv_heads, head_dim, k_pages.dtype)
-  batch = kv_lengths.shape[0] if kv_lengths.ndim == 1 else -1
+  batch = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
   if batch < 1:
-    raise ValueError(f"kv_lengths must be int32 [batch >= 1], got shape {kv_lengths.shape}")
-  common.check_int32("kv_lengths", kv_lengths, (batch,))
+    raise ValueError(f"kv_lens must be int32 [batch >= 1], got shape {kv_lens.shape}")
+  common.check_int32("kv_lens", kv_lens, (batch,))
   common.check_int32("cu_q_lens", cu_q_lens, (batch + 1,))
   if block_tables.ndim != 2 or block_tables.shape[0] != batch:
     raise ValueError(
@@ -194,7 +194,7 @@ def ragged_paged_attention(
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
-    kv_lengths: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     cu_q_lens: jax.Array,  # int32 [batch + 1]
     *,
     sm_scale: float | None = None,
@@ -211,8 +211,8 @@ def ragged_paged_attention(
     k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], already
       holding the new tokens (write_kv first).
     block_tables: int32 [batch, max_blocks_per_seq], padded with 0.
-    kv_lengths: int32 [batch], KV tokens of each sequence, new ones included
-      (kv_lengths[b] >= q_len[b]).
+    kv_lens: int32 [batch], KV tokens of each sequence, new ones included
+      (kv_lens[b] >= q_len[b]).
     cu_q_lens: int32 [batch + 1], cumulative query counts; cu_q_lens[-1] may be
       below total_q_tokens (trailing padding rows give zeros).
     sm_scale, soft_cap: as in paged_attention.
@@ -223,7 +223,7 @@ def ragged_paged_attention(
   Returns:
     [total_q_tokens, num_q_heads, head_dim] in q's dtype.
   """
-  _check(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window)
+  _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sliding_window)
   interpret = backend.resolve_interpret(interpret)
   _, block_size, num_kv_heads, head_dim = k_pages.shape
   group = q.shape[1] // num_kv_heads
@@ -236,7 +236,7 @@ def ragged_paged_attention(
   backend.check_triton_sizes(interpret, rows=block_q * block_h, head_dim=head_dim,
                              tokens_per_step=block_size * blocks_per_step)
   return _ragged_call(
-      q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
+      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
       sliding_window=sliding_window, block_q=block_q, blocks_per_step=blocks_per_step,
       block_h=block_h, interpret=interpret)
@@ -249,7 +249,7 @@ def ragged_paged_attention_reference(
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
-    kv_lengths: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     cu_q_lens: jax.Array,  # int32 [batch + 1]
     *,
     sm_scale: float | None = None,
@@ -263,15 +263,15 @@ def ragged_paged_attention_reference(
   kernel does), so each sequence's KV is gathered once per tile, not once per token.
   """
   del interpret
-  _check(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window)
+  _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sliding_window)
   num_tokens, num_q_heads, head_dim = q.shape
   _, _, num_kv_heads, _ = k_pages.shape
-  batch = kv_lengths.shape[0]
+  batch = kv_lens.shape[0]
   group = num_q_heads // num_kv_heads
   scale = head_dim**-0.5 if sm_scale is None else sm_scale
   block_q = REFERENCE_BLOCK_Q
   num_tiles = common.cdiv(num_tokens, block_q) + batch
-  tile_seq, meta, token_row, tile_first = _tile_plan(cu_q_lens, kv_lengths, num_tokens,
+  tile_seq, meta, token_row, tile_first = _tile_plan(cu_q_lens, kv_lens, num_tokens,
                                                      block_q, num_tiles)
   q_start, q_len, kv_len = meta[:, 0:1], meta[:, 1:2], meta[:, 2:3]  # [num_tiles, 1]
   row = q_start + jnp.arange(block_q)[None, :]  # [num_tiles, block_q] index in the sequence

@@ -53,10 +53,11 @@ def check_attention(rng, ratio, block_size, head_dim, dtype_name) -> list[tuple[
   num_kv_heads = 2 if ratio < 8 else 1
   k_pages, v_pages = _pool(rng, block_size, num_kv_heads, head_dim, dtype)
   bs, long = block_size, MAX_BLOCKS * block_size
-  lengths = jnp.asarray([0, 1, bs - 1, bs, bs + 1, 5 * bs + 3, long - 1, long], jnp.int32)
-  tables = _tables(rng, lengths.shape[0])
-  q = jnp.asarray(rng.standard_normal((lengths.shape[0], ratio * num_kv_heads, head_dim)), dtype)
-  args = (q, k_pages, v_pages, tables, lengths)
+  decode_kv_lens = jnp.asarray([0, 1, bs - 1, bs, bs + 1, 5 * bs + 3, long - 1, long], jnp.int32)
+  tables = _tables(rng, decode_kv_lens.shape[0])
+  q = jnp.asarray(rng.standard_normal((decode_kv_lens.shape[0], ratio * num_kv_heads,
+                                       head_dim)), dtype)
+  args = (q, k_pages, v_pages, tables, decode_kv_lens)
   out = [("paged", _err(paged_attention(*args), paged_attention_reference(*args))),
          ("paged+split4", _err(paged_attention(*args, num_splits=4),
                                paged_attention_reference(*args)))]

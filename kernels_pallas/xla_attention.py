@@ -119,9 +119,9 @@ def _cap(s, soft_cap):
   return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
-def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale, soft_cap,
+def _decode_rows(q, k_pages, v_pages, block_tables, kv_lens, starts, *, sm_scale, soft_cap,
                  blocks_per_step):
-  """One query per row over keys [starts, lengths) of its table (starts None: from 0).
+  """One query per row over keys [starts, kv_lens) of its table (starts None: from 0).
   q [B, Hq, D] -> f32.
 
   Rows go in groups (lax.map) whose key chunk, K and V, is about DECODE_GROUP_BYTES: the
@@ -133,7 +133,7 @@ def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale
   rows = max(1, min(batch, DECODE_GROUP_BYTES // row_bytes))
   rows = 1 << (rows.bit_length() - 1)  # a power of two
   if rows >= batch:
-    return _decode_group(q, block_tables, lengths, k_pages=k_pages, v_pages=v_pages,
+    return _decode_group(q, block_tables, kv_lens, k_pages=k_pages, v_pages=v_pages,
                          starts=starts, sm_scale=sm_scale, soft_cap=soft_cap,
                          blocks_per_step=blocks_per_step)
   num_groups = common.cdiv(batch, rows)
@@ -143,7 +143,7 @@ def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale
     return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
         num_groups, rows, *x.shape[1:])
 
-  args = [grouped(q), grouped(block_tables), grouped(lengths)]
+  args = [grouped(q), grouped(block_tables), grouped(kv_lens)]
   if starts is not None:
     args.append(grouped(starts))
 
@@ -156,7 +156,7 @@ def _decode_rows(q, k_pages, v_pages, block_tables, lengths, starts, *, sm_scale
   return out.reshape(num_groups * rows, num_q_heads, head_dim)[:batch]
 
 
-def _decode_group(q, block_tables, lengths, *, k_pages, v_pages, starts, sm_scale, soft_cap,
+def _decode_group(q, block_tables, kv_lens, *, k_pages, v_pages, starts, sm_scale, soft_cap,
                   blocks_per_step):
   """_decode_rows over one group of rows: one loop over key chunks for all of them."""
   batch, num_q_heads, head_dim = q.shape
@@ -169,11 +169,11 @@ def _decode_group(q, block_tables, lengths, *, k_pages, v_pages, starts, sm_scal
     tables = jnp.pad(block_tables, ((0, 0), (0, (-block_tables.shape[1]) % nb)))
   qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
   if starts is None:  # (no sliding window)
-    live, first = lengths > 0, 0
+    live, first = kv_lens > 0, 0
   else:
-    live = lengths > starts
+    live = kv_lens > starts
     first = jnp.min(jnp.where(live, starts // keys, tables.shape[1]))
-  last = jnp.max(jnp.where(live, (lengths + keys - 1) // keys, 0))
+  last = jnp.max(jnp.where(live, (kv_lens + keys - 1) // keys, 0))
 
   def body(j, carry):
     # (One mask for every chunk: a decode row's mask is [B, keys], cheap beside the
@@ -185,7 +185,7 @@ def _decode_group(q, block_tables, lengths, *, k_pages, v_pages, starts, sm_scal
     k = k_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
     v = v_pages[ids].reshape(batch, keys, num_kv_heads, head_dim).astype(jnp.float32)
     pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
-    valid = pos < lengths[:, None]  # [B, keys]
+    valid = pos < kv_lens[:, None]  # [B, keys]
     if starts is not None:
       valid &= pos >= starts[:, None]
     v = jnp.where(valid[:, :, None, None], v, 0.0)
@@ -305,7 +305,7 @@ def ragged_paged_attention_xla(
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
-    kv_lengths: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     cu_q_lens: jax.Array,  # int32 [batch + 1]
     *,
     sm_scale: float | None = None,
@@ -323,10 +323,10 @@ def ragged_paged_attention_xla(
   tests). num_decode_rows must be at least the number of rows with one query.
   """
   del interpret
-  _check_ragged(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sliding_window)
+  _check_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sliding_window)
   num_tokens, num_q_heads, head_dim = q.shape
   block_size = k_pages.shape[1]
-  batch = kv_lengths.shape[0]
+  batch = kv_lens.shape[0]
   scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
   if num_prefill_tiles is None:
     num_prefill_tiles = common.cdiv(num_tokens, prefill_tile) + batch
@@ -335,21 +335,19 @@ def ragged_paged_attention_xla(
   # Decode rows (one query, at KV position kv_len - 1), gathered into num_decode_rows.
   num_decode_rows = batch if num_decode_rows is None else min(num_decode_rows, batch)
   if num_decode_rows:
-    (rows,) = jnp.nonzero(q_lens == 1, size=num_decode_rows, fill_value=batch)
-    is_decode = rows < batch
-    rows = jnp.minimum(rows, batch - 1)
-    lengths = jnp.where(is_decode, kv_lengths[rows], 0)
+    rows, is_decode = common.packed_ids(q_lens == 1, num_decode_rows)
+    decode_kv_lens = jnp.where(is_decode, kv_lens[rows], 0)
     starts = None
     if sliding_window is not None:
-      starts = jnp.maximum(lengths - sliding_window, 0)
+      starts = jnp.maximum(decode_kv_lens - sliding_window, 0)
     tokens = jnp.minimum(cu_q_lens[rows], num_tokens - 1)
-    dec = _decode_rows(q[tokens], k_pages, v_pages, block_tables[rows], lengths, starts,
+    dec = _decode_rows(q[tokens], k_pages, v_pages, block_tables[rows], decode_kv_lens, starts,
                        sm_scale=scale, soft_cap=soft_cap,
                        blocks_per_step=_blocks_per_step(DECODE_KEYS, block_size))
     out = out.at[jnp.where(is_decode, tokens, num_tokens)].set(dec, mode="drop")
   if num_prefill_tiles:
     tiles, dst = _prefill_tiles(
-        q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, sm_scale=scale,
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sm_scale=scale,
         soft_cap=soft_cap, sliding_window=sliding_window, tile=prefill_tile,
         num_tiles=num_prefill_tiles,
         blocks_per_step=_blocks_per_step(PREFILL_KEYS, block_size))
@@ -363,18 +361,18 @@ def paged_attention_xla(
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: jax.Array,  # int32 [batch, max_blocks_per_seq]
-    lengths: jax.Array,  # int32 [batch]
+    kv_lens: jax.Array,  # int32 [batch]
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-  """`paged_attention`'s contract: one query per row over its first `lengths` keys."""
+  """`paged_attention`'s contract: one query per row over its first `kv_lens` keys."""
   del interpret
-  _check_paged(q, k_pages, v_pages, block_tables, lengths)
+  _check_paged(q, k_pages, v_pages, block_tables, kv_lens)
   head_dim = q.shape[-1]
   scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
-  out = _decode_rows(q, k_pages, v_pages, block_tables, lengths, None, sm_scale=scale,
+  out = _decode_rows(q, k_pages, v_pages, block_tables, kv_lens, None, sm_scale=scale,
                      soft_cap=soft_cap,
                      blocks_per_step=_blocks_per_step(DECODE_KEYS, k_pages.shape[1]))
   return out.astype(q.dtype)

@@ -109,6 +109,18 @@ def make_retrieval_prompts(num_prompts: int, context_len: int, seed: int,
   return prompts
 
 
+def _padded_row(tokens: list[int], supervised: list[int], seq_len: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens cut or padded to [seq_len + 1], loss_mask [seq_len] True at the supervised
+  input positions that fall inside the row)."""
+  tokens = np.asarray(tokens[: seq_len + 1], np.int32)
+  tokens = np.pad(tokens, (0, seq_len + 1 - len(tokens)), constant_values=PAD_ID)
+  mask = np.zeros(seq_len, bool)
+  supervised = np.asarray(supervised, np.int64)
+  mask[supervised[supervised < seq_len]] = True
+  return tokens, mask
+
+
 def retrieval_sequence(rng: np.random.Generator, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   """(tokens int32 [seq_len + 1], loss_mask bool [seq_len]) for one training sequence.
 
@@ -130,12 +142,7 @@ def retrieval_sequence(rng: np.random.Generator, seq_len: int) -> tuple[np.ndarr
   for p in picks:
     supervised.append(len(tokens))  # predicting the value from the key position
     tokens += [int(KEY_IDS[keys[p]]), int(WORD_IDS[values[p]]), NEWLINE_ID]
-  tokens = np.asarray(tokens[: seq_len + 1], np.int32)
-  tokens = np.pad(tokens, (0, seq_len + 1 - len(tokens)), constant_values=PAD_ID)
-  mask = np.zeros(seq_len, bool)
-  supervised = np.asarray(supervised, np.int64)
-  mask[supervised[supervised < seq_len]] = True
-  return tokens, mask
+  return _padded_row(tokens, supervised, seq_len)
 
 
 def copy_sequence(rng: np.random.Generator, seq_len: int, num_content: int | None = None,
@@ -167,12 +174,7 @@ def copy_sequence(rng: np.random.Generator, seq_len: int, num_content: int | Non
     # (predicted at "|") would need the episode start, a positional cue, so it is left out.
     supervised += range(len(tokens), len(tokens) + n - 1)
     tokens += content + [NEWLINE_ID]
-  tokens = np.asarray(tokens[: seq_len + 1], np.int32)
-  tokens = np.pad(tokens, (0, seq_len + 1 - len(tokens)), constant_values=PAD_ID)
-  mask = np.zeros(seq_len, bool)
-  supervised = np.asarray(supervised, np.int64)
-  mask[supervised[supervised < seq_len]] = True
-  return tokens, mask
+  return _padded_row(tokens, supervised, seq_len)
 
 
 def doubled_sequence(rng: np.random.Generator, seq_len: int, num_content: int | None = None

@@ -131,7 +131,7 @@ def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, reps: int,
     sel = indexer.select(q, bounds[tables], kv_lens, blocks, sparse.hisparse.selection)
     table = jnp.where(sel.valid, jnp.take_along_axis(
         tables, jnp.where(sel.valid, sel.logical_ids, 0), axis=1), 0)
-    return table, sel.lengths
+    return table, sel.kv_lens
 
   sel_table, sel_lens = select(q, bounds, tables, kv_lens)
   pieces = {

@@ -49,10 +49,10 @@ def main():
   dense_k = jnp.asarray(rng.standard_normal(shape, np.float32))
   dense_v = jnp.asarray(rng.standard_normal(shape, np.float32))
   tables = (1 + np.arange(BATCH)[:, None] * max_blocks + np.arange(max_blocks)).astype(np.int32)
-  seq_lens = np.full(BATCH, CONTEXT - 5, np.int32)  # newest block partly filled
+  kv_lens = np.full(BATCH, CONTEXT - 5, np.int32)  # newest block partly filled
   q = jnp.asarray(rng.standard_normal((BATCH, NUM_Q_HEADS, HEAD_DIM), np.float32))
   dense = jax.jit(kernels_pallas.paged_attention_reference)
-  dense_ms, _ = timed(dense, q, dense_k, dense_v, jnp.asarray(tables), jnp.asarray(seq_lens))
+  dense_ms, _ = timed(dense, q, dense_k, dense_v, jnp.asarray(tables), jnp.asarray(kv_lens))
 
   # Sparse: full KV in the host pool; device: sink + newest block resident, hot slots.
   host_pool = KVPool(spec, num_pool_blocks, PINNED_HOST)
@@ -70,7 +70,7 @@ def main():
   del k_np
 
   def sparse_step(q, state, host_arrays, device_arrays, stage):
-    sel = indexer.select(q, bounds, jnp.asarray(seq_lens), blocks, config.selection)
+    sel = indexer.select(q, bounds, jnp.asarray(kv_lens), blocks, config.selection)
     if stage == "select":
       return sel.logical_ids, state, device_arrays, sel.num_selected * 0
     res = resolver.resolve(sel.logical_ids, sel.valid, state, jnp.asarray(resident),
@@ -84,7 +84,7 @@ def main():
     if stage == "load":
       return res.block_tables, res.state, device_arrays, res.counts.misses
     out = kernels_pallas.paged_attention_reference(q, *device_arrays, res.block_tables,
-                                                   sel.lengths)
+                                                   sel.kv_lens)
     return out, res.state, device_arrays, res.counts.misses
 
   step = jax.jit(sparse_step, static_argnums=(4,))

@@ -80,36 +80,36 @@ class LayerCache:
   mass: jax.Array  # float32 [batch]: share of dense attention the last step's keys hold
 
 
-def block_bounds(k: jax.Array, seq_lens: jax.Array, block_size: int) -> jax.Array:
+def block_bounds(k: jax.Array, kv_lens: jax.Array, block_size: int) -> jax.Array:
   """[batch, num_blocks, 2, num_kv_heads, head_dim] min (0) / max (1) of each block's
-  valid keys (position < seq_lens); blocks without a valid key get 0 (the indexer masks
+  valid keys (position < kv_lens); blocks without a valid key get 0 (the indexer masks
   them as invalid anyway). k: [batch, capacity, num_kv_heads, head_dim]."""
   batch, capacity, num_kv_heads, head_dim = k.shape
   blocks = k.reshape(batch, capacity // block_size, block_size, num_kv_heads, head_dim)
   pos = jnp.arange(capacity).reshape(1, -1, block_size, 1, 1)
-  valid = pos < seq_lens.reshape(-1, 1, 1, 1, 1)
+  valid = pos < kv_lens.reshape(-1, 1, 1, 1, 1)
   k_min = jnp.where(valid, blocks, jnp.inf).min(axis=2)
   k_max = jnp.where(valid, blocks, -jnp.inf).max(axis=2)
   any_valid = valid.any(axis=2)
   return jnp.where(any_valid[:, :, None], jnp.stack([k_min, k_max], axis=2), 0.0)
 
 
-def selection_mask(q: jax.Array, k: jax.Array, seq_lens: jax.Array,
+def selection_mask(q: jax.Array, k: jax.Array, kv_lens: jax.Array,
                    blocks: HiSparseBlocks | None, selection: str = "shared") -> jax.Array:
   """bool [batch, num_kv_heads, capacity]: which cached keys each KV head's queries may
   attend (for "shared" the same row for every KV head).
 
   q: [batch, num_q_heads, head_dim] (one decode query per row); k: [batch, capacity,
-  num_kv_heads, head_dim]; seq_lens int32 [batch] (the query's own key included).
+  num_kv_heads, head_dim]; kv_lens int32 [batch] (the query's own key included).
   `blocks` None is dense: every valid key.
   """
   batch, capacity, num_kv_heads, _ = k.shape
-  valid_keys = jnp.arange(capacity)[None, :] < seq_lens[:, None]  # [batch, capacity]
+  valid_keys = jnp.arange(capacity)[None, :] < kv_lens[:, None]  # [batch, capacity]
   if blocks is None:
     return jnp.broadcast_to(valid_keys[:, None, :], (batch, num_kv_heads, capacity))
   block_size = blocks.block_size
   num_blocks = capacity // block_size
-  sel = indexer.select(q, block_bounds(k, seq_lens, block_size), seq_lens, blocks, selection)
+  sel = indexer.select(q, block_bounds(k, kv_lens, block_size), kv_lens, blocks, selection)
   ids = jnp.where(sel.valid, sel.logical_ids, num_blocks)  # padding matches no block
   chosen = (ids[..., None] == jnp.arange(num_blocks)).any(axis=-2)  # [b, (h,) num_blocks]
   if selection == "shared":
@@ -117,7 +117,7 @@ def selection_mask(q: jax.Array, k: jax.Array, seq_lens: jax.Array,
   return jnp.repeat(chosen, block_size, axis=-1) & valid_keys[:, None, :]
 
 
-def block_fractions(mask: jax.Array, seq_lens: jax.Array, block_size: int
+def block_fractions(mask: jax.Array, kv_lens: jax.Array, block_size: int
                     ) -> tuple[jax.Array, jax.Array]:
   """float32 [batch] twice, shares of the valid blocks: attended (mean over KV heads,
   the attention cost) and touched by any KV head (what must be resident: a block holds
@@ -125,7 +125,7 @@ def block_fractions(mask: jax.Array, seq_lens: jax.Array, block_size: int
   `selection_mask` returns it."""
   batch, num_kv_heads, capacity = mask.shape
   chosen = mask.reshape(batch, num_kv_heads, capacity // block_size, block_size).any(axis=-1)
-  n_valid = indexer.num_valid_blocks(seq_lens, block_size)
+  n_valid = indexer.num_valid_blocks(kv_lens, block_size)
   attended = chosen.sum(axis=-1).mean(axis=-1) / n_valid
   touched = chosen.any(axis=1).sum(axis=-1) / n_valid
   return attended.astype(jnp.float32), touched.astype(jnp.float32)
@@ -182,11 +182,11 @@ def _decode_attn(q, k, v, *, layer_idx, kv_cache: LayerCache, metadata, config,
   pos = metadata
   k_cache = jax.lax.dynamic_update_slice_in_dim(kv_cache.k, k.astype(kv_cache.k.dtype), pos, 1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(kv_cache.v, v.astype(kv_cache.v.dtype), pos, 1)
-  seq_lens = jnp.full((q.shape[0],), pos + 1, jnp.int32)
-  mask = selection_mask(q[:, 0], k_cache, seq_lens, blocks, selection)
-  valid = jnp.arange(k_cache.shape[1])[None, :] < seq_lens[:, None]
+  kv_lens = jnp.full((q.shape[0],), pos + 1, jnp.int32)
+  mask = selection_mask(q[:, 0], k_cache, kv_lens, blocks, selection)
+  valid = jnp.arange(k_cache.shape[1])[None, :] < kv_lens[:, None]
   out, mass = masked_decode_attention(q[:, 0], k_cache, v_cache, mask, valid)
-  attended, touched = block_fractions(mask, seq_lens, block_size)
+  attended, touched = block_fractions(mask, kv_lens, block_size)
   return out[:, None], LayerCache(k_cache, v_cache, attended, touched, mass)
 
 

@@ -194,31 +194,27 @@ def test_host_prefix_hit_gives_a_swap_in_plan():
   bm.check_invariants()
 
 
-def test_spill_cold_blocks_then_swap_out_shares_host_copies():
+def test_swap_out_shares_host_copies_by_hash():
   bm = BlockManager(num_device_blocks=6, num_host_blocks=6, block_size=BS)
   prompt = list(range(12))
   bm.allocate("a", prompt)  # [1, 2, 3]
-  bm.free("a")  # cached, coldest first: [3, 2, 1]
-  plan = bm.spill_cold_blocks(2)
-  assert (_ids(plan.device_ids), _ids(plan.host_ids)) == ([3, 2], [1, 2])
+  plan = bm.swap_out("a")
+  assert (_ids(plan.device_ids), _ids(plan.host_ids)) == ([1, 2, 3], [1, 2, 3])
   bm.finish_step()
-  plan = bm.spill_cold_blocks(5)  # 3 and 2 are on the host already.
-  assert (_ids(plan.device_ids), _ids(plan.host_ids)) == ([1], [3])
-  bm.finish_step()
-  # Host LRU: a's chain tail (host 1) is evicted first, its head (host 3) last.
-  assert bm.host_pool.cached_block_ids_lru() == [1, 2, 3]
+  bm.free("a")  # Host blocks freed tail first: a's chain tail (host 3) is evicted first.
+  assert bm.host_pool.cached_block_ids_lru() == [3, 2, 1]
   # a's prompt plus one token: device hits 1, 2, 3 (still cached there), new block 4.
   assert _ids(bm.allocate("b", prompt + [12]).block_ids) == [1, 2, 3, 4]
   out = bm.swap_out("b")
   # Blocks 1..3 are full and already on the host (by hash): only block 4 is copied.
   assert (_ids(out.device_ids), _ids(out.host_ids)) == ([4], [4])
-  assert bm.host_block_table("b") == [3, 2, 1, 4]
+  assert bm.host_block_table("b") == [1, 2, 3, 4]
   bm.check_invariants()
   bm.free("b")  # Host blocks freed tail first.
   # Host block 4 is still the target of this step's copy: pinned until finish_step.
-  assert bm.host_pool.free_block_ids() == [5, 1, 2, 3]
+  assert bm.host_pool.free_block_ids() == [5, 3, 2, 1]
   bm.finish_step()
-  assert bm.host_pool.free_block_ids() == [5, 1, 2, 3, 4]
+  assert bm.host_pool.free_block_ids() == [5, 3, 2, 1, 4]
   assert bm.host_pool.num_used_blocks == 0 and bm.device_pool.num_used_blocks == 0
 
 

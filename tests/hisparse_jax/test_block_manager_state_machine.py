@@ -1,9 +1,9 @@
-"""Hypothesis state machine: random allocate/append/fork/free/swap/spill under pressure,
+"""Hypothesis state machine: random allocate/append/fork/free/swap under pressure,
 with the HiSparse tiering (write-through, offload, sparse swap-in) mixed in.
 
 Beside the block manager runs a shadow KV cache: one int per slot, holding the token
 whose KV the slot stores. At each `finish_step` the machine executes the step's plans
-in the documented order (device->host, i.e. swap-outs, spills and write-throughs, then
+in the documented order (device->host, i.e. swap-outs and write-throughs, then
 copy-on-write, host->device, forward writes) and then checks that every sequence's
 blocks, read through its table, hold exactly its tokens. An offloaded sequence's
 dropped block (table entry 0) is read from its host copy, as the HiSparse step loads
@@ -320,12 +320,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
       assert len(self.bm.hot_slots(seq_id)) == hot_buffer_blocks
     assert self.bm.num_resident_blocks(seq_id) == (
         len(table) - num_droppable + len(self.bm.hot_slots(seq_id)))
-
-  @rule(max_num_blocks=st.integers(0, 4))
-  def spill(self, max_num_blocks):
-    plan = self.bm.spill_cold_blocks(max_num_blocks)
-    assert plan.num_blocks <= max_num_blocks
-    self.swap_outs.append(plan)
 
   @rule(end_step=st.integers(0, 1))
   def step_boundary(self, end_step):

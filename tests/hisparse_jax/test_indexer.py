@@ -20,7 +20,7 @@ def _blocks(top_k_tokens, sink_tokens=0, local_tokens=0):
 
 
 @jax.jit
-def _bounds_of(k_pages, seq_lens):
+def _bounds_of(k_pages, kv_lens):
   """Bounds of each sequence's blocks, computed by the kernels' reference updater.
 
   Sequence b owns device blocks 1 + b * MAX_BLOCKS + i (block table order = logical)."""
@@ -28,7 +28,7 @@ def _bounds_of(k_pages, seq_lens):
   bounds = jnp.full((num_blocks, 2, NUM_KV_HEADS, HEAD_DIM), jnp.nan, jnp.float32)
   pos = jnp.arange(MAX_BLOCKS * BLOCK_SIZE)
   slots = (1 + jnp.arange(BATCH)[:, None] * MAX_BLOCKS) * BLOCK_SIZE + pos[None, :]
-  slots = jnp.where(pos[None, :] < seq_lens[:, None], slots, -1).reshape(-1)
+  slots = jnp.where(pos[None, :] < kv_lens[:, None], slots, -1).reshape(-1)
   bounds = kernels_pallas.block_key_bounds_reference(bounds, k_pages, slots.astype(jnp.int32))
   tables = 1 + jnp.arange(BATCH)[:, None] * MAX_BLOCKS + jnp.arange(MAX_BLOCKS)[None, :]
   return bounds[tables]  # [batch, max_blocks, 2, num_kv_heads, head_dim]
@@ -42,13 +42,13 @@ def test_block_score_bounds_the_true_max_of_qk(seed, len0, len1, scale):
   k_pages = (scale * rng.standard_normal((num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
              ).astype(np.float32)
   q = rng.standard_normal((BATCH, NUM_Q_HEADS, HEAD_DIM)).astype(np.float32)
-  seq_lens = np.array([len0, len1], np.int32)
-  scores = np.asarray(indexer.block_scores(jnp.asarray(q), _bounds_of(k_pages, seq_lens)))
+  kv_lens = np.array([len0, len1], np.int32)
+  scores = np.asarray(indexer.block_scores(jnp.asarray(q), _bounds_of(k_pages, kv_lens)))
   chex.assert_shape(scores, (BATCH, NUM_KV_HEADS, MAX_BLOCKS))
   group = NUM_Q_HEADS // NUM_KV_HEADS
   for b in range(BATCH):
-    for i in range(-(-seq_lens[b] // BLOCK_SIZE)):
-      num_valid = min(BLOCK_SIZE, seq_lens[b] - i * BLOCK_SIZE)
+    for i in range(-(-kv_lens[b] // BLOCK_SIZE)):
+      num_valid = min(BLOCK_SIZE, kv_lens[b] - i * BLOCK_SIZE)
       keys = k_pages[1 + b * MAX_BLOCKS + i, :num_valid]  # [tokens, kv heads, head_dim]
       for h in range(NUM_KV_HEADS):
         qk = q[b, h * group:(h + 1) * group].astype(np.float64) @ keys[:, h].T
@@ -60,14 +60,14 @@ def test_block_score_bounds_the_true_max_of_qk(seed, len0, len1, scale):
 
 def test_top_k_covering_all_blocks_selects_all_in_order():
   scores = jnp.asarray(np.random.default_rng(1).standard_normal((3, 8)), jnp.float32)
-  seq_lens = jnp.array([32, 13, 1], jnp.int32)  # 8 full; 3 full + 1 token; 1 token
-  sel = indexer.select_blocks(scores, seq_lens, _blocks(32, 4, 4))
+  kv_lens = jnp.array([32, 13, 1], jnp.int32)  # 8 full; 3 full + 1 token; 1 token
+  sel = indexer.select_blocks(scores, kv_lens, _blocks(32, 4, 4))
   chex.assert_shape(sel.logical_ids, (3, 8))
   np.testing.assert_array_equal(sel.logical_ids[0], np.arange(8))
   np.testing.assert_array_equal(sel.logical_ids[1], [0, 1, 2, 3, -1, -1, -1, -1])
   np.testing.assert_array_equal(sel.logical_ids[2], [0] + [-1] * 7)
   np.testing.assert_array_equal(sel.num_selected, [8, 4, 1])
-  np.testing.assert_array_equal(sel.lengths, [32, 13, 1])
+  np.testing.assert_array_equal(sel.kv_lens, [32, 13, 1])
 
 
 def test_sinks_and_locals_always_selected_then_best_scores():
@@ -79,7 +79,7 @@ def test_sinks_and_locals_always_selected_then_best_scores():
   # budget 5 blocks = sink 1 + local 2 (ceil(5/4)) + the two best others (3: 7, 5: 6)
   np.testing.assert_array_equal(sel.logical_ids, [[0, 3, 5, 8, 9]])
   np.testing.assert_array_equal(sel.num_selected, [5])
-  np.testing.assert_array_equal(sel.lengths, [4 * BLOCK_SIZE + 2])  # block 9 holds 2 tokens
+  np.testing.assert_array_equal(sel.kv_lens, [4 * BLOCK_SIZE + 2])  # block 9 holds 2 tokens
 
 
 def test_padding_never_selected_and_empty_sequence_attends_nothing():
@@ -87,7 +87,7 @@ def test_padding_never_selected_and_empty_sequence_attends_nothing():
   sel = indexer.select_blocks(scores, jnp.array([5, 0], jnp.int32), _blocks(16, 0, 0))
   np.testing.assert_array_equal(sel.logical_ids, [[0, 1, -1, -1], [-1, -1, -1, -1]])
   np.testing.assert_array_equal(sel.num_selected, [2, 0])
-  np.testing.assert_array_equal(sel.lengths, [5, 0])
+  np.testing.assert_array_equal(sel.kv_lens, [5, 0])
   np.testing.assert_array_equal(sel.valid, [[1, 1, 0, 0], [0, 0, 0, 0]])
 
 
@@ -106,19 +106,19 @@ def test_per_kv_head_selection_shapes_and_rows():
   q = jnp.asarray(rng.standard_normal((BATCH, NUM_Q_HEADS, HEAD_DIM)), jnp.float32)
   bounds = jnp.asarray(np.sort(rng.standard_normal(
       (BATCH, MAX_BLOCKS, 2, NUM_KV_HEADS, HEAD_DIM)), axis=2), jnp.float32)
-  seq_lens = jnp.array([23, 9], jnp.int32)
+  kv_lens = jnp.array([23, 9], jnp.int32)
   blocks = _blocks(12, 4, 0)
-  per_head = indexer.select(q, bounds, seq_lens, blocks, "per_kv_head")
+  per_head = indexer.select(q, bounds, kv_lens, blocks, "per_kv_head")
   chex.assert_shape(per_head.logical_ids, (BATCH, NUM_KV_HEADS, 3))
-  chex.assert_shape([per_head.num_selected, per_head.lengths], (BATCH, NUM_KV_HEADS))
+  chex.assert_shape([per_head.num_selected, per_head.kv_lens], (BATCH, NUM_KV_HEADS))
   scores = indexer.block_scores(q, bounds)
   for h in range(NUM_KV_HEADS):
-    row = indexer.select_blocks(scores[:, h], seq_lens, blocks)
+    row = indexer.select_blocks(scores[:, h], kv_lens, blocks)
     chex.assert_trees_all_equal(row.logical_ids, per_head.logical_ids[:, h])
-    chex.assert_trees_all_equal(row.lengths, per_head.lengths[:, h])
-  shared = indexer.select(q, bounds, seq_lens, blocks, "shared")
+    chex.assert_trees_all_equal(row.kv_lens, per_head.kv_lens[:, h])
+  shared = indexer.select(q, bounds, kv_lens, blocks, "shared")
   chex.assert_shape(shared.logical_ids, (BATCH, 3))
-  np.testing.assert_array_equal(shared.lengths, [2 * BLOCK_SIZE + 3, 2 * BLOCK_SIZE + 1])
+  np.testing.assert_array_equal(shared.kv_lens, [2 * BLOCK_SIZE + 3, 2 * BLOCK_SIZE + 1])
 
 
 def test_select_is_jittable_with_the_same_result():
@@ -126,7 +126,7 @@ def test_select_is_jittable_with_the_same_result():
   q = jnp.asarray(rng.standard_normal((BATCH, NUM_Q_HEADS, HEAD_DIM)), jnp.float32)
   bounds = jnp.asarray(np.sort(rng.standard_normal(
       (BATCH, MAX_BLOCKS, 2, NUM_KV_HEADS, HEAD_DIM)), axis=2), jnp.float32)
-  seq_lens = jnp.array([24, 17], jnp.int32)
+  kv_lens = jnp.array([24, 17], jnp.int32)
   blocks = _blocks(16, 4, 4)
-  jitted = jax.jit(indexer.select, static_argnums=(3, 4))(q, bounds, seq_lens, blocks, "shared")
-  chex.assert_trees_all_equal(jitted, indexer.select(q, bounds, seq_lens, blocks, "shared"))
+  jitted = jax.jit(indexer.select, static_argnums=(3, 4))(q, bounds, kv_lens, blocks, "shared")
+  chex.assert_trees_all_equal(jitted, indexer.select(q, bounds, kv_lens, blocks, "shared"))

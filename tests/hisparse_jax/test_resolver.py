@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pool_helpers import read_blocks, write_blocks
 
 import kernels_pallas
 from hisparse_jax import indexer, resolver, transfer
@@ -193,7 +194,7 @@ def _pools(spec, rng, num_host_blocks):
   chunk = NUM_DEVICE_BLOCKS - 1
   for start in range(1, num_host_blocks, chunk):
     ids = np.arange(start, min(start + chunk, num_host_blocks))
-    device_pool.write_blocks(0, ids - start + 1, host_k[ids], host_v[ids])
+    write_blocks(device_pool, 0, ids - start + 1, host_k[ids], host_v[ids])
     engine.swap_out(ids - start + 1, ids)
   engine.wait()
   return device_pool, host_pool, host_k, host_v
@@ -218,7 +219,7 @@ def test_cpu_takes_the_block_copies():
 def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng, one_memory):
   spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
   device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=24)
-  before_k, before_v = (np.asarray(a) for a in device_pool.read_blocks(0, range(16)))
+  before_k, before_v = (np.asarray(a) for a in read_blocks(device_pool, 0, range(16)))
   load = jax.jit(_load_fn(device_pool, host_pool, one_memory), donate_argnums=(1,))
   host_ids = jnp.array([23, 5, 17, 0, 0], jnp.int32)
   device_ids = jnp.array([3, 9, 14, 16, 99], jnp.int32)  # the last two: padding, dropped
@@ -226,7 +227,7 @@ def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng, one_memory):
   device_pool.set_arrays(arrays)
   # 3 loads: copied one by one, or the smallest load size holding them (all 5 entries).
   assert int(moved) == (3 if one_memory else 5)
-  k, v = (np.asarray(a) for a in device_pool.read_blocks(0, range(16)))
+  k, v = (np.asarray(a) for a in read_blocks(device_pool, 0, range(16)))
   for h, d in ((23, 3), (5, 9), (17, 14)):
     np.testing.assert_array_equal(k[d].view(np.uint32), host_k[h].view(np.uint32))
     np.testing.assert_array_equal(v[d].view(np.uint32), host_v[h].view(np.uint32))
@@ -255,12 +256,12 @@ def test_load_blocks_moves_the_loads_rounded_up_and_nothing_without_one(rng, one
     where = np.random.default_rng(num_loads).choice(40, num_loads, replace=False)
     host_ids[where] = 1 + np.arange(num_loads)
     device_ids[where] = 1 + np.arange(num_loads) % (num_device - 1)
-    before = np.asarray(device_pool.read_blocks(0, range(num_device))[0])
+    before = np.asarray(read_blocks(device_pool, 0, range(num_device))[0])
     arrays, moved = load(host_pool.arrays(), device_pool.arrays(), jnp.asarray(host_ids),
                          jnp.asarray(device_ids))
     device_pool.set_arrays(arrays)
     assert int(moved) == want_moved, num_loads
-    k = np.asarray(device_pool.read_blocks(0, range(num_device))[0])
+    k = np.asarray(read_blocks(device_pool, 0, range(num_device))[0])
     for h, d in zip(host_ids[where], device_ids[where]):
       if list(device_ids[where]).count(d) == 1:
         np.testing.assert_array_equal(k[d], host_k[h])
@@ -284,34 +285,34 @@ def test_select_resolve_load_attend_in_one_jit_matches_host_tokens(rng):
   spec = KVCacheSpec(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      dtype="float32", block_size=bs)
   device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=17)
-  seq_lens = np.array([30, 21], np.int32)  # 8 and 6 blocks
+  kv_lens = np.array([30, 21], np.int32)  # 8 and 6 blocks
   host_ids = 1 + np.arange(2)[:, None] * max_blocks + np.arange(max_blocks)[None]
   # Resident device copies: the sinks, the newest blocks and seq 0's block 3.
   resident = np.zeros((2, max_blocks), np.int32)
   resident[0, [0, 7, 3]] = [1, 2, 5]
   resident[1, [0, 5]] = [3, 4]
   rows, cols = np.nonzero(resident)
-  device_pool.write_blocks(0, resident[rows, cols], host_k[host_ids[rows, cols]],
+  write_blocks(device_pool, 0, resident[rows, cols], host_k[host_ids[rows, cols]],
                            host_v[host_ids[rows, cols]])
   slot_device = jnp.array([[6, 7, 8, 9], [10, 11, 12, 13]], jnp.int32)
   noise = rng.standard_normal((8, bs, num_kv_heads, head_dim)).astype(np.float32) * 50
-  device_pool.write_blocks(0, range(6, 14), noise, noise)  # stale slots: must be loaded
+  write_blocks(device_pool, 0, range(6, 14), noise, noise)  # stale slots: must be loaded
   keys = host_k[host_ids]  # [batch, max_blocks, bs, kv heads, d]
-  valid_tok = (np.arange(max_blocks * bs) < seq_lens[:, None]).reshape(2, max_blocks, bs)
+  valid_tok = (np.arange(max_blocks * bs) < kv_lens[:, None]).reshape(2, max_blocks, bs)
   bounds = np.stack([np.where(valid_tok[..., None, None], keys, np.inf).min(2),
                      np.where(valid_tok[..., None, None], keys, -np.inf).max(2)], axis=2)
   blocks = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=4,
                           local_tokens=4).blocks(bs)
 
   def step(q, state, step_id, host_arrays, device_arrays):
-    sel = indexer.select(q, jnp.asarray(bounds), jnp.asarray(seq_lens), blocks, "shared")
+    sel = indexer.select(q, jnp.asarray(bounds), jnp.asarray(kv_lens), blocks, "shared")
     res = resolver.resolve(sel.logical_ids, sel.valid, state, jnp.asarray(resident),
                            slot_device, jnp.asarray(host_ids, jnp.int32), step_id,
                            num_device_blocks=NUM_DEVICE_BLOCKS, thrash_window_steps=2)
     device_arrays, _ = _load_fn(device_pool, host_pool)(
         host_arrays, device_arrays, res.load_host_ids, res.load_device_ids)
     out = kernels_pallas.paged_attention_reference(q, *device_arrays, res.block_tables,
-                                                   sel.lengths)
+                                                   sel.kv_lens)
     return out, sel, res, device_arrays
 
   step = jax.jit(step, donate_argnums=(4,))
@@ -330,9 +331,9 @@ def test_select_resolve_load_attend_in_one_jit_matches_host_tokens(rng):
     totals += counts.sum(1)
     for b in range(2):
       ids = np.asarray(sel.logical_ids[b, :int(sel.num_selected[b])])
-      assert ids[0] == 0 and ids[-1] == -(-seq_lens[b] // bs) - 1  # sink and newest
+      assert ids[0] == 0 and ids[-1] == -(-kv_lens[b] // bs) - 1  # sink and newest
       toks = (ids[:, None] * bs + np.arange(bs)).reshape(-1)
-      toks = toks[toks < seq_lens[b]]
+      toks = toks[toks < kv_lens[b]]
       flat_k = keys[b].reshape(-1, num_kv_heads, head_dim)
       flat_v = host_v[host_ids[b]].reshape(-1, num_kv_heads, head_dim)
       np.testing.assert_allclose(out[b], _attend_selected(q[b], flat_k[toks], flat_v[toks]),

@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pool_helpers import read_blocks, write_blocks
 
 from hisparse_jax import metrics as m
 from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
@@ -34,7 +35,7 @@ def _filled_pools(dtype, rng, head_dim=8):
   for layer in range(NUM_LAYERS):
     shape = (len(ids), 4, 2, head_dim)
     data[layer] = (_random_bits(rng, shape, dtype), _random_bits(rng, shape, dtype))
-    device_pool.write_blocks(layer, ids, *data[layer])
+    write_blocks(device_pool, layer, ids, *data[layer])
   return device_pool, host_pool, data
 
 
@@ -64,16 +65,16 @@ def test_round_trip_is_bit_exact_and_in_place(dtype, one_memory, rng):
   for layer in range(NUM_LAYERS):
     k_ref, v_ref = data[layer]
     want = src[perm] - 1  # row of each moved block in the written data
-    k, v = device_pool.read_blocks(layer, dst)
+    k, v = read_blocks(device_pool, layer, dst)
     np.testing.assert_array_equal(_bits(k), _bits(k_ref[want]))
     np.testing.assert_array_equal(_bits(v), _bits(v_ref[want]))
-    hk, hv = host_pool.read_blocks(layer, host_ids)
+    hk, hv = read_blocks(host_pool, layer, host_ids)
     np.testing.assert_array_equal(_bits(hk), _bits(k_ref[src - 1]))
     np.testing.assert_array_equal(_bits(hv), _bits(v_ref[src - 1]))
     # Padding wrote nothing: untouched host blocks and both null blocks stay zero.
     untouched = np.setdiff1d(np.arange(NUM_HOST_BLOCKS), host_ids)
-    assert not _bits(host_pool.read_blocks(layer, untouched)[0]).any()
-    assert not _bits(device_pool.read_blocks(layer, [0])[1]).any()
+    assert not _bits(read_blocks(host_pool, layer, untouched)[0]).any()
+    assert not _bits(read_blocks(device_pool, layer, [0])[1]).any()
 
   bytes_moved = 6 * device_pool.spec.bytes_per_block
   assert bytes_moved == 6 * 4 * NUM_LAYERS * 2 * 2 * 8 * np.dtype(device_pool.spec.dtype).itemsize
@@ -145,18 +146,3 @@ def test_empty_swap_is_a_no_op():
   engine.swap_in(np.zeros(0, np.int32), np.zeros(0, np.int32))
   assert engine.num_pending == 0 and not engine.buckets_used
 
-
-def test_copy_on_write_copies_inside_the_device_pool(rng):
-  device_pool, host_pool, data = _filled_pools("bfloat16", rng)
-  engine = TransferEngine(device_pool, host_pool)
-  pointers = [a.unsafe_buffer_pointer() for a in device_pool.arrays()]
-  # 3 -> 7 and 7 -> 2 in one call: block 2 gets the old content of block 7.
-  engine.copy_device_blocks(np.array([3, 7], np.int32), np.array([7, 2], np.int32))
-  assert [a.unsafe_buffer_pointer() for a in device_pool.arrays()] == pointers
-  for layer in range(NUM_LAYERS):
-    k, v = device_pool.read_blocks(layer, [7, 2, 3, 0])
-    k_ref, v_ref = data[layer]
-    np.testing.assert_array_equal(_bits(k[:3]), _bits(k_ref[np.array([3, 7, 3]) - 1]))
-    np.testing.assert_array_equal(_bits(v[:3]), _bits(v_ref[np.array([3, 7, 3]) - 1]))
-    assert not _bits(k[3]).any()  # the null block
-  assert engine.buckets_used == {("d2d", 8)}

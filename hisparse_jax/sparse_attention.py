@@ -1,0 +1,184 @@
+"""Attention inside the step program, and the HiSparse sparse path.
+
+Attention is `attend`: the one place where the HiSparse path swaps the dense block
+table for a table of selected blocks. With a HiSparseConfig the runner also keeps, per
+layer, the key bounds of every device block AND every host block in one array
+(`bounds`, [num_device_blocks + num_host_blocks, 2, num_kv_heads, head_dim] float32:
+device block i at row i, host block j at row num_device_blocks + j; donated like the
+pages), and each layer of the step runs:
+
+    write_kv -> block_key_bounds(touched blocks)
+      dense rows (prefill chunks, short sequences):  ragged_paged_attention(block tables)
+      sparse rows (one query token, kv_len > sparse_threshold_tokens):
+        select   indexer.select(q, key bounds of each logical block, kv_lens)
+                 -> logical ids [B, k]; one gather of `bounds` reads a resident block's
+                 row (by device id) or a dropped block's (by host id)
+        resolve  resolver.resolve: resident device block / hot-buffer slot / host miss
+                 (LRU slot of that sequence's hot buffer), hot-buffer state per layer
+        load     resolver.load_blocks: the misses, host pool -> hot-buffer slots, inside
+                 this program (GPU: one host gather under compute_on("device_host") sized
+                 to the misses; CPU, one memory: a loop of exactly the misses' block
+                 copies); no miss moves nothing
+        attend   paged_attention(q, pages, resolved table, selection kv_lens)
+
+`sparse_rows` (a per-row flag in StepMetadata) decides; shapes stay static (the
+selected table is [num_seqs, top_k_blocks]), so the step is still one program.
+
+Tier inputs of a step (`SparseTiers`, from the block manager): each row's host copies
+per logical block (`host_tables`), its hot-buffer device blocks (`hot_slots`), and its
+row of the hot-buffer state (`hot_rows`; `hot_reset` starts it empty). The runner owns
+that state on the device: per layer [rows, slots] slot contents and last use, and
+[rows, max_blocks] eviction steps, donated through the step like the pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import kernels_pallas
+from hisparse_jax import indexer, resolver
+from hisparse_jax.hisparse_config import HiSparseBlocks
+from hisparse_jax.kv_pool import from_storage, to_storage
+from hisparse_jax.step_batch import StepMetadata
+from kernels_pallas.common import packed_ids
+
+# Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
+COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseStatic:
+  """The static settings of the sparse path of a step program."""
+
+  blocks: HiSparseBlocks
+  selection: str
+  thrash_window_steps: int
+  device_sharding: jax.sharding.Sharding
+  host_sharding: jax.sharding.Sharding
+  one_memory: bool | None = None  # resolver.load_blocks' (None: the devices say)
+
+
+def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
+           sparse: SparseStatic | None, q, k, v, *, layer_idx, kv_cache,
+           metadata: StepMetadata, config):
+  """Writes this step's K/V into the pages (and their blocks' key bounds, with HiSparse),
+  then attends: each sequence over its blocks, or sparse rows over their selected ones."""
+  del layer_idx
+  if sparse is None:
+    k_pages, v_pages = kv_cache
+    k_pages, v_pages = ops.write_kv(
+        k_pages, v_pages, to_storage(k[0], kv_dtype, storage_dtype),
+        to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
+    out = ops.ragged_paged_attention(
+        q[0], from_storage(k_pages, kv_dtype), from_storage(v_pages, kv_dtype),
+        metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
+        sliding_window=config.sliding_window, **dict(metadata.ragged_hints))
+    return out[None], (k_pages, v_pages)
+  cache = dict(kv_cache)
+  k_pages, v_pages = ops.write_kv(
+      cache["k"], cache["v"], to_storage(k[0], kv_dtype, storage_dtype),
+      to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
+  bounds = ops.block_key_bounds(cache["bounds"], from_storage(k_pages, kv_dtype),
+                                metadata.slot_ids)
+  out, k_pages, v_pages, state, (counts, loaded) = _hisparse_attention(
+      ops, sparse, kv_dtype, q[0], k_pages, v_pages, bounds, cache, metadata, config)
+  return out[None], dict(k=k_pages, v=v_pages, bounds=bounds, state=state, counts=counts,
+                         loaded=loaded)
+
+
+def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_dtype, q,
+                        k_pages, v_pages, bounds, cache, metadata: StepMetadata, config):
+  """Dense rows through ragged attention over their own tables; sparse rows, gathered
+  into `metadata.num_sparse_rows` rows, through select -> resolve -> load -> attend (no
+  sparse row's full table is read; with no sparse row none of it runs). q [num_tokens,
+  num_q_heads, head_dim]; returns (out like q, new pages, new hot-buffer state of this
+  layer, (counts [num_seqs, 5], blocks the host loads moved))."""
+  is_sparse = metadata.sparse_rows  # bool [num_seqs]
+  num_tokens, batch = q.shape[0], is_sparse.shape[0]
+  tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
+  counts = jnp.zeros((batch, len(COUNT_FIELDS)), jnp.int32)
+  loaded = jnp.int32(0)
+  new_state = cache["state"]
+  sparse_out = None
+  num_sparse = min(metadata.num_sparse_rows, batch)
+  if num_sparse:
+    rows, live = packed_ids(is_sparse, num_sparse)
+    out_rows = jnp.where(live, rows, batch)  # for scatters back to the batch (padding dropped)
+    token = jnp.minimum(metadata.cu_q_lens[rows], num_tokens - 1)  # each row's query token
+    (k_pages, v_pages), new_state, row_counts, loaded, sparse_out = _sparse_rows(
+        sparse, kv_dtype, ops, q[token], k_pages, v_pages, bounds, cache, metadata, rows,
+        live)
+    counts = counts.at[out_rows].set(row_counts, mode="drop")
+  k_view, v_view = from_storage(k_pages, kv_dtype), from_storage(v_pages, kv_dtype)
+  # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows get
+  # no key there (their output is replaced below). A step with no dense row (a batch of
+  # long decodes) skips the call: the reference's and the Pallas kernel's cost follows
+  # the block-table width, not the lengths (measured: 408 of 463 ms per layer at 64k
+  # tokens for length-1 rows).
+  dense_lens = jnp.where(is_sparse, 0, metadata.kv_lens)
+  any_dense = jnp.any(~is_sparse & (metadata.kv_lens > 0))
+  out = lax.cond(
+      any_dense,
+      lambda: ops.ragged_paged_attention(q, k_view, v_view, tables, dense_lens,
+                                         metadata.cu_q_lens,
+                                         sliding_window=config.sliding_window,
+                                         **dict(metadata.ragged_hints)).astype(q.dtype),
+      lambda: jnp.zeros_like(q))
+  if sparse_out is not None:
+    out = out.at[jnp.where(live, token, num_tokens)].set(sparse_out.astype(out.dtype),
+                                                         mode="drop")
+  return out, k_pages, v_pages, new_state, (counts, loaded)
+
+
+def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, q_rows,
+                 k_pages, v_pages, bounds, cache, metadata: StepMetadata, rows, live):
+  """select -> resolve -> load -> attend for the batch rows `rows` (`live` False:
+  padding). q_rows [n, num_q_heads, head_dim]. Returns (new pages, new hot-buffer state,
+  counts [n, 5], blocks loaded, attention output [n, num_q_heads, head_dim])."""
+  tables = metadata.block_tables[rows]
+  host_tables = metadata.host_tables[rows]
+  kv_lens = jnp.where(live, metadata.kv_lens[rows], 0)
+  # select: key bounds of each logical block, from its device copy's row or, once it was
+  # dropped, its host copy's row (one gather).
+  num_device_blocks = k_pages.shape[0]
+  bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
+  sel = indexer.select(q_rows, bounds[bounds_rows], kv_lens, sparse.blocks, sparse.selection)
+  # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
+  slot_block, last_used, evicted_at = cache["state"]
+  num_state_rows, width = slot_block.shape[0], tables.shape[1]
+  hot_rows = metadata.hot_rows[rows]
+  own_row = live & (hot_rows < num_state_rows)
+  state_row = jnp.minimum(hot_rows, num_state_rows - 1)
+  fresh = (~own_row | metadata.hot_reset[rows])[:, None]
+  state = resolver.HotBufferState(
+      slot_block=jnp.where(fresh, -1, slot_block[state_row]),
+      slot_last_used=jnp.where(fresh, resolver.NEVER, last_used[state_row]),
+      evicted_at=jnp.where(fresh, resolver.NEVER, evicted_at[state_row, :width]))
+  valid = sel.valid & live[:, None]
+  res = resolver.resolve(jnp.where(valid, sel.logical_ids, 0), valid, state, tables,
+                         metadata.hot_slots[rows], host_tables, metadata.step,
+                         num_device_blocks=num_device_blocks,
+                         thrash_window_steps=sparse.thrash_window_steps)
+  # load: this layer's misses, host pool -> their slots; the bytes follow the misses
+  # (none: nothing moves).
+  (k_pages, v_pages), loaded = resolver.load_blocks(
+      (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
+      res.load_device_ids, device_sharding=sparse.device_sharding,
+      host_sharding=sparse.host_sharding, one_memory=sparse.one_memory)
+  # attend: the newest, partly filled block is last (indexer order).
+  out = ops.paged_attention(q_rows, from_storage(k_pages, kv_dtype),
+                            from_storage(v_pages, kv_dtype), res.block_tables,
+                            jnp.where(live, sel.kv_lens, 0))
+  # The rows' new state goes back to their state rows (rows without one are dropped).
+  dst = jnp.where(own_row, hot_rows, num_state_rows)
+  new_state = (slot_block.at[dst].set(res.state.slot_block, mode="drop"),
+               last_used.at[dst].set(res.state.slot_last_used, mode="drop"),
+               evicted_at.at[dst, :width].set(res.state.evicted_at, mode="drop"))
+  c = res.counts
+  counts = jnp.stack([c.resident_hits, c.hot_hits, c.misses, c.evictions, c.thrash], axis=-1)
+  counts = jnp.where(live[:, None], counts, 0).astype(jnp.int32)
+  return (k_pages, v_pages), new_state, counts, loaded, out
