@@ -58,7 +58,9 @@ flags.DEFINE_float("host_pool_gib", 1.0,
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output) in tokens.")
 
 # Engine, sampling and output flags (generate, demo).
-flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts.")
+flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts. "
+                          "The escapes \\n (newline), \\t (tab) and \\\\ (a backslash) are "
+                          "decoded: --prompt='bafu: bapo\\n? bafu:' is two lines.")
 flags.DEFINE_string(
     "prompts_file", None,
     'JSONL file of prompts, one JSON object a line: {"prompt": "..."} or '
