@@ -98,14 +98,17 @@ flags.DEFINE_integer("log_every_steps", 100,
 flags.DEFINE_bool("hisparse", False,
                   "Top-k sparse decoding: decode steps of sequences longer than "
                   "--sparse_threshold_tokens attend only to the KV blocks the indexer selects.")
-flags.DEFINE_integer("top_k_tokens", 2048, "HiSparse: tokens (in whole blocks) each sparse "
-                     "decode step attends to, sink and local blocks included.")
+flags.DEFINE_integer("top_k_tokens", None, "HiSparse: tokens (in whole blocks) each sparse "
+                     "decode step attends to, sink and local blocks included. Default: a "
+                     "quarter of --max_model_len in whole blocks (512 at 2,048; at least 4 "
+                     "blocks, at most 2,048 tokens).")
 flags.DEFINE_integer("hot_buffer_tokens", None, "HiSparse: device hot-buffer tokens per sparse "
                      "sequence (>= --top_k_tokens). Default: 2 x --top_k_tokens.")
-flags.DEFINE_integer("sink_tokens", 64, "HiSparse: first tokens always attended (part of the "
-                     "top-k budget).")
-flags.DEFINE_integer("local_tokens", 256, "HiSparse: newest tokens always attended (part of the "
-                     "top-k budget; at least the newest block).")
+flags.DEFINE_integer("sink_tokens", None, "HiSparse: first tokens always attended (part of the "
+                     "top-k budget). Default: min(64, --top_k_tokens / 8).")
+flags.DEFINE_integer("local_tokens", None, "HiSparse: newest tokens always attended (part of "
+                     "the top-k budget; at least the newest block). Default: min(256, "
+                     "--top_k_tokens / 4).")
 flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
                      "tokens decode densely. Default: --hot_buffer_tokens.")
 flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")

@@ -205,8 +205,9 @@ HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tok
 
 
 def hisparse_from_flags():
-  """The HiSparseConfig of --hisparse and its flags (None without --hisparse); errors name
-  the flag."""
+  """The HiSparseConfig of --hisparse and its flags (None without --hisparse), the flags
+  not given derived from --max_model_len and the block size
+  (`HiSparseConfig.for_max_model_len`); errors name the flag."""
   from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: PLC0415
 
   if not FLAGS.hisparse:
@@ -215,7 +216,9 @@ def hisparse_from_flags():
       raise ValueError(f"--{given[0]} is a HiSparse setting; add --hisparse to use it")
     return None
   try:
-    return HiSparseConfig(**{name: FLAGS[name].value for name in HISPARSE_FLAGS})
+    return HiSparseConfig.for_max_model_len(
+        FLAGS.max_model_len, block_size_from_flags(),
+        **{name: FLAGS[name].value for name in HISPARSE_FLAGS})
   except ValueError as e:
     raise ValueError(str(e).replace("HiSparseConfig.", "--")) from None
 
