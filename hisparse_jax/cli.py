@@ -226,8 +226,20 @@ def error_line(error: ValueError) -> str:
   return message
 
 
+def helpfull_text() -> str:
+  """`--helpfull`: the commands, then every flag by module, the project's first."""
+  modules = FLAGS.flags_by_module_dict()
+  ours = sorted(m for m in modules if m.split(".")[0] in ("hisparse_jax", "kernels_pallas",
+                                                          "models", "configs"))
+  others = sorted(set(modules) - set(ours))
+  return "\n\n".join([_usage()] + [FLAGS.module_help(m) for m in ours + others])
+
+
 def run() -> None:
   """Console-script entry point."""
+  if "--helpfull" in sys.argv[1:]:  # absl's own --helpfull exits 1, its flags first
+    print(helpfull_text())
+    sys.exit(0)
   if any(a in HELP_FLAGS for a in sys.argv[1:]):  # help on stdout, exit 0
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     print(help_text(command))
