@@ -3,7 +3,8 @@
 The lines are read from README.md (a `\\` at a line's end continues it), so a line that
 stops working, or a new line that does not work, fails here. Each runs as
 `python -m hisparse_jax ARGS` in the repository root, two at a time. A line that ends in
-`# answers: WORD` must print an output whose first word is WORD. Exceptions, each with why:
+`# answers: WORD` must print an output whose first word is WORD, and a run with expected
+answers (a prompts file) must get them all right. Exceptions, each with why:
 
 - `SMALLER`: flags appended to a line (absl: a later flag wins) so that it runs in
   seconds; the line's own flags are still parsed and used.
@@ -94,6 +95,9 @@ def test_readme_line_runs_as_written(line, results):
   if answer:
     first = re.match(r'\[0\] "(.*)" \(', r.stdout.splitlines()[0])
     assert first and first.group(1).split()[0] == answer.group(1), r.stdout
+  right = re.search(r"^(\d+)/(\d+) right$", r.stdout, flags=re.M)
+  if right:
+    assert right.group(1) == right.group(2), r.stdout
 
 
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c not in RUN])
