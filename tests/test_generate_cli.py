@@ -212,3 +212,21 @@ def test_escaped_newlines_and_one_unknown_words_warning(checkpoint, compile_cach
   warnings = [ln for ln in r.stderr.splitlines() if "warning" in ln]
   assert warnings == ["hisparse-jax: warning: 3 word(s) of the prompts are not in the model's "
                       "vocabulary and become <unk>: 'hello', 'world', 'hello'"], r.stderr
+
+
+def test_hisparse_at_the_default_flags_decodes_long_requests_sparse(tmp_path):
+  # --hisparse alone at max_model_len 2,048: top-k 512, hot buffer and threshold 1,024
+  # tokens (they were 2,048 / 4,096: no request ever decoded sparse). A request decoding
+  # past 1,024 tokens is a sparse decoder: its full blocks are written through to the
+  # host pool (device -> host bytes, none in a dense run with room on the device).
+  (prompt,) = data.make_retrieval_prompts(1, 1030, seed=5)
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text(json.dumps({"prompt": prompt.text, "expected": prompt.answer}) + "\n")
+  metrics_json = tmp_path / "m.json"
+  r = _generate("--hisparse", f"--prompts_file={prompts}", "--max_new_tokens=24",
+                f"--metrics_json={metrics_json}", "--host_pool_gib=0.125")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "1/1 right" in r.stdout
+  assert "top-k 32 blocks" in r.stderr and "HiSparse runs" in r.stderr  # blocks of 16
+  m = json.loads(metrics_json.read_text())
+  assert m['hisparse_transfer_bytes_total{direction="d2h"}'] > 0
