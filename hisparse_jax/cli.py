@@ -26,7 +26,7 @@ def register(name: str, module: str, help_text: str) -> None:
 
 
 register("capacity", "hisparse_jax.capacity_cmd",
-         "Load the model, allocate the KV pools, log the KV capacity of each memory kind.")
+         "Load the model, allocate the KV pools, print the KV capacity of each memory kind.")
 register("generate", "hisparse_jax.generate_cmd",
          "Generate for --prompt / --prompts_file prompts; mark expected answers RIGHT/WRONG.")
 register("demo", "hisparse_jax.demo_cmd",

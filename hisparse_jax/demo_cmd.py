@@ -182,10 +182,7 @@ def main(argv: list[str]) -> int:
 
 def example_line() -> str:
   """A prompt to try next: the default model knows only its own words."""
-  from models import data  # noqa: PLC0415
-
-  example = data.EXAMPLE_PROMPT.replace("\n", "\\n")
-  return (f"try a prompt of your own: hisparse-jax generate --prompt='{example}' (answer: "
-          f"{data.EXAMPLE_ANSWER}); the default model answers 'key: value' lines and a "
-          "'? key:' query, in words of its vocabulary (models/data.py), and reads other "
-          "words as <unk>")
+  return (f"try a prompt of your own: hisparse-jax generate "
+          f"{generate_cmd.example_prompt_flag()}; the default model answers 'key: value' "
+          "lines and a '? key:' query, in words of its vocabulary (models/data.py), and "
+          "reads other words as <unk>")

@@ -23,8 +23,10 @@ The capacity lines, the status line and the progress bar go to stderr. Bad input
 JSONL line, a file that is not UTF-8, a bad flag value, a prompt the engine would
 refuse) exits 2 with one line naming the flag, or the file and line, before the weights
 load: the flags are checked as an `EngineConfig` and the prompts by the engine's rule
-(`request.check_prompt`) against the checkpoint's config and tokenizer. `hisparse-jax
-demo` runs its prompts through `run` below, the same path.
+(`request.check_prompt`) against the checkpoint's config and tokenizer. Prompt words
+outside the tokenizer's vocabulary (they become its unk token) get one warning line on
+stderr: how many, and the first few. `hisparse-jax demo` runs its prompts through `run`
+below, the same path.
 """
 
 from __future__ import annotations
@@ -354,18 +356,23 @@ def unknown_words_warning(tokenizer, prompts: Sequence[str], *,
   unknown = [w for prompt in prompts for w in tokenizer.unknown_words(prompt)]
   if not unknown:
     return None
-  from models import data  # noqa: PLC0415
-
   shown = ", ".join(repr(w) for w in unknown[:NUM_UNKNOWN_SHOWN])
   more = f" (first {NUM_UNKNOWN_SHOWN} shown)" if len(unknown) > NUM_UNKNOWN_SHOWN else ""
   unk = tokenizer.id_to_token(tokenizer.unk_token_id)
   line = (f"hisparse-jax: warning: {len(unknown)} word(s) of the prompts are not in the "
           f"model's vocabulary and become {unk}: {shown}{more}")
   if default_model:  # the embedded model knows only its synthetic retrieval vocabulary
-    example = data.EXAMPLE_PROMPT.replace("\n", "\\n")
-    line += (f"; the default model answers 'key: value' lines and a '? key:' query in its "
-             f"own words, e.g. --prompt='{example}' (answer: {data.EXAMPLE_ANSWER})")
+    line += ("; the default model answers 'key: value' lines and a '? key:' query in its "
+             f"own words, e.g. {example_prompt_flag()}")
   return line
+
+
+def example_prompt_flag() -> str:
+  """`--prompt='...' (answer: WORD)`: a prompt the default model answers, as typed."""
+  from models import data  # noqa: PLC0415
+
+  typed = data.EXAMPLE_PROMPT.replace("\n", "\\n")  # --prompt decodes it back
+  return f"--prompt='{typed}' (answer: {data.EXAMPLE_ANSWER})"
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
