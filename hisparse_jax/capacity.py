@@ -6,7 +6,10 @@ Owns two steps of model loading:
    else, where `device.memory_stats()` exists (GPU, TPU), `device_memory_fraction` of
    `bytes_limit - bytes_in_use` measured after the weights are loaded; else (CPU, where
    it is None) `DEFAULT_DEVICE_KV_GIB`. Device bytes reserved for the indexer and hot
-   buffers (`device_reserved_bytes`, filled by HiSparse) come out of that budget first.
+   buffers (`device_reserved_bytes`, filled by HiSparse) come out of that budget first,
+   except from the default: it is `DEFAULT_DEVICE_KV_GIB` of KV blocks, and the reserved
+   bytes come on top (HiSparse's key bounds of a 1 GiB host pool of 4-token blocks take
+   0.25 GiB: out of the default they would leave no room for one request).
    Host budget: `--host_pool_gib`, refused above 95% of the available RAM. Each tier
    must hold one request of `--max_model_len` tokens, or planning fails naming the flag.
 2. `CapacityReport.from_pools`: the capacity of each memory kind measured on the
@@ -39,7 +42,8 @@ from hisparse_jax.kv_pool import (
 )
 
 GIB = 2**30
-DEFAULT_DEVICE_KV_GIB = 0.25  # device budget when neither the flag nor memory_stats() decide
+# Device KV blocks when neither the flag nor memory_stats() decide (+ reserved bytes).
+DEFAULT_DEVICE_KV_GIB = 0.25
 DEFAULT_DEVICE_MEMORY_FRACTION = 0.9  # of the device memory left after loading the weights
 MAX_HOST_RAM_FRACTION = 0.95  # of psutil.virtual_memory().available
 
@@ -106,7 +110,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   elif free is not None:
     budget, source = int(device_memory_fraction * free), "memory_stats"
   else:
-    budget, source = int(DEFAULT_DEVICE_KV_GIB * GIB), "default"
+    budget, source = int(DEFAULT_DEVICE_KV_GIB * GIB) + device_reserved_bytes, "default"
   num_device_blocks = max(0, (budget - device_reserved_bytes) // spec.bytes_per_block)
   if num_usable_blocks(num_device_blocks) < blocks_per_request:
     raise ValueError(
@@ -114,7 +118,9 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"({source}) holds "
         f"{max(0, num_usable_blocks(num_device_blocks)):,} usable blocks after the null block and "
         f"{device_reserved_bytes:,} bytes reserved for the indexer and hot buffers, but "
-        f"{need}; raise --device_kv_gib or lower --max_model_len")
+        f"{need}; raise --device_kv_gib or lower --max_model_len"
+        + (" (or lower --host_pool_gib or raise --block_size: the indexer keeps the key "
+           "bounds of every host block on the device)" if device_reserved_bytes else ""))
 
   # Host tier.
   if host_pool_gib < 0:
@@ -341,9 +347,10 @@ class CapacityReport:
     if running is not None:
       line += (f"; HiSparse runs {running:,.2f}x at once (full KV on {PINNED_HOST}, hot "
                f"buffer + newest block on {DEVICE})")
-    elif self.hisparse is not None:
+    elif self.hisparse is not None:  # the threshold is at least the longest request
       line += (f"; HiSparse: requests up to {self.hisparse.sparse_threshold_tokens:,} tokens "
-               "decode dense")
+               f"decode dense, so none of up to {tokens_per_request:,} decodes sparse: lower "
+               "sparse_threshold_tokens (default: 2 x top_k_tokens) below max_model_len")
     lines.append(line)
     return lines
 

@@ -6,8 +6,8 @@ Usage::
       [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
       [--hisparse [--top_k_tokens=N --hot_buffer_tokens=N ...] --max_num_seqs=N]
 
-Prints (absl logging at INFO, on stderr) one capacity line per memory kind and the
-total, as `hisparse_jax.capacity.CapacityReport.log` writes them, then exits 0. With
+Prints on stdout (the command's output) one capacity line per memory kind and the total,
+the lines `hisparse_jax.capacity.CapacityReport.log` writes at model load, then exits 0. With
 --hisparse, the device line details the indexer and hot-buffer bytes and the total line
 says how many long requests HiSparse runs at once. Bad
 flag values (a budget too small for one request of `--max_model_len`, a host pool above
@@ -16,7 +16,7 @@ flag values (a budget too small for one request of `--max_model_len`, a host poo
 
 from __future__ import annotations
 
-from absl import flags, logging
+from absl import flags
 
 from hisparse_jax.capacity import (
   CapacityReport,
@@ -34,8 +34,6 @@ def main(argv: list[str]) -> int:
   del argv  # all input comes from the shared flags of hisparse_jax.cli
   from models.loader import checkpoint_dtype, load_pretrained  # noqa: PLC0415 (heavy)
 
-  if logging.get_verbosity() < logging.INFO:
-    logging.set_verbosity(logging.INFO)  # the capacity lines are this command's output
   dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
   _, config, _ = load_pretrained(FLAGS.model, dtype=dtype)
   max_positions = getattr(config, "max_position_embeddings", None)
@@ -49,7 +47,7 @@ def main(argv: list[str]) -> int:
   hisparse = hisparse_from_flags()
   if hisparse is None:
     pools = plan.allocate()
-    CapacityReport.from_pools(pools, plan.device_reserved_bytes).log(FLAGS.max_model_len)
+    _print(CapacityReport.from_pools(pools, plan.device_reserved_bytes))
     return 0
   # As the engine does: the indexer and hot-buffer bytes come out of the device budget.
   sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len)
@@ -59,5 +57,10 @@ def main(argv: list[str]) -> int:
       **plan_args).allocate()
   detail = hisparse_capacity(spec, hisparse, num_device_blocks=pools[0].num_blocks,
                              num_host_blocks=pools[1].num_blocks, **sizes)
-  CapacityReport.from_pools(pools, detail.reserved_bytes, detail).log(FLAGS.max_model_len)
+  _print(CapacityReport.from_pools(pools, detail.reserved_bytes, detail))
   return 0
+
+
+def _print(report: CapacityReport) -> None:
+  for line in report.log_lines(FLAGS.max_model_len):
+    print(line, flush=True)

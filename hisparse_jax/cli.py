@@ -26,7 +26,7 @@ def register(name: str, module: str, help_text: str) -> None:
 
 
 register("capacity", "hisparse_jax.capacity_cmd",
-         "Load the model, allocate the KV pools, log the KV capacity of each memory kind.")
+         "Load the model, allocate the KV pools, print the KV capacity of each memory kind.")
 register("generate", "hisparse_jax.generate_cmd",
          "Generate for --prompt / --prompts_file prompts; mark expected answers RIGHT/WRONG.")
 register("demo", "hisparse_jax.demo_cmd",
@@ -58,7 +58,9 @@ flags.DEFINE_float("host_pool_gib", 1.0,
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output) in tokens.")
 
 # Engine, sampling and output flags (generate, demo).
-flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts.")
+flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts. "
+                          "The escapes \\n (newline), \\t (tab) and \\\\ (a backslash) are "
+                          "decoded: --prompt='bafu: bapo\\n? bafu:' is two lines.")
 flags.DEFINE_string(
     "prompts_file", None,
     'JSONL file of prompts, one JSON object a line: {"prompt": "..."} or '
@@ -96,14 +98,17 @@ flags.DEFINE_integer("log_every_steps", 100,
 flags.DEFINE_bool("hisparse", False,
                   "Top-k sparse decoding: decode steps of sequences longer than "
                   "--sparse_threshold_tokens attend only to the KV blocks the indexer selects.")
-flags.DEFINE_integer("top_k_tokens", 2048, "HiSparse: tokens (in whole blocks) each sparse "
-                     "decode step attends to, sink and local blocks included.")
+flags.DEFINE_integer("top_k_tokens", None, "HiSparse: tokens (in whole blocks) each sparse "
+                     "decode step attends to, sink and local blocks included. Default: a "
+                     "quarter of --max_model_len in whole blocks (512 at 2,048; at least 4 "
+                     "blocks, at most 2,048 tokens).")
 flags.DEFINE_integer("hot_buffer_tokens", None, "HiSparse: device hot-buffer tokens per sparse "
                      "sequence (>= --top_k_tokens). Default: 2 x --top_k_tokens.")
-flags.DEFINE_integer("sink_tokens", 64, "HiSparse: first tokens always attended (part of the "
-                     "top-k budget).")
-flags.DEFINE_integer("local_tokens", 256, "HiSparse: newest tokens always attended (part of the "
-                     "top-k budget; at least the newest block).")
+flags.DEFINE_integer("sink_tokens", None, "HiSparse: first tokens always attended (part of the "
+                     "top-k budget). Default: min(64, --top_k_tokens / 8).")
+flags.DEFINE_integer("local_tokens", None, "HiSparse: newest tokens always attended (part of "
+                     "the top-k budget; at least the newest block). Default: min(256, "
+                     "--top_k_tokens / 4).")
 flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
                      "tokens decode densely. Default: --hot_buffer_tokens.")
 flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
@@ -221,8 +226,20 @@ def error_line(error: ValueError) -> str:
   return message
 
 
+def helpfull_text() -> str:
+  """`--helpfull`: the commands, then every flag by module, the project's first."""
+  modules = FLAGS.flags_by_module_dict()
+  ours = sorted(m for m in modules if m.split(".")[0] in ("hisparse_jax", "kernels_pallas",
+                                                          "models", "configs"))
+  others = sorted(set(modules) - set(ours))
+  return "\n\n".join([_usage()] + [FLAGS.module_help(m) for m in ours + others])
+
+
 def run() -> None:
   """Console-script entry point."""
+  if "--helpfull" in sys.argv[1:]:  # absl's own --helpfull exits 1, its flags first
+    print(helpfull_text())
+    sys.exit(0)
   if any(a in HELP_FLAGS for a in sys.argv[1:]):  # help on stdout, exit 0
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     print(help_text(command))

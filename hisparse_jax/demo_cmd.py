@@ -15,7 +15,8 @@ buffer and their newest block left on the device), and their selected blocks are
 from the host pool into the hot buffers inside the step; when that is not enough, it
 preempts by swap-out to the host pool. It prints the setup, each
 answer RIGHT/WRONG (the first line of the output against the expected value), the
-"N/M right" count, the metrics summary and whether the host pool was used; the
+"N/M right" count, the metrics summary, whether the host pool was used and an example
+prompt to try with `generate`; the
 capacity lines go to stderr (absl). A flag given explicitly overrides the demo's
 choice for it.
 """
@@ -175,4 +176,13 @@ def main(argv: list[str]) -> int:
         f"{hit} ({hot_blocks:,.0f} hot / {hot_blocks + host_blocks:,.0f} offloaded blocks "
         f"selected); moved host -> device {h2d:.2f} MiB, device -> host {d2h:.2f} MiB; "
         f"{result.num_right}/{result.num_expected} answers right", flush=True)
+  print(example_line(), flush=True)
   return 0
+
+
+def example_line() -> str:
+  """A prompt to try next: the default model knows only its own words."""
+  return (f"try a prompt of your own: hisparse-jax generate "
+          f"{generate_cmd.example_prompt_flag()}; the default model answers 'key: value' "
+          "lines and a '? key:' query, in words of its vocabulary (models/data.py), and "
+          "reads other words as <unk>")

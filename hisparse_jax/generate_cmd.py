@@ -2,15 +2,16 @@
 
 Usage::
 
-  hisparse-jax generate --prompt=$'bafu: bapo\\n? bafu:' [--prompt=...] [--prompts_file=F]
+  hisparse-jax generate --prompt='bafu: bapo\\n? bafu:' [--prompt=...] [--prompts_file=F]
       [--model=DIR] [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
       [--max_num_seqs=N] [--max_num_batched_tokens=N] [--max_new_tokens=N]
       [--temperature=T] [--top_p=P] [--top_k=K] [--stop=S] [--n=N] [--logprobs=N]
       [--seed=S] [--metrics_json=F]
       [--prometheus_port=P] [--log_every_steps=N]
 
-(`$'...'` is bash quoting that turns `\\n` into a newline; absl passes a flag's text as
-is.) `--prompts_file` is JSONL, one object a line (blank lines skipped)::
+(`--prompt` decodes the escapes `\\n`, `\\t` and `\\\\`: absl passes a flag's text as
+is, and a shell's '...' keeps a backslash.) `--prompts_file` is JSONL, one object a line
+(blank lines skipped)::
 
   {"prompt": "bafu: bapo\\n? bafu:", "expected": "bapo", "max_tokens": 4}
   {"prompt_token_ids": [1, 520, 13, 4, 5, 520]}
@@ -22,8 +23,10 @@ The capacity lines, the status line and the progress bar go to stderr. Bad input
 JSONL line, a file that is not UTF-8, a bad flag value, a prompt the engine would
 refuse) exits 2 with one line naming the flag, or the file and line, before the weights
 load: the flags are checked as an `EngineConfig` and the prompts by the engine's rule
-(`request.check_prompt`) against the checkpoint's config and tokenizer. `hisparse-jax
-demo` runs its prompts through `run` below, the same path.
+(`request.check_prompt`) against the checkpoint's config and tokenizer. Prompt words
+outside the tokenizer's vocabulary (they become its unk token) get one warning line on
+stderr: how many, and the first few. `hisparse-jax demo` runs its prompts through `run`
+below, the same path.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -122,8 +126,19 @@ def read_prompts_file(path: str) -> list[PromptSpec]:
   return specs
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+_ESCAPE = re.compile(r"\\([nt\\])")
+
+
+def decode_escapes(text: str) -> str:
+  """`--prompt` text with the backslash escapes `\\n` (newline), `\\t` (tab) and `\\\\` (one
+  backslash) decoded, as a shell's $'...' would; any other backslash stays as it is."""
+  return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
+
+
 def prompts_from_flags() -> list[PromptSpec]:
-  specs = [PromptSpec(source=f"--prompt #{i + 1}", prompt=p) for i, p in enumerate(FLAGS.prompt)]
+  specs = [PromptSpec(source=f"--prompt #{i + 1}", prompt=decode_escapes(p))
+           for i, p in enumerate(FLAGS.prompt)]
   if FLAGS.prompts_file:
     specs += read_prompts_file(FLAGS.prompts_file)
   if not specs:
@@ -192,8 +207,9 @@ HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tok
 
 
 def hisparse_from_flags():
-  """The HiSparseConfig of --hisparse and its flags (None without --hisparse); errors name
-  the flag."""
+  """The HiSparseConfig of --hisparse and its flags (None without --hisparse), the flags
+  not given derived from --max_model_len and the block size
+  (`HiSparseConfig.for_max_model_len`); errors name the flag."""
   from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: PLC0415
 
   if not FLAGS.hisparse:
@@ -202,7 +218,9 @@ def hisparse_from_flags():
       raise ValueError(f"--{given[0]} is a HiSparse setting; add --hisparse to use it")
     return None
   try:
-    return HiSparseConfig(**{name: FLAGS[name].value for name in HISPARSE_FLAGS})
+    return HiSparseConfig.for_max_model_len(
+        FLAGS.max_model_len, block_size_from_flags(),
+        **{name: FLAGS[name].value for name in HISPARSE_FLAGS})
   except ValueError as e:
     raise ValueError(str(e).replace("HiSparseConfig.", "--")) from None
 
@@ -319,7 +337,42 @@ def checked_prompt_ids(specs: Sequence[PromptSpec], model: str | None,
                               text=spec.prompt))
     except ValueError as e:
       raise ValueError(f"{spec.source}: {e}") from None
+  if tokenizer is not None:
+    warning = unknown_words_warning(tokenizer, [s.prompt for s in specs if s.prompt],
+                                    default_model=model is None)
+    if warning:
+      print(warning, file=sys.stderr, flush=True)
   return out
+
+
+NUM_UNKNOWN_SHOWN = 5  # the first unknown words the warning names
+
+
+def unknown_words_warning(tokenizer, prompts: Sequence[str], *,
+                          default_model: bool) -> str | None:
+  """One line when the prompts hold words the tokenizer's vocabulary does not (they
+  become its unk token and the model reads nothing there): how many and the first few;
+  None when every word is known."""
+  unknown = [w for prompt in prompts for w in tokenizer.unknown_words(prompt)]
+  if not unknown:
+    return None
+  shown = ", ".join(repr(w) for w in unknown[:NUM_UNKNOWN_SHOWN])
+  more = f" (first {NUM_UNKNOWN_SHOWN} shown)" if len(unknown) > NUM_UNKNOWN_SHOWN else ""
+  unk = tokenizer.id_to_token(tokenizer.unk_token_id)
+  line = (f"hisparse-jax: warning: {len(unknown)} word(s) of the prompts are not in the "
+          f"model's vocabulary and become {unk}: {shown}{more}")
+  if default_model:  # the embedded model knows only its synthetic retrieval vocabulary
+    line += ("; the default model answers 'key: value' lines and a '? key:' query in its "
+             f"own words, e.g. {example_prompt_flag()}")
+  return line
+
+
+def example_prompt_flag() -> str:
+  """`--prompt='...' (answer: WORD)`: a prompt the default model answers, as typed."""
+  from models import data  # noqa: PLC0415
+
+  typed = data.EXAMPLE_PROMPT.replace("\n", "\\n")  # --prompt decodes it back
+  return f"--prompt='{typed}' (answer: {data.EXAMPLE_ANSWER})"
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float | None]:

@@ -23,6 +23,11 @@ import dataclasses
 import math
 
 INDEXERS = ("block_bounds", "lightning")
+MAX_DEFAULT_SINK_TOKENS = 64  # default sink_tokens: min(this, top_k_tokens // 8)
+MAX_DEFAULT_LOCAL_TOKENS = 256  # default local_tokens: min(this, top_k_tokens // 4)
+# A derived top-k holds at least this many blocks, so that the default sink and local
+# windows (an eighth and a quarter of it, each rounded up to whole blocks) fit inside it.
+MIN_DEFAULT_TOP_K_BLOCKS = 4
 SELECTIONS = ("shared", "per_kv_head")
 
 
@@ -49,7 +54,8 @@ class HiSparseConfig:
 
   Invariants (checked in `__post_init__`, ValueError naming the field):
   `top_k_tokens > 0`; `hot_buffer_tokens >= top_k_tokens` (default 2 x top_k, as
-  SGLang's `device_buffer_size`); `sink_tokens, local_tokens >= 0` and
+  SGLang's `device_buffer_size`); `sink_tokens, local_tokens >= 0` (defaults
+  min(64, top_k / 8) and min(256, top_k / 4): 64 and 256 from a top-k of 1,024) and
   `sink_tokens + local_tokens <= top_k_tokens` (they are part of the budget);
   `sparse_threshold_tokens > 0` (default: `hot_buffer_tokens`; sequences up to this
   length take the dense path, exact and without host traffic); `indexer ==
@@ -59,8 +65,8 @@ class HiSparseConfig:
 
   top_k_tokens: int = 2048
   hot_buffer_tokens: int | None = None
-  sink_tokens: int = 64
-  local_tokens: int = 256
+  sink_tokens: int | None = None
+  local_tokens: int | None = None
   sparse_threshold_tokens: int | None = None
   indexer: str = "block_bounds"
   selection: str = "shared"
@@ -71,6 +77,12 @@ class HiSparseConfig:
       _set_default(self, "hot_buffer_tokens", 2 * _int(self, "top_k_tokens"))
     if self.sparse_threshold_tokens is None:
       _set_default(self, "sparse_threshold_tokens", _int(self, "hot_buffer_tokens"))
+    if self.sink_tokens is None:
+      _set_default(self, "sink_tokens", min(MAX_DEFAULT_SINK_TOKENS,
+                                             _int(self, "top_k_tokens") // 8))
+    if self.local_tokens is None:
+      _set_default(self, "local_tokens", min(MAX_DEFAULT_LOCAL_TOKENS,
+                                              _int(self, "top_k_tokens") // 4))
     for name in ("top_k_tokens", "hot_buffer_tokens", "sparse_threshold_tokens"):
       if _int(self, name) <= 0:
         raise ValueError(f"HiSparseConfig.{name} must be positive, got {getattr(self, name)}")
@@ -97,6 +109,24 @@ class HiSparseConfig:
     if self.selection not in SELECTIONS:
       raise ValueError(f"HiSparseConfig.selection must be one of {SELECTIONS}, got "
                        f"{self.selection!r}")
+
+  @classmethod
+  def for_max_model_len(cls, max_model_len: int, block_size: int, **settings
+                        ) -> HiSparseConfig:
+    """The settings for requests of up to `max_model_len` tokens in blocks of
+    `block_size`; `settings` (fields left None are derived) win. Derived: top-k a
+    quarter of `max_model_len` (what kept the default model's retrieval at its dense
+    accuracy with 4-token blocks, WORKSPACE.md), in whole blocks, at least
+    `MIN_DEFAULT_TOP_K_BLOCKS` blocks and at most 2,048 tokens (the library default,
+    DSA's); the hot buffer, threshold, sink and local windows follow the top-k as in the
+    constructor. At max_model_len 2,048: top-k 512, hot buffer and threshold 1,024, so
+    requests past 1,024 tokens decode sparse."""
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if "top_k_tokens" not in settings:
+      quarter = math.ceil(max_model_len / 4 / block_size) * block_size
+      settings["top_k_tokens"] = max(MIN_DEFAULT_TOP_K_BLOCKS * block_size,
+                                     min(cls.top_k_tokens, quarter))
+    return cls(**settings)
 
   def blocks(self, block_size: int) -> HiSparseBlocks:
     """The settings in blocks: each token figure rounded up to whole blocks, the local

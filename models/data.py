@@ -64,6 +64,12 @@ CONTENT_IDS = np.concatenate([WORD_IDS, KEY_IDS])
 _TOKENS_PER_LINE = 3  # "key:" "value" "\n"
 
 
+# A prompt the default model answers ("bare"), short enough for a command line: what
+# `hisparse-jax demo` and the unknown-words warning of `generate` show.
+EXAMPLE_PROMPT = "bafu: bapo\nbaki: bare\n? baki:"
+EXAMPLE_ANSWER = "bare"
+
+
 def max_pairs(context_len: int) -> int:
   """Most `key: value` lines whose prompt (<bos>, lines, "?", key) fits context_len tokens."""
   return min((context_len - 3) // _TOKENS_PER_LINE, NUM_WORDS)

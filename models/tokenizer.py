@@ -62,6 +62,23 @@ class Tokenizer:
   def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
     return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+  @property
+  def unk_token_id(self) -> int | None:
+    """The id text outside the vocabulary becomes (WordLevel, WordPiece, BPE with an unk
+    token); None when the model has none (byte-level BPE encodes any text)."""
+    unk = getattr(self.backend.model, "unk_token", None)
+    return self.backend.token_to_id(unk) if unk else None
+
+  def unknown_words(self, text: str) -> list[str]:
+    """The pieces of `text` that encode to the unk id, in order (repeats kept): the words
+    this tokenizer's vocabulary does not hold."""
+    unk_id = self.unk_token_id
+    if unk_id is None:
+      return []
+    encoding = self.backend.encode(text, add_special_tokens=False)
+    return [text[start:end] for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
+            if token_id == unk_id]
+
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -41,3 +41,12 @@ def test_every_project_flag_belongs_to_a_command():
   ours = {name for name, flag in flags.FLAGS._flags().items()
           if name == flag.name and flags.FLAGS.find_module_defining_flag(name) == cli.__name__}
   assert grouped == ours, (grouped ^ ours)
+
+
+def test_helpfull_lists_the_project_flags_first_and_exits_0():
+  r = _help("--helpfull")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.startswith("usage: hisparse-jax COMMAND [--flags]")
+  ours, absl_logging = r.stdout.index("hisparse_jax.cli:"), r.stdout.index("absl.logging:")
+  assert ours < absl_logging
+  assert "--top_k_tokens: HiSparse:" in r.stdout and "--verbosity" in r.stdout

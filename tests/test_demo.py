@@ -57,7 +57,11 @@ def test_demo_offloads_to_the_host_pool_and_marks_every_answer(tmp_path):
   hot_blocks = m['hisparse_blocks_selected_total{source="hot"}']
   h2d, d2h = (m[f'hisparse_transfer_bytes_total{{direction="{d}"}}'] / 2**20
               for d in ("h2d", "d2h"))
-  assert out[-1] == (f"host pool used: {offloads:.0f} offloads, {loads:,.0f} block-layers "
+  # Last, a prompt to try with generate, in the model's words (tests/test_readme_commands.py
+  # runs it through generate and checks the answer).
+  assert out[-1] == demo_cmd.example_line()
+  assert "--prompt='bafu: bapo\\nbaki: bare\\n? baki:' (answer: bare)" in out[-1]
+  assert out[-2] == (f"host pool used: {offloads:.0f} offloads, {loads:,.0f} block-layers "
                      f"loaded from the host pool into hot buffers, {preemptions:.0f} "
                      f"preemptions by swap-out, {host_blocks:,.0f} blocks read from the host "
                      f"pool in all; hot-buffer hit ratio "

@@ -172,3 +172,61 @@ def test_n_completions_print_a_line_each(checkpoint):
   assert result.metrics["hisparse_prompt_tokens_total"] == 9 + 2
   assert result.metrics["hisparse_generation_tokens_total"] == sum(
       len(c.token_ids) for o in result.outputs for c in o.outputs)
+
+
+def test_prompt_escapes_are_decoded():
+  from hisparse_jax.generate_cmd import decode_escapes  # noqa: PLC0415
+
+  assert decode_escapes(r"bafu: bapo\n? bafu:") == "bafu: bapo\n? bafu:"
+  assert decode_escapes(r"a\tb\\nc") == "a\tb\\nc"  # \\ is one backslash, then a plain n
+  assert decode_escapes(r"a\qb\\") == r"a\qb" + "\\"  # other escapes stay as written
+
+
+def test_unknown_words_warning_counts_and_names_the_first_few():
+  import models  # noqa: PLC0415
+  from hisparse_jax.generate_cmd import unknown_words_warning  # noqa: PLC0415
+  from models.tokenizer import Tokenizer  # noqa: PLC0415
+
+  tok = Tokenizer.from_dir(models.DEFAULT_MODEL_DIR)
+  assert unknown_words_warning(tok, [data.EXAMPLE_PROMPT], default_model=True) is None
+  line = unknown_words_warning(tok, ["one two three bafu:", "four five six"],
+                               default_model=True)
+  assert line == (
+      "hisparse-jax: warning: 6 word(s) of the prompts are not in the model's vocabulary and "
+      "become <unk>: 'one', 'two', 'three', 'four', 'five' (first 5 shown); the default model "
+      "answers 'key: value' lines and a '? key:' query in its own words, e.g. "
+      "--prompt='bafu: bapo\\nbaki: bare\\n? baki:' (answer: bare)")
+  line = unknown_words_warning(tok, ["hello bafu:"], default_model=False)
+  assert line == ("hisparse-jax: warning: 1 word(s) of the prompts are not in the model's "
+                  "vocabulary and become <unk>: 'hello'")
+
+
+def test_escaped_newlines_and_one_unknown_words_warning(checkpoint, compile_cache):
+  # '\n' typed inside --prompt='...' is a newline: 6 tokens (<bos> bafu: bapo \n ? bafu:),
+  # not 4 with 'bapo\n?' as one unknown word. Unknown words: ONE warning line for all.
+  r = _generate(f"--model={checkpoint}", *SMALL_POOLS, "--max_new_tokens=1",
+                r"--prompt=bafu: bapo\n? bafu:", "--prompt=hello bafu: world",
+                "--prompt=hello", cache_dir=compile_cache)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.splitlines()[0].endswith("(6 prompt tokens, 1 generated, finish length)")
+  warnings = [ln for ln in r.stderr.splitlines() if "warning" in ln]
+  assert warnings == ["hisparse-jax: warning: 3 word(s) of the prompts are not in the model's "
+                      "vocabulary and become <unk>: 'hello', 'world', 'hello'"], r.stderr
+
+
+def test_hisparse_at_the_default_flags_decodes_long_requests_sparse(tmp_path):
+  # --hisparse alone at max_model_len 2,048: top-k 512, hot buffer and threshold 1,024
+  # tokens (they were 2,048 / 4,096: no request ever decoded sparse). A request decoding
+  # past 1,024 tokens is a sparse decoder: its full blocks are written through to the
+  # host pool (device -> host bytes, none in a dense run with room on the device).
+  (prompt,) = data.make_retrieval_prompts(1, 1030, seed=5)
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text(json.dumps({"prompt": prompt.text, "expected": prompt.answer}) + "\n")
+  metrics_json = tmp_path / "m.json"
+  r = _generate("--hisparse", f"--prompts_file={prompts}", "--max_new_tokens=24",
+                f"--metrics_json={metrics_json}", "--host_pool_gib=0.125")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "1/1 right" in r.stdout
+  assert "top-k 32 blocks" in r.stderr and "HiSparse runs" in r.stderr  # blocks of 16
+  m = json.loads(metrics_json.read_text())
+  assert m['hisparse_transfer_bytes_total{direction="d2h"}'] > 0

@@ -109,12 +109,45 @@ def test_max_concurrency_counts_whole_blocks():
     report.max_concurrency(0)
 
 
+def test_hisparse_total_line_says_when_no_request_decodes_sparse():
+  from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: PLC0415
+
+  tiers = tuple(TierCapacity(kind, kv_bytes=0, num_blocks=1000, block_size=16,
+                             num_tokens=16_000, num_null_blocks=1, bytes_per_token=1)
+                for kind in ("device", "pinned_host"))
+
+  def total_line(hisparse, max_model_len):
+    detail = capacity.hisparse_capacity(SPEC, hisparse, num_device_blocks=1001,
+                                        num_host_blocks=1001, max_num_seqs=4,
+                                        max_model_len=max_model_len)
+    return CapacityReport(tiers=tiers, hisparse=detail).log_lines(max_model_len)[-1]
+
+  # top-k 2,048: the threshold (2 x top-k) is past every request of max_model_len 2,048.
+  assert total_line(HiSparseConfig(), 2048).endswith(
+      "; HiSparse: requests up to 4,096 tokens decode dense, so none of up to 2,048 decodes "
+      "sparse: lower sparse_threshold_tokens (default: 2 x top_k_tokens) below max_model_len")
+  # The settings derived from max_model_len decode its longer requests sparse.
+  derived = HiSparseConfig.for_max_model_len(2048, 16)
+  # min(1,000 host blocks / 128 a request, 1,000 device blocks / (64 hot + 1)):
+  assert "HiSparse runs 7.81x at once" in total_line(derived, 2048)
+
+
 def test_cpu_default_device_budget():
   assert jax.devices()[0].memory_stats() is None
   plan = plan_capacity(SPEC, max_model_len=1024, host_pool_gib=1 / 64)
   assert plan.device_budget_source == "default"
   assert plan.device_budget_bytes == int(capacity.DEFAULT_DEVICE_KV_GIB * GIB)
   assert plan.num_device_blocks == plan.device_budget_bytes // SPEC.bytes_per_block
+  # Reserved bytes (HiSparse's key bounds, hot-buffer state) come on top of the default:
+  # the same blocks, a larger budget. A budget the user gives pays for them (above).
+  reserving = plan_capacity(SPEC, max_model_len=1024, host_pool_gib=1 / 64,
+                            device_reserved_bytes=40_960)
+  assert reserving.num_device_blocks == plan.num_device_blocks
+  assert reserving.device_budget_bytes == plan.device_budget_bytes + 40_960
+  big = capacity.plan_capacity_reserving(SPEC, lambda d, h: 2 * plan.device_budget_bytes,
+                                         max_model_len=1024, host_pool_gib=1 / 64)
+  assert big.num_device_blocks == plan.num_device_blocks
+  assert big.device_reserved_bytes == 2 * plan.device_budget_bytes
 
 
 def _fake_device(bytes_limit, bytes_in_use):

@@ -1,7 +1,6 @@
-"""`hisparse-jax capacity` end to end, in a subprocess (absl logs go to stderr)."""
+"""`hisparse-jax capacity` end to end, in a subprocess: the capacity lines are its stdout."""
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tokenizers
-from absl import logging as absl_logging
 
 import models
 
@@ -26,8 +24,8 @@ def _run(*flags):
                         env=env, capture_output=True, text=True, timeout=120)
 
 
-def _capacity_lines(stderr: str) -> list[str]:
-  return [m.group(0) for m in LINE.finditer(stderr)]
+def _capacity_lines(stdout: str) -> list[str]:
+  return [m.group(0) for m in LINE.finditer(stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -71,24 +69,22 @@ def _main_in_process(*flag_args):
 
   from hisparse_jax import cli  # noqa: PLC0415
 
-  verbosity = absl_logging.get_verbosity()
   flags.FLAGS(["hisparse-jax", *flag_args])
   try:
     return cli._main(["hisparse-jax", "capacity"])
   finally:
     flags.FLAGS.unparse_flags()
-    absl_logging.set_verbosity(verbosity)  # the command raises it to INFO
 
 
-def test_capacity_lines_of_a_checkpoint(tiny_checkpoint, caplog):
+def test_capacity_lines_of_a_checkpoint(tiny_checkpoint, capsys):
   # 4 MiB / 4,096 bytes per block = 1,024 device blocks (1,023 usable); 16 MiB = 4,096 host
-  # blocks (4,095 usable); 1,024 tokens per request = 64 blocks.
-  caplog.set_level(logging.INFO, logger="absl")
+  # blocks (4,095 usable); 1,024 tokens per request = 64 blocks. The lines are stdout.
   status = _main_in_process(f"--model={tiny_checkpoint}", "--device_kv_gib=0.00390625",
                             "--host_pool_gib=0.015625", "--max_model_len=1024",
                             "--block_size=16")
   assert status == 0
-  lines = [r.getMessage() for r in caplog.records if "KV cache capacity" in r.getMessage()]
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 3 and all(line.startswith("KV cache capacity [") for line in lines)
   lines = [line.split("; ")[0] if "[total]" not in line else line for line in lines]
   assert lines == [
       "KV cache capacity [memory_kind=device]: 4.00 MiB = 1,023 blocks x 16 tokens = "
@@ -127,7 +123,8 @@ def test_capacity_on_the_default_model():
   bs = 128  # the default block size on CPU (engine.default_block_size)
   device_blocks = 2**26 // (bs * bytes_per_token) - 1  # 64 MiB, less the null block
   host_blocks = 2**27 // (bs * bytes_per_token) - 1  # 128 MiB
-  lines = _capacity_lines(result.stderr)
+  lines = _capacity_lines(result.stdout)
+  assert result.stdout.splitlines() == lines  # the command's output: these lines only
   assert len(lines) == 3
   assert lines[0].startswith(
       f"KV cache capacity [memory_kind=device]: 0.06 GiB = {device_blocks:,} blocks x {bs} "

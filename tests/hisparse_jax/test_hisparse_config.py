@@ -15,6 +15,42 @@ def test_defaults_follow_top_k():
   assert not config.is_sparse(1024) and config.is_sparse(1025)
 
 
+def test_sink_and_local_defaults_follow_top_k():
+  assert (HiSparseConfig().sink_tokens, HiSparseConfig().local_tokens) == (64, 256)
+  assert (HiSparseConfig(top_k_tokens=1024).sink_tokens,
+          HiSparseConfig(top_k_tokens=1024).local_tokens) == (64, 256)
+  small = HiSparseConfig(top_k_tokens=256)  # was refused: 64 + 256 > 256
+  assert (small.sink_tokens, small.local_tokens) == (32, 64)
+  assert small.blocks(16).sink_blocks + small.blocks(16).local_blocks <= 16
+  assert HiSparseConfig(top_k_tokens=256, sink_tokens=0).local_tokens == 64  # given wins
+
+
+@pytest.mark.parametrize("max_model_len, block_size, top_k, hot, sink, local", [
+    (2048, 16, 512, 1024, 64, 128),  # the CLI's defaults: past 1,024 tokens, sparse
+    (2048, 4, 512, 1024, 64, 128),
+    (4096, 16, 1024, 2048, 64, 256),
+    (32768, 16, 2048, 4096, 64, 256),  # at most the library default
+    (1000, 16, 256, 512, 32, 64),  # a quarter, rounded up to whole blocks
+    (64, 16, 64, 128, 8, 16),  # at least 4 blocks
+    (64, 128, 512, 1024, 64, 128),
+])
+def test_settings_derived_from_max_model_len(max_model_len, block_size, top_k, hot, sink,
+                                             local):
+  config = HiSparseConfig.for_max_model_len(max_model_len, block_size)
+  assert (config.top_k_tokens, config.hot_buffer_tokens, config.sink_tokens,
+          config.local_tokens, config.sparse_threshold_tokens) == (top_k, hot, sink, local, hot)
+  config.blocks(block_size)  # the rounding keeps sink + local inside the top-k
+  if max_model_len > 2 * top_k:
+    assert config.is_sparse(max_model_len - 1)
+
+
+def test_given_settings_win_over_derived_ones():
+  config = HiSparseConfig.for_max_model_len(2048, 16, top_k_tokens=256, hot_buffer_tokens=None,
+                                            sparse_threshold_tokens=300)
+  assert (config.top_k_tokens, config.hot_buffer_tokens, config.sink_tokens,
+          config.local_tokens, config.sparse_threshold_tokens) == (256, 512, 32, 64, 300)
+
+
 def test_blocks_round_up_and_keep_one_local_block():
   config = HiSparseConfig(top_k_tokens=100, hot_buffer_tokens=130, sink_tokens=1,
                           local_tokens=0, sparse_threshold_tokens=200)

@@ -336,6 +336,22 @@ def test_cli_flags_build_the_hisparse_config():
     assert generate_cmd.engine_kwargs_from_flags()["hisparse"] == HiSparseConfig(
         top_k_tokens=256, hot_buffer_tokens=512, sink_tokens=16, local_tokens=32,
         sparse_threshold_tokens=300)
+  # Not given: derived from --max_model_len (a quarter: requests past 1,024 tokens decode
+  # sparse at the default 2,048) and the block size; sink and local follow the top-k.
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse"])
+    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] == HiSparseConfig(
+        top_k_tokens=512, hot_buffer_tokens=1024, sink_tokens=64, local_tokens=128,
+        sparse_threshold_tokens=1024)
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse", "--max_model_len=8192", "--block_size=4"])
+    assert generate_cmd.hisparse_from_flags() == HiSparseConfig(
+        top_k_tokens=2048, sink_tokens=64, local_tokens=256)
+  with flagsaver.flagsaver():  # was refused: the sink and local defaults were 64 and 256
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256"])
+    assert generate_cmd.hisparse_from_flags() == HiSparseConfig(
+        top_k_tokens=256, hot_buffer_tokens=512, sink_tokens=32, local_tokens=64,
+        sparse_threshold_tokens=512)
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"])
     with pytest.raises(ValueError, match="^--hot_buffer_tokens \\(32\\) must be >= "):

@@ -33,6 +33,23 @@ def test_round_trip_and_special_ids(tok_dir):
   assert tok.decode([tok.token_to_id(prompt.answer)]) == prompt.answer
 
 
+def test_unknown_words_are_the_pieces_that_encode_to_unk(tok_dir):
+  tok = Tokenizer.from_dir(tok_dir)
+  assert tok.unk_token_id == data.TOKEN_TO_ID[data.UNK]
+  assert tok.unknown_words("hello bafu: world\n? hello") == ["hello", "world", "hello"]
+  assert tok.unknown_words(data.make_retrieval_prompts(1, 64, seed=3)[0].text) == []
+  # A byte-level BPE encodes any text: it has no unk id and no unknown words.
+  import tokenizers
+  from tokenizers import models as tok_models
+  from tokenizers import pre_tokenizers
+
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  backend = tokenizers.Tokenizer(tok_models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe = Tokenizer(backend, bos_token_id=None, eos_token_ids=[])
+  assert bpe.unk_token_id is None and bpe.unknown_words("hello world") == []
+
+
 def test_auto_tokenizer_loads_the_same_files(tok_dir):
   hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
   text = data.make_retrieval_prompts(1, 40, seed=4)[0].text
