@@ -100,12 +100,20 @@ def compiler_params(interpret: bool, *, num_warps: int = 4, num_stages: int = 2)
 
 
 def check_triton_sizes(interpret: bool, **sizes: int) -> None:
-  """Triton tensors must have power-of-2 sizes; reject others with the names that failed."""
+  """Triton tensors must have power-of-2 sizes; reject others with the names that failed.
+
+  Only for sizes a kernel cannot pad: head_dim and the GQA group are padded inside the
+  kernels (any value is accepted); what remains are the KV block size (a tile of the
+  pool) and the tuning knobs' tile sizes.
+  """
   if interpret:
     return
-  bad = {k: v for k, v in sizes.items() if v & (v - 1)}
+  bad = {k: v for k, v in sizes.items() if v < 1 or v & (v - 1)}
   if bad:
-    raise ValueError(f"the Pallas Triton (GPU) lowering needs power-of-2 sizes, got {bad}")
+    raise ValueError(
+        f"the Pallas Triton (GPU) lowering needs power-of-2 tile sizes, got {bad} (Triton "
+        "tensors have power-of-2 sizes; head_dim and the GQA group are padded by the "
+        "kernels, these are not: use a power-of-2 block_size and knobs)")
 
 
 def _no_hints(q_lens: Sequence[int]) -> dict[str, int]:

@@ -16,7 +16,9 @@ Update rule: after ``write_kv(..., slot_ids)``, call
 touched is recomputed from its tokens ``0 .. max written offset`` (blocks fill in
 order, so those are exactly its valid tokens); other blocks are left unchanged.
 The recompute (not an incremental min/max) makes a reused block forget its
-previous owner's keys. ``bounds`` is donated and updated in place.
+previous owner's keys. ``bounds`` is donated and updated in place. A head_dim that is
+not a power of 2 is tiled at the next one, the padding columns of the pages and of
+``bounds`` masked (see common.padded_head_dim); neither array is copied.
 """
 
 from __future__ import annotations
@@ -35,24 +37,26 @@ MIN, MAX = 0, 1
 
 def _block_key_bounds_kernel(
     slot_ids_ref,  # [1] int32, -1 unless this token is its block's last write
-    k_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
+    k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
     bounds_in_ref,  # aliased to bounds_ref
-    bounds_ref,  # [num_blocks, 2, head_dim] (one KV head)
+    bounds_ref,  # [num_blocks, 2, width] (one KV head; columns >= head_dim masked)
+    *,
+    head_dim: int,  # width = head_dim padded to a power of 2
 ):
   del bounds_in_ref
-  num_blocks, block_size, head_dim = k_pages_ref.shape
+  num_blocks, block_size, width = k_pages_ref.shape
   slot = slot_ids_ref[0]
 
   @pl.when((slot >= 0) & (slot < num_blocks * block_size))
   def _update():
     block_id = slot // block_size
     num_valid = slot % block_size + 1
-    k = k_pages_ref[block_id]  # [block_size, head_dim]
-    valid = lax.broadcasted_iota(jnp.int32, (block_size, head_dim), 0) < num_valid
+    k = common.load_columns(k_pages_ref, (block_id,), head_dim)  # [block_size, width]
+    valid = lax.broadcasted_iota(jnp.int32, (block_size, width), 0) < num_valid
     k_min = jnp.where(valid, k, jnp.array(jnp.inf, k.dtype)).min(axis=0)
     k_max = jnp.where(valid, k, jnp.array(-jnp.inf, k.dtype)).max(axis=0)
-    bounds_ref[block_id, MIN] = k_min.astype(bounds_ref.dtype)
-    bounds_ref[block_id, MAX] = k_max.astype(bounds_ref.dtype)
+    common.store_columns(bounds_ref, (block_id, MIN), k_min.astype(bounds_ref.dtype), head_dim)
+    common.store_columns(bounds_ref, (block_id, MAX), k_max.astype(bounds_ref.dtype), head_dim)
 
 
 def _last_write_slots(slot_ids, num_blocks: int, block_size: int):
@@ -68,13 +72,14 @@ def _last_write_slots(slot_ids, num_blocks: int, block_size: int):
 def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret):
   num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
   last_slots = _last_write_slots(slot_ids, num_blocks, block_size)
-  bounds_spec = pl.BlockSpec((num_blocks, 2, None, head_dim), lambda t, h: (0, 0, h, 0))
+  width = common.padded_head_dim(head_dim)
+  bounds_spec = pl.BlockSpec((num_blocks, 2, None, width), lambda t, h: (0, 0, h, 0))
   return pl.pallas_call(
-      _block_key_bounds_kernel,
+      functools.partial(_block_key_bounds_kernel, head_dim=head_dim),
       grid=(slot_ids.shape[0], num_kv_heads),
       in_specs=[
           pl.BlockSpec((1,), lambda t, h: (t,)),
-          pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda t, h: (0, 0, h, 0)),
+          pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0)),
           bounds_spec,
       ],
       out_specs=bounds_spec,
@@ -112,7 +117,7 @@ def block_key_bounds(
   """Returns `bounds` with every block touched by `slot_ids` recomputed (in place)."""
   _check(bounds, k_pages, slot_ids)
   interpret = backend.resolve_interpret(interpret)
-  backend.check_triton_sizes(interpret, block_size=k_pages.shape[1], head_dim=k_pages.shape[3])
+  backend.check_triton_sizes(interpret, block_size=k_pages.shape[1])
   return _block_key_bounds_call(bounds, k_pages, slot_ids, interpret=interpret)
 
 

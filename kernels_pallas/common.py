@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # A large finite negative logit: exp(MASK_VALUE - m) is exactly 0 for any real m,
 # and, unlike -inf, MASK_VALUE - MASK_VALUE is 0 rather than NaN.
@@ -42,6 +43,74 @@ def packed_ids(mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
 
 def next_power_of_2(x: int) -> int:
   return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+# Head dims that are not powers of 2 (80, 96, 112, ...; Triton tensors must have power-of-2
+# sizes): each kernel's BlockSpecs over the pages give the last dim as the padded width
+# `padded_head_dim(head_dim)`, a view that reaches past the head's row, and every page
+# access in the kernel body is masked to the first `head_dim` columns (masked-out columns
+# are neither read nor written; loads give 0 there). The pool itself is never padded or
+# copied. Small per-call operands (q, new K/V) are padded in the wrappers and outputs sliced.
+# Interpret mode runs the same body; its interpreter pads the pages with NaN to the
+# block shape (a per-call copy, CPU tests only), so a missing mask shows up as NaN.
+
+
+def padded_head_dim(head_dim: int, minimum: int = 1) -> int:
+  """The power-of-2 width a kernel tiles `head_dim` with (at least `minimum`)."""
+  return next_power_of_2(max(head_dim, minimum))
+
+
+def columns_below(shape: tuple[int, ...], head_dim: int) -> jax.Array:
+  """bool `shape`: the last axis's index < head_dim (the real columns of a padded tile)."""
+  return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) < head_dim
+
+
+def _traced(idx: tuple) -> tuple:
+  # Python ints as int32 scalars: interpret mode's masked load/store (jax 0.10.2) reads
+  # `.shape` of every scalar index, which a Python int lacks.
+  return tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
+
+
+def load_columns(ref, idx: tuple, head_dim: int) -> jax.Array:
+  """`ref[idx]` (scalar indices of the leading axes) where the last axis may be padded
+  past `head_dim`: the padding is not read and comes back as 0. The plain load when
+  nothing is padded."""
+  if ref.shape[-1] == head_dim:
+    return ref[idx]
+  from jax.experimental.pallas import triton as plgpu
+
+  view = ref.at[_traced(idx)]
+  return plgpu.load(view, mask=columns_below(view.shape, head_dim), other=0)
+
+
+def store_columns(ref, idx: tuple, value: jax.Array, head_dim: int) -> None:
+  """`ref[idx] = value`, writing only the first `head_dim` columns of the last axis."""
+  if ref.shape[-1] == head_dim:
+    ref[idx] = value
+    return
+  from jax.experimental.pallas import triton as plgpu
+
+  view = ref.at[_traced(idx)]
+  plgpu.store(view, value, mask=columns_below(view.shape, head_dim))
+
+
+def load_blocks(pages_ref, block_ids: jax.Array, head_dim: int) -> jax.Array:
+  """`pages_ref[block_ids]`: [len(block_ids), block_size, width] gathered through the
+  block table, columns past `head_dim` (width padding) not read and returned as 0.
+
+  The masked gather spells every axis as an array index: interpret mode's masked load
+  (jax 0.10.2) refuses an array index mixed with slices, and the Triton lowering takes
+  both; the unpadded case keeps the plain gather.
+  """
+  _, block_size, width = pages_ref.shape
+  if width == head_dim:
+    return pages_ref[block_ids]
+  from jax.experimental.pallas import triton as plgpu
+
+  shape = (block_ids.shape[0], block_size, width)
+  idx = (jnp.broadcast_to(block_ids[:, None, None], shape),
+         lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2))
+  return plgpu.load(pages_ref.at[idx], mask=columns_below(shape, head_dim), other=0)
 
 
 def check_pages(k_pages: jax.Array, v_pages: jax.Array, *,

@@ -1,10 +1,13 @@
 """Decode paged attention: one query token per sequence over its block table.
 
 Dense and top-k sparse attention are the same call: a sparse table simply lists
-the selected blocks. The grid is ``(batch, num_kv_heads, num_splits)``; each
-program attends the query heads of one KV head (GQA/MQA rows packed together)
-over one contiguous slice of the block table (split-K), and the slices are
-merged with a log-sum-exp combine. A sequence of length 0 yields zeros.
+the selected blocks. The grid is ``(batch, num_kv_heads * head_splits, num_splits)``;
+each program attends ``block_h`` query heads of one KV head (GQA/MQA rows packed
+together, the group padded to ``head_splits * block_h`` rows; ``head_splits`` is 1
+unless ``block_h`` is set below the group) over one contiguous slice of the block table
+(split-K), and the slices are merged with a log-sum-exp combine. A sequence of length
+0 yields zeros. A head_dim that is not a power of 2 is tiled at the next one, the
+pages' padding columns masked (see common.padded_head_dim).
 
   block_tables[b] = [ 7, 3, 9, 4, 0, 0 ]   (0 = null block, padding)
                       |split 0| |split 1|  ... each split: online softmax
@@ -31,21 +34,22 @@ MIN_BLOCKS_PER_SPLIT = 16
 
 
 def _paged_attention_kernel(
-    q_ref,  # [block_h, head_dim]
-    k_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
-    v_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
+    q_ref,  # [block_h, width]; width = head_dim padded to a power of 2, zeros past head_dim
+    k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
+    v_pages_ref,  # [num_blocks, block_size, width] (one KV head)
     block_tables_ref,  # [blocks_per_split]
     lengths_ref,  # [1]
-    o_ref,  # [block_h, head_dim] f32, unnormalised
+    o_ref,  # [block_h, width] f32, unnormalised
     m_ref,  # [block_h] f32, running max
     l_ref,  # [block_h] f32, running sum
     *,
     sm_scale: float,
     soft_cap: float | None,
     blocks_per_step: int,
+    head_dim: int,
 ):
   split_id = pl.program_id(2)
-  block_h, head_dim = q_ref.shape
+  block_h, width = q_ref.shape
   block_size = k_pages_ref.shape[1]
   blocks_per_split = block_tables_ref.shape[0]
   tokens_per_step = blocks_per_step * block_size
@@ -60,8 +64,8 @@ def _paged_attention_kernel(
     m_prev, l_prev, acc_prev = carry
     local_block = step * blocks_per_step
     block_ids = block_tables_ref[pl.ds(local_block, blocks_per_step)]
-    k = k_pages_ref[block_ids].reshape(tokens_per_step, head_dim)
-    v = v_pages_ref[block_ids].reshape(tokens_per_step, head_dim)
+    k = common.load_blocks(k_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
+    v = common.load_blocks(v_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
     s = jnp.dot(q, k.T, precision=lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32) * sm_scale  # [block_h, tokens_per_step]
     if soft_cap is not None:
@@ -83,7 +87,7 @@ def _paged_attention_kernel(
 
   m0 = jnp.full((block_h,), common.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_h,), jnp.float32)
-  acc0 = jnp.zeros((block_h, head_dim), jnp.float32)
+  acc0 = jnp.zeros((block_h, width), jnp.float32)
   m, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
   o_ref[...] = acc
   m_ref[...] = m
@@ -91,42 +95,49 @@ def _paged_attention_kernel(
 
 
 def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, soft_cap,
-                          num_splits, blocks_per_step, block_h, interpret):
+                          num_splits, blocks_per_step, block_h, width, interpret):
   """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim]."""
   batch, num_q_heads, head_dim = q.shape
   num_blocks, block_size, num_kv_heads, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   max_blocks = block_tables.shape[1]
+  head_splits = common.cdiv(group, block_h)
+  heads = num_kv_heads * head_splits  # grid axis 1: (KV head, block_h-row slice of its group)
 
   blocks_per_split = common.round_up(common.cdiv(max_blocks, num_splits), blocks_per_step)
   pad_blocks = num_splits * blocks_per_split - max_blocks
   tables = jnp.pad(block_tables, ((0, 0), (0, pad_blocks)))
   tables = tables.reshape(batch, num_splits, blocks_per_split)
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
-  q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+  q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, head_splits * block_h - group), (0, width - head_dim)))
+  q4 = q4.reshape(batch, heads, block_h, width)
 
   kernel = functools.partial(_paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
-                             blocks_per_step=blocks_per_step)
-  pages_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim),
-                            lambda b, h, s: (0, 0, h, 0))
-  part_shape = (num_splits, batch, num_kv_heads, block_h)
+                             blocks_per_step=blocks_per_step, head_dim=head_dim)
+  if head_splits == 1:
+    pages_spec = pl.BlockSpec((num_blocks, block_size, None, width),
+                              lambda b, h, s: (0, 0, h, 0))
+  else:
+    pages_spec = pl.BlockSpec((num_blocks, block_size, None, width),
+                              lambda b, h, s: (0, 0, h // head_splits, 0))
+  part_shape = (num_splits, batch, heads, block_h)
   o, m, l = pl.pallas_call(
       kernel,
-      grid=(batch, num_kv_heads, num_splits),
+      grid=(batch, heads, num_splits),
       in_specs=[
-          pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
+          pl.BlockSpec((None, None, block_h, width), lambda b, h, s: (b, h, 0, 0)),
           pages_spec,
           pages_spec,
           pl.BlockSpec((None, None, blocks_per_split), lambda b, h, s: (b, s, 0)),
           pl.BlockSpec((1,), lambda b, h, s: (b,)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+          pl.BlockSpec((None, None, None, block_h, width), lambda b, h, s: (s, b, h, 0, 0)),
           pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
           pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((*part_shape, width), jnp.float32),
           jax.ShapeDtypeStruct(part_shape, jnp.float32),
           jax.ShapeDtypeStruct(part_shape, jnp.float32),
       ],
@@ -136,13 +147,14 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
   )(q4, k_pages, v_pages, tables, kv_lens)
 
   # Log-sum-exp combine of the splits. Empty splits carry m = MASK_VALUE, l = 0.
-  m_all = m.max(axis=0)  # [batch, num_kv_heads, block_h]
+  m_all = m.max(axis=0)  # [batch, heads, block_h]
   w = jnp.exp(m - m_all[None])
   l_all = (w * l).sum(axis=0)
   o_all = (w[..., None] * o).sum(axis=0)
   safe_l = jnp.where(l_all > 0, l_all, 1.0)
   out = jnp.where(l_all[..., None] > 0, o_all / safe_l[..., None], 0.0)
-  return out[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  out = out.reshape(batch, num_kv_heads, head_splits * block_h, width)[:, :, :group, :head_dim]
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 def _default_num_splits(max_blocks: int, blocks_per_step: int) -> int:
@@ -188,7 +200,9 @@ def paged_attention(
     sm_scale: logit scale, default 1/sqrt(head_dim).
     soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
     interpret: None = interpret mode on CPU, compiled on GPU (see backend.py).
-    num_splits, blocks_per_step, block_h: tuning knobs; None picks defaults.
+    num_splits, blocks_per_step, block_h: tuning knobs; None picks defaults. block_h
+      (query-head rows per program) may be below the GQA group: the group is then
+      split over cdiv(group, block_h) programs (each reads the KV head's blocks).
 
   Returns:
     [batch, num_q_heads, head_dim] in q's dtype.
@@ -202,16 +216,17 @@ def paged_attention(
                           backend.min_dot_rows(interpret) // block_size)
   if block_h is None:
     block_h = common.next_power_of_2(max(group, backend.min_dot_rows(interpret)))
-  if block_h < group:
-    raise ValueError(f"block_h {block_h} < query heads per KV head {group} (q shape {q.shape})")
+  if block_h < 1:
+    raise ValueError(f"block_h must be >= 1, got {block_h}")
   if num_splits is None:
     num_splits = _default_num_splits(block_tables.shape[1], blocks_per_step)
-  backend.check_triton_sizes(interpret, block_h=block_h, head_dim=head_dim,
+  backend.check_triton_sizes(interpret, block_h=block_h,
                              tokens_per_step=block_size * blocks_per_step)
   return _paged_attention_call(
       q, k_pages, v_pages, block_tables, kv_lens,
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
       num_splits=num_splits, blocks_per_step=blocks_per_step, block_h=block_h,
+      width=common.padded_head_dim(head_dim, backend.min_dot_rows(interpret)),
       interpret=interpret)
 
 

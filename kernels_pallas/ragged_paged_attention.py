@@ -15,6 +15,11 @@ grid program never straddles two sequences::
 Tile metadata (query start inside its sequence, q_len, kv_len) and each tile's
 block table are computed in jnp before the call; the kernel loops over exactly the
 KV blocks its causal/windowed range touches.
+
+A GQA group that is not a power of 2 is padded to ``block_h = next_power_of_2(group)``
+rows per token (the padding rows attend nothing useful and are dropped); a head_dim
+that is not a power of 2 is tiled at the next one, the pages' padding columns masked
+(see common.padded_head_dim).
 """
 
 from __future__ import annotations
@@ -31,24 +36,28 @@ from kernels_pallas import backend, common
 DEFAULT_BLOCKS_PER_STEP = 2
 DEFAULT_BLOCK_Q_INTERPRET = 8
 DEFAULT_BLOCK_Q_GPU = 16
+# The default block_q shrinks so that a tile has at most this many rows (block_q * block_h):
+# groups up to 16 keep the defaults above, groups of 20 or 32 get 8-token tiles.
+MAX_DEFAULT_ROWS = 256
 REFERENCE_BLOCK_Q = 16
 
 
 def _ragged_kernel(
     meta_ref,  # [4] int32: q_start (inside the sequence), q_len, kv_len, unused
-    q_ref,  # [block_q * block_h, head_dim], row = token * block_h + head
-    k_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
-    v_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
+    q_ref,  # [block_q * block_h, width], row = token * block_h + head; width: see below
+    k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
+    v_pages_ref,  # [num_blocks, block_size, width] (one KV head)
     block_tables_ref,  # [max_blocks_padded]
-    o_ref,  # [block_q * block_h, head_dim]
+    o_ref,  # [block_q * block_h, width]
     *,
     block_h: int,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     blocks_per_step: int,
+    head_dim: int,  # width = head_dim padded to a power of 2; q is 0 past head_dim
 ):
-  rows, head_dim = q_ref.shape
+  rows, width = q_ref.shape
   block_q = rows // block_h
   block_size = k_pages_ref.shape[1]
   tokens_per_step = blocks_per_step * block_size
@@ -70,8 +79,8 @@ def _ragged_kernel(
     m_prev, l_prev, acc_prev = carry
     local_block = start_block + step * blocks_per_step
     block_ids = block_tables_ref[pl.ds(local_block, blocks_per_step)]
-    k = k_pages_ref[block_ids].reshape(tokens_per_step, head_dim)
-    v = v_pages_ref[block_ids].reshape(tokens_per_step, head_dim)
+    k = common.load_blocks(k_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
+    v = common.load_blocks(v_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
     s = jnp.dot(q, k.T, precision=lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32) * sm_scale  # [rows, tokens_per_step]
     if soft_cap is not None:
@@ -95,7 +104,7 @@ def _ragged_kernel(
 
   m0 = jnp.full((rows,), common.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((rows,), jnp.float32)
-  acc0 = jnp.zeros((rows, head_dim), jnp.float32)
+  acc0 = jnp.zeros((rows, width), jnp.float32)
   _, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
   safe_l = jnp.where(l > 0, l, 1.0)
   o_ref[...] = jnp.where(l[:, None] > 0, acc / safe_l[:, None], 0.0).astype(o_ref.dtype)
@@ -122,7 +131,8 @@ def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int, num_tiles: int
 
 
 def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale,
-                 soft_cap, sliding_window, block_q, blocks_per_step, block_h, interpret):
+                 soft_cap, sliding_window, block_q, blocks_per_step, block_h, width,
+                 interpret):
   """Builds tiles, grid and BlockSpecs; returns [total_q_tokens, num_q_heads, head_dim]."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_blocks, block_size, num_kv_heads, _ = k_pages.shape
@@ -137,14 +147,14 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_sc
   # Gather q into tiles: [num_tiles, num_kv_heads, block_q * block_h, head_dim].
   src = jnp.clip(tile_first[:, None] + jnp.arange(block_q)[None, :], 0, num_tokens - 1)
   qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
-  q_tiles = qg[src].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, block_h - group), (0, width - head_dim)))
+  q_tiles = qg[src].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, width)
 
   kernel = functools.partial(_ragged_kernel, block_h=block_h, sm_scale=sm_scale,
                              soft_cap=soft_cap, sliding_window=sliding_window,
-                             blocks_per_step=blocks_per_step)
-  pages_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda t, h: (0, 0, h, 0))
-  tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0))
+                             blocks_per_step=blocks_per_step, head_dim=head_dim)
+  pages_spec = pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0))
+  tile_spec = pl.BlockSpec((None, None, rows, width), lambda t, h: (t, h, 0, 0))
   o = pl.pallas_call(
       kernel,
       grid=(num_tiles, num_kv_heads),
@@ -162,8 +172,8 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_sc
       name="ragged_paged_attention",
   )(meta, q_tiles, k_pages, v_pages, tables)
 
-  o = o.reshape(num_tiles, num_kv_heads, block_q, block_h, head_dim).transpose(0, 2, 1, 3, 4)
-  o = o.reshape(num_tiles * block_q, num_kv_heads, block_h, head_dim)[token_row, :, :group]
+  o = o.reshape(num_tiles, num_kv_heads, block_q, block_h, width).transpose(0, 2, 1, 3, 4)
+  o = o.reshape(num_tiles * block_q, num_kv_heads, block_h, width)[token_row, :, :group, :head_dim]
   o = o.reshape(num_tokens, num_q_heads, head_dim)
   # Padding tokens past cu_q_lens[-1] land on invalid rows; zero them explicitly anyway.
   return jnp.where((jnp.arange(num_tokens) < cu_q_lens[batch])[:, None, None], o, 0).astype(
@@ -218,7 +228,9 @@ def ragged_paged_attention(
     sm_scale, soft_cap: as in paged_attention.
     sliding_window: if set, each query attends its last `sliding_window` tokens.
     interpret: None = interpret mode on CPU, compiled on GPU (see backend.py).
-    block_q, blocks_per_step: tuning knobs; None picks defaults.
+    block_q, blocks_per_step: tuning knobs; None picks defaults (block_q: 8 tokens per
+      tile in interpret mode, 16 compiled, fewer where the GQA group would make a tile
+      over MAX_DEFAULT_ROWS rows).
 
   Returns:
     [total_q_tokens, num_q_heads, head_dim] in q's dtype.
@@ -230,16 +242,18 @@ def ragged_paged_attention(
   block_h = common.next_power_of_2(group)
   if block_q is None:
     block_q = DEFAULT_BLOCK_Q_INTERPRET if interpret else DEFAULT_BLOCK_Q_GPU
+    block_q = max(1, min(block_q, MAX_DEFAULT_ROWS // block_h))
   block_q = max(block_q, common.cdiv(backend.min_dot_rows(interpret), block_h))
   if blocks_per_step is None:
     blocks_per_step = max(DEFAULT_BLOCKS_PER_STEP, backend.min_dot_rows(interpret) // block_size)
-  backend.check_triton_sizes(interpret, rows=block_q * block_h, head_dim=head_dim,
+  backend.check_triton_sizes(interpret, rows=block_q * block_h,
                              tokens_per_step=block_size * blocks_per_step)
   return _ragged_call(
       q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
       sliding_window=sliding_window, block_q=block_q, blocks_per_step=blocks_per_step,
-      block_h=block_h, interpret=interpret)
+      block_h=block_h, width=common.padded_head_dim(head_dim, backend.min_dot_rows(interpret)),
+      interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",

@@ -8,7 +8,9 @@ the pool is skipped. The pages are donated and aliased to the outputs
   k_new[u] ---slot_ids[u]=-1-----------------> (dropped)
 
 Slots must be distinct among the non-negative ones (a duplicate writes either). Any
-element dtype is moved as is (e.g. uint16 pages holding bitcast bfloat16 on CPU).
+element dtype is moved as is (e.g. uint16 pages holding bitcast bfloat16 on CPU). A
+head_dim that is not a power of 2 is moved as its power-of-2 padding with the padding
+columns masked off the store (see common.padded_head_dim); the pages are not copied.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from kernels_pallas import backend, common
 
 def _write_kv_kernel(
     slot_ids_ref,  # [1] int32
-    k_new_ref,  # [head_dim] (one token, one KV head)
-    v_new_ref,  # [head_dim]
+    k_new_ref,  # [width] (one token, one KV head; width = head_dim padded to a power of 2)
+    v_new_ref,  # [width]
     k_pages_in_ref,  # aliased to k_pages_ref
     v_pages_in_ref,  # aliased to v_pages_ref
-    k_pages_ref,  # [num_blocks, block_size, head_dim] (one KV head)
-    v_pages_ref,  # [num_blocks, block_size, head_dim]
+    k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
+    v_pages_ref,  # [num_blocks, block_size, width]
+    *,
+    head_dim: int,
 ):
   del k_pages_in_ref, v_pages_in_ref  # Same buffers as the outputs.
   num_blocks, block_size, _ = k_pages_ref.shape
@@ -38,17 +42,20 @@ def _write_kv_kernel(
   @pl.when((slot >= 0) & (slot < num_blocks * block_size))
   def _write():
     block_id, offset = slot // block_size, slot % block_size
-    k_pages_ref[block_id, offset] = k_new_ref[...]
-    v_pages_ref[block_id, offset] = v_new_ref[...]
+    common.store_columns(k_pages_ref, (block_id, offset), k_new_ref[...], head_dim)
+    common.store_columns(v_pages_ref, (block_id, offset), v_new_ref[...], head_dim)
 
 
 def _write_kv_call(k_pages, v_pages, k_new, v_new, slot_ids, *, interpret):
   num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
   num_tokens = k_new.shape[0]
-  pages_spec = pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda t, h: (0, 0, h, 0))
-  new_spec = pl.BlockSpec((None, None, head_dim), lambda t, h: (t, h, 0))
+  width = common.padded_head_dim(head_dim)
+  if width != head_dim:  # The new tokens (not the pages) are padded: [num_tokens, heads, width].
+    k_new, v_new = (jnp.pad(x, ((0, 0), (0, 0), (0, width - head_dim))) for x in (k_new, v_new))
+  pages_spec = pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0))
+  new_spec = pl.BlockSpec((None, None, width), lambda t, h: (t, h, 0))
   return pl.pallas_call(
-      _write_kv_kernel,
+      functools.partial(_write_kv_kernel, head_dim=head_dim),
       grid=(num_tokens, num_kv_heads),
       in_specs=[pl.BlockSpec((1,), lambda t, h: (t,)), new_spec, new_spec, pages_spec,
                 pages_spec],
@@ -89,7 +96,6 @@ def write_kv(
   """Returns (k_pages, v_pages) with token t written at slot_ids[t] (in place)."""
   _check(k_pages, v_pages, k_new, v_new, slot_ids)
   interpret = backend.resolve_interpret(interpret)
-  backend.check_triton_sizes(interpret, head_dim=k_pages.shape[-1])
   return _write_kv_call(k_pages, v_pages, k_new, v_new, slot_ids, interpret=interpret)
 
 

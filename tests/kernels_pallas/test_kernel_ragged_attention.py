@@ -17,8 +17,8 @@ def _seqs(block_size):
   return [(1, 1), (bs - 1, bs - 1), (1, bs), (3, bs + 1), (0, 5), (bs + 5, long), (1, long)]
 
 
-def _case(rng, ratio, block_size, head_dim, dtype, seqs, pad_rows=2):
-  num_kv_heads = 2 if ratio < 8 else 1
+def _case(rng, ratio, block_size, head_dim, dtype, seqs, pad_rows=2, num_kv_heads=None):
+  num_kv_heads = num_kv_heads or (2 if ratio < 8 else 1)
   q_lens, kv_lens = zip(*seqs)
   pool = lib.make_pool(rng, NUM_BLOCKS, block_size, num_kv_heads, head_dim, lib.DTYPES[dtype])
   max_blocks = -(-max(kv_lens) // block_size)
@@ -47,6 +47,24 @@ def test_kernel_matches_reference_on_grid(rng, ratio, block_size, head_dim, dtyp
   out = ragged_paged_attention(*args, **kw)
   ref = ragged_paged_attention_reference(*args, **kw)
   chex.assert_shape(out, args[0].shape)
+  assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= lib.TOL[dtype]
+  np.testing.assert_array_equal(np.asarray(out[cu[-1]:], np.float32), 0.0)  # padding rows
+
+
+# GQA groups and head_dims that are not powers of 2: the group padded to block_h rows per
+# token, head_dim tiled at the next power of 2 with the pages' padding columns masked.
+RAGGED_ODD = ((20, 1, 8, 80, "float32"), (5, 2, 16, 96, "bfloat16"), (3, 2, 8, 112, "float32"))
+
+
+@pytest.mark.parametrize("ratio,num_kv_heads,block_size,head_dim,dtype", RAGGED_ODD)
+def test_odd_group_and_head_dim_match_reference(rng, ratio, num_kv_heads, block_size, head_dim,
+                                                dtype):
+  args, _, _, cu = _case(rng, ratio, block_size, head_dim, dtype, _seqs(block_size),
+                         num_kv_heads=num_kv_heads)
+  out = ragged_paged_attention(*args)
+  chex.assert_shape(out, args[0].shape)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  ref = ragged_paged_attention_reference(*args)
   assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= lib.TOL[dtype]
   np.testing.assert_array_equal(np.asarray(out[cu[-1]:], np.float32), 0.0)  # padding rows
 

@@ -132,3 +132,29 @@ def test_block_key_bounds_leaves_rows_past_the_pages_untouched(rng, impl):
   np.testing.assert_array_equal(out[untouched], extra[untouched])
   with pytest.raises(ValueError, match="or more rows"):
     BOUNDS[impl](jnp.asarray(extra[:num_blocks - 1]), pool.k_pages, slots)
+
+
+@pytest.mark.parametrize("head_dim", [80, 112])
+def test_write_kv_and_bounds_at_a_head_dim_that_is_not_a_power_of_2(rng, head_dim):
+  # The kernels tile head_dim at the next power of 2 and mask the padding columns off
+  # every page load and store (that the Triton stores are masked is test_lowering_cuda's).
+  pool = lib.make_pool(rng, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, jnp.bfloat16)
+  slots = np.array([3 * 8 + 0, 3 * 8 + 1, -1, 79, 9], np.int32)
+  new = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, head_dim)), jnp.bfloat16)
+  k_pages, v_pages = write_kv(pool.k_pages, pool.v_pages, new, -new, jnp.asarray(slots))
+  assert k_pages.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+  want_k = pool.k_np.reshape(-1, NUM_KV_HEADS, head_dim).copy()
+  want_v = pool.v_np.reshape(-1, NUM_KV_HEADS, head_dim).copy()
+  new_np = np.array(new.astype(jnp.float32))
+  for t, slot in enumerate(slots):
+    if slot >= 0:
+      want_k[slot], want_v[slot] = new_np[t], -new_np[t]
+  k_np = np.asarray(k_pages.astype(jnp.float32))
+  np.testing.assert_array_equal(k_np.reshape(want_k.shape), want_k)
+  np.testing.assert_array_equal(np.asarray(v_pages.astype(jnp.float32)).reshape(want_v.shape),
+                                want_v)
+  bounds = jnp.full((NUM_BLOCKS, 2, NUM_KV_HEADS, head_dim), 7.0, jnp.float32)  # sentinel
+  b_np = np.asarray(block_key_bounds(bounds, k_pages, jnp.asarray(slots)))
+  for block_id, num_valid in [(3, 2), (9, 8), (1, 2)]:
+    np.testing.assert_array_equal(b_np[block_id], _want_bounds(k_np, block_id, num_valid))
+  np.testing.assert_array_equal(b_np[[0, 2, 4, 5, 6, 7, 8]], 7.0)

@@ -17,6 +17,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src.lib.mlir import ir
+from jax._src.pallas.triton import lowering as triton_lowering
 from kernels_testlib import PAIRWISE_GRID
 
 import kernels_pallas
@@ -33,6 +35,12 @@ NUM_KV_HEADS, NUM_BLOCKS, BATCH, WIDTH, TOKENS = 2, 64, 4, 8, 64
 # (HiSparse at block size 4; large blocks), and head_dim 32.
 GRID = PAIRWISE_GRID + ((2, 4, 32, "bfloat16"), (1, 64, 32, "float32"),
                         (8, 4, 128, "float32"), (4, 64, 64, "bfloat16"))
+# Sizes that are not powers of 2, padded inside the kernels: GQA groups (20 as in jax's own
+# GPU paged-attention test, 5, 7, 3) and head_dims of real checkpoints (80: phi-2/stablelm,
+# 96: phi-3, 112; 40 and 192 beside them).
+ODD_GRID = ((20, 16, 64, "bfloat16"), (20, 16, 80, "float32"), (20, 4, 96, "bfloat16"),
+            (5, 16, 96, "float32"), (7, 8, 112, "bfloat16"), (3, 16, 112, "float32"),
+            (4, 16, 80, "bfloat16"), (1, 16, 40, "float32"), (2, 64, 192, "bfloat16"))
 
 
 def triton_kernels(lowered: jax.stages.Lowered) -> list[str]:
@@ -64,11 +72,59 @@ def _cases(group, block_size, head_dim, dtype):
   }
 
 
-@pytest.mark.parametrize(("group", "block_size", "head_dim", "dtype"), GRID)
+@pytest.mark.parametrize(("group", "block_size", "head_dim", "dtype"), GRID + ODD_GRID)
 def test_every_kernel_lowers_for_cuda(group, block_size, head_dim, dtype):
   for name, (kernel, *args) in _cases(group, block_size, head_dim, dtype).items():
     lowered = lower_for_cuda(functools.partial(kernel, interpret=False), *args)
     assert triton_kernels(lowered) == [name]
+
+
+def triton_module_asm(lowered: jax.stages.Lowered) -> str:
+  """The Triton IR of the module's one Triton call, as text (jax keeps it as MLIR bytecode
+  in an escaped string attribute; jax 0.10.2's private Triton context parses it)."""
+  (escaped,) = re.findall(r'\bir = "((?:[^"\\]|\\.)*)"', lowered.as_text())
+  raw = re.sub(rb"\\([0-9A-Fa-f]{2}|.)",
+               lambda m: bytes([int(m[1], 16)]) if len(m[1]) == 2 else m[1], escaped.encode())
+  with triton_lowering._new_ir_context():
+    return ir.Module.parse(raw).operation.get_asm(enable_debug_info=False)
+
+
+# Masked page accesses in each kernel's Triton IR when head_dim is padded (0 when not):
+# (loads, stores). The attention kernels gather K and V blocks; write_kv stores a K and a
+# V row (each store a swap: a masked load of the old row, then the store); block_key_bounds
+# loads a key block and stores a min and a max row.
+MASKED_ACCESSES = {"paged_attention": (2, 0), "ragged_paged_attention": (2, 0),
+                   "write_kv": (2, 2), "block_key_bounds": (3, 2)}
+
+
+@pytest.mark.parametrize("head_dim", [80, 64])
+def test_padded_head_dim_masks_every_page_access(head_dim):
+  # Interpret mode cannot see a store into the padding columns (its padding is a copy, the
+  # GPU's is the next KV head's row or past the pool): the Triton IR must mask those
+  # accesses, and the power-of-2 head_dim keeps its unmasked accesses.
+  for name, (kernel, *args) in _cases(4, 16, head_dim, "bfloat16").items():
+    asm = triton_module_asm(lower_for_cuda(functools.partial(kernel, interpret=False), *args))
+    ops = re.findall(r"\btt\.(load|store) (%[^:]*):", asm)
+    masked = tuple(sum(op == kind and operands.count(",") == 2 for op, operands in ops)
+                   for kind in ("load", "store"))
+    assert masked == (MASKED_ACCESSES[name] if head_dim == 80 else (0, 0)), (name, ops)
+    if head_dim == 80 and name in ("write_kv", "block_key_bounds"):  # every store is masked
+      assert all(operands.count(",") == 2 for op, operands in ops if op == "store"), ops
+
+
+def test_paged_attention_splits_a_group_above_block_h():
+  # block_h=16 with 20 q heads per KV head (jax's GPU paged-attention test): 2 programs of
+  # 16 rows per KV head, not a refusal.
+  _, *args = _cases(20, 16, 80, "bfloat16")["paged_attention"]
+  kernel = functools.partial(paged_attention, interpret=False, block_h=16)
+  assert triton_kernels(lower_for_cuda(kernel, *args)) == ["paged_attention"]
+
+
+def test_unpaddable_sizes_are_refused_with_their_names():
+  # The KV block size is a tile of the pool, not padded: a clear refusal names it.
+  _, *args = _cases(4, 12, 64, "float32")["block_key_bounds"]
+  with pytest.raises(ValueError, match=r"power-of-2 tile sizes, got \{'block_size': 12\}"):
+    lower_for_cuda(functools.partial(block_key_bounds, interpret=False), *args)
 
 
 def test_the_engines_gpu_kernels_lower_for_cuda():
