@@ -26,7 +26,10 @@ tiles, shared-memory pipelines) that interpret mode here does not exercise the s
 way, and its API moved between jax 0.10 and 0.11. Decode paged attention is bound by
 HBM bandwidth with few query rows per KV head, so wgmma gains little. The Triton
 backend is deprecated in jax 0.11 (still shipped); moving to Mosaic GPU is a
-per-kernel swap behind :func:`compiler_params`.
+per-kernel swap behind :func:`compiler_params`. The first swap is opt-in:
+``ops("pallas_mgpu", platform="gpu")`` binds the decode kernel of
+:mod:`kernels_pallas.paged_attention_mgpu` (Mosaic GPU: WGMMA, TMA copies of the listed
+blocks into shared memory) and the Triton kernels for the other three.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 
-BackendName = Literal["auto", "pallas", "xla", "reference"]
-BACKENDS = ("pallas", "xla", "reference")
+BackendName = Literal["auto", "pallas", "pallas_mgpu", "xla", "reference"]
+BACKENDS = ("pallas", "pallas_mgpu", "xla", "reference")
 
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -70,13 +73,14 @@ def resolve_interpret(interpret: bool | None, target: str | None = None) -> bool
   return bool(interpret)
 
 
-def resolve_backend(backend: BackendName | None,
-                    target: str | None = None) -> Literal["pallas", "xla", "reference"]:
+def resolve_backend(backend: BackendName | None, target: str | None = None
+                    ) -> Literal["pallas", "pallas_mgpu", "xla", "reference"]:
   """`"auto"`/`None` -> ``"pallas"`` on GPU, ``"xla"`` on CPU and TPU."""
   if backend in (None, "auto"):
     return "pallas" if target_platform(target) == "gpu" else "xla"
   if backend not in BACKENDS:
-    raise ValueError(f"backend must be 'auto', 'pallas', 'xla' or 'reference', got {backend!r}")
+    raise ValueError("backend must be 'auto', 'pallas', 'pallas_mgpu', 'xla' or 'reference', "
+                     f"got {backend!r}")
   return backend
 
 
@@ -152,6 +156,16 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None) -> K
   if name == "pallas":
     bind = functools.partial(functools.partial, interpret=resolve_interpret(None, platform))
     return KernelOps(name, bind(pa.paged_attention), bind(rpa.ragged_paged_attention),
+                     bind(wkv.write_kv), bind(bkb.block_key_bounds))
+  if name == "pallas_mgpu":
+    # The decode kernel on Mosaic GPU (bf16/f16, block_size a multiple of 8; see its
+    # module), the other three on Triton. Compiled only: its CPU interpreter needs the
+    # gaps filled in tests/kernels_pallas/test_mgpu_paged_attention.py.
+    if target_platform(platform) != "gpu":
+      raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
+    pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")
+    bind = functools.partial(functools.partial, interpret=False)
+    return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds))
   if name == "xla":
     return KernelOps(name, xa.paged_attention_xla, xa.ragged_paged_attention_xla,

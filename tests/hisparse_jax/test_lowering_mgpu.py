@@ -1,0 +1,48 @@
+"""The HiSparse step lowered for `cuda` with the Mosaic GPU decode kernel
+(``kernel_backend="pallas_mgpu"``): the sparse rows' paged attention becomes one Mosaic GPU
+call per layer, the dense rows and the other kernels stay on Triton.
+
+The Mosaic GPU kernel takes bfloat16 KV with blocks of a multiple of 8 tokens and head_dim
+a multiple of 32, so this engine is a bfloat16 one at block size 8 and head_dim 32. What
+only a Hopper GPU can check (the compile, the numbers) is owed to one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import jax.numpy as jnp
+import pytest
+from engine_fixtures import BLOCK_SIZE, tiny_config
+from test_lowering_cuda import NUM_LAYERS, SMALL, _batches, _engine
+
+from models.llama import LlamaForCausalLM
+
+MGPU_CALL = "mosaic_gpu_v2"
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture(scope="module")
+def model():
+  return LlamaForCausalLM(tiny_config(head_dim=32), dtype=jnp.bfloat16, seed=0)
+
+
+def test_the_hisparse_step_lowers_for_cuda_with_the_mosaic_gpu_decode_kernel(model):
+  assert BLOCK_SIZE % 8 == 0
+  # The float32 engine's budgets: twice the blocks at bfloat16.
+  engine = _engine(model, hisparse=SMALL, dtype="bfloat16")
+  batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
+  sparse = next(b for b in batches if b.metadata.sparse_rows.any())
+  text = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas_mgpu").as_text()
+  calls = Counter(re.findall(r"custom_call @([\w$.]+)\(", text))
+  # The jitted kernel is one function holding the one Mosaic GPU call, called per layer.
+  assert calls[MGPU_CALL] == 1, calls
+  assert len(re.findall(r"= call @paged_attention_mgpu\(", text)) == NUM_LAYERS
+  # The other kernels are the Triton ones, named as on "pallas".
+  assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == [
+      "block_key_bounds", "ragged_paged_attention", "write_kv"]
+  assert TRITON_CALL in calls
+  # The same batch on "pallas" has no Mosaic GPU call: the backend is what picks it.
+  pallas = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas").as_text()
+  assert MGPU_CALL not in pallas and "paged_attention" in re.findall(r'name = "(\w+)"', pallas)

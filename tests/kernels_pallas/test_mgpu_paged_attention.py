@@ -1,0 +1,241 @@
+"""The Mosaic GPU decode kernel: run on CPU by jax's GPU interpreter, and lowered for cuda.
+
+Interpret mode. jax 0.10.2 ships a Mosaic GPU interpreter (``interpret=InterpretGPUParams()``
+on ``plgpu.kernel``/``pallas_call``) that runs the kernel body on CPU with simulated GMEM
+and SMEM, barriers (it raises when an arrival completes twice before a wait observed it)
+and TMA copies, filling unwritten SMEM with NaN. Two gaps in it stop this kernel as
+shipped, and the fixture `gpu_interpreter` fills them for the test's duration:
+
+* ``plgpu.layout_cast`` (needed by Mosaic GPU's lowering for the loop carries and the key
+  iota) has no CPU lowering: "NotImplementedError: MLIR translation rule for primitive
+  'layout_cast' not found for platform cpu". It only hints a register layout; the value
+  is unchanged, so the fill is the identity.
+* a WGMMA operand given through ``plgpu.transpose_ref`` (K^T in ``q @ k^T``, the idiom of
+  jax's ``attention_mgpu.py``) fails in the interpreter's wgmma callback:
+  "AttributeError: 'TransposeTransform' object has no attribute 'indices'"
+  (``mosaic/interpret/utils.py:to_range`` takes only indexers). The fill reads the operand
+  through its index transforms and transposes it, then does what jax's callback does
+  (acc += a @ b in the accumulator's dtype).
+
+Lowering. ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` runs Pallas ->
+Mosaic GPU from this CPU host: layout inference, WGMMA/TMA shape and swizzle checks
+(e.g. "WGMMA rhs swizzle must match lhs swizzle" was found this way). The module must call
+exactly the Mosaic GPU custom call and no Triton kernel. What only a Hopper GPU can
+check: the PTX compile, SMEM limits at run time, numbers and speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import kernels_testlib as lib
+import numpy as np
+import pytest
+from jax._src.interpreters import mlir
+from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+from jax._src.pallas.mosaic_gpu import core as gpu_core
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax._src.state import types as state_types
+
+import kernels_pallas
+from kernels_pallas.paged_attention import paged_attention_reference
+from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu
+
+MGPU_CALL = "mosaic_gpu_v2"
+TRITON_CALL = "__gpu$xla.gpu.triton"
+NUM_BLOCKS = 64
+S = jax.ShapeDtypeStruct
+I32 = jnp.int32
+
+
+def _wgmma_with_transposes(*, token, device_id, grid_point_coords, thread_id,
+                           acc_allocation_key_as_array, acc_transforms, acc_dtype,
+                           a_allocation_key_as_array, a_transforms, b_allocation_key_as_array,
+                           b_transforms, source_info=None):
+  """jax's gpu_callbacks.wgmma, plus operands whose last transform is a transpose."""
+  memory = gpu_callbacks._get_shared_memory()
+  device_id, thread_id = int(device_id), int(thread_id)
+  global_thread_id = memory.get_global_thread_id(device_id, thread_id)
+  logging_info = interpret_utils.GPULoggingInfo(
+      device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
+      thread_id=thread_id, source_info=source_info)
+
+  def view(key_array, transforms):
+    transforms = gpu_callbacks._remove_noop_transforms(transforms)
+    perm = None
+    if transforms and isinstance(transforms[-1], state_types.TransposeTransform):
+      transforms, perm = transforms[:-1], transforms[-1].permutation
+    key = gpu_callbacks.HostAllocationKey.from_array(key_array)
+    return key, interpret_utils.to_range(jax.tree.map(int, transforms)), perm
+
+  def read(key_array, transforms):
+    key, rng, perm = view(key_array, transforms)
+    x, _, _ = memory.get_buffer_content(key, rng, global_thread_id, logging_info=logging_info)
+    assert x is not None
+    return x if perm is None else np.transpose(x, perm)
+
+  a = read(a_allocation_key_as_array, a_transforms)
+  b = read(b_allocation_key_as_array, b_transforms)
+  acc_key, acc_range, _ = view(acc_allocation_key_as_array, acc_transforms)
+  acc, _, _ = memory.get_buffer_content(acc_key, acc_range, global_thread_id,
+                                        logging_info=logging_info)
+  memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype),
+                              global_thread_id, logging_info=logging_info)
+  return token
+
+
+@pytest.fixture
+def gpu_interpreter(monkeypatch):
+  """InterpretGPUParams with race detection, the two gaps above filled; fresh state."""
+  identity = mlir.lower_fun(lambda x, new_layout: x, multiple_results=False)
+  monkeypatch.setitem(mlir._platform_specific_lowerings["cpu"], gpu_core.layout_cast_p,
+                      mlir.LoweringRuleEntry(identity, True))
+  monkeypatch.setattr(gpu_callbacks, "wgmma", _wgmma_with_transposes)
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  yield InterpretGPUParams(detect_races=True)
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+def _case(rng, group, block_size, head_dim, dtype, lengths, num_kv_heads=2):
+  pool = lib.make_pool(rng, NUM_BLOCKS, block_size, num_kv_heads, head_dim, dtype)
+  max_blocks = max(-(-n // block_size) for n in lengths) + 1  # one spare 0 (null) column
+  tables = lib.make_tables(rng, lengths, block_size, max_blocks, NUM_BLOCKS)
+  q = jnp.asarray(rng.standard_normal((len(lengths), group * num_kv_heads, head_dim)), dtype)
+  return (q, pool.k_pages, pool.v_pages, jnp.asarray(tables), jnp.asarray(lengths, I32))
+
+
+# (group, block_size, head_dim, dtype, tokens_per_step, attention kwargs). Lengths: the
+# kernel tests' 1, bs-1, bs, bs+1, 5*bs+3 and 0, plus 300 (5 steps of 64 keys: both
+# buffer slots reused); tables are random, non-monotonic.
+INTERPRET_GRID = (
+    (1, 16, 64, jnp.bfloat16, 64, {}),
+    (4, 8, 64, jnp.bfloat16, 64, {}),
+    (8, 64, 128, jnp.bfloat16, 64, {"sm_scale": 0.2, "soft_cap": 3.0}),
+    (2, 32, 32, jnp.float16, 128, {}),
+    (16, 8, 64, jnp.bfloat16, 64, {}),
+)
+
+
+@pytest.mark.parametrize(("group", "block_size", "head_dim", "dtype", "tokens_per_step",
+                          "attn_kw"), INTERPRET_GRID)
+def test_interpreted_kernel_matches_reference(gpu_interpreter, rng, group, block_size,
+                                              head_dim, dtype, tokens_per_step, attn_kw):
+  lengths = [*lib.grid_lengths(block_size)[:-1], 300, 0]
+  args = _case(rng, group, block_size, head_dim, dtype, lengths)
+  out = paged_attention_mgpu(*args, interpret=gpu_interpreter,
+                             tokens_per_step=tokens_per_step, **attn_kw)
+  ref = paged_attention_reference(*args, **attn_kw)
+  chex.assert_shape(out, args[0].shape)
+  assert out.dtype == args[0].dtype
+  assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= 2e-2
+  np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # length 0 -> zeros
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_interpreted_sparse_table_equals_attention_over_selected_tokens(gpu_interpreter, rng):
+  """A table listing a subset of one sequence's blocks == plain softmax over their tokens
+  (independent numpy; the newest, partly filled block is last)."""
+  block_size, num_kv_heads, head_dim, group = 16, 1, 64, 4
+  pool = lib.make_pool(rng, NUM_BLOCKS, block_size, num_kv_heads, head_dim, jnp.bfloat16)
+  seq_blocks = rng.choice(np.arange(1, NUM_BLOCKS), size=20, replace=False)
+  picks = [[0, 5, 11], [11, 2, 7, 3, 19], [4], [19, 0, 9, 1, 12, 6, 3, 17]]
+  tables = np.zeros((len(picks), 8), np.int32)
+  for b, p in enumerate(picks):
+    tables[b, :len(p)] = seq_blocks[p]
+  lengths = np.array([len(p) * block_size - 5 for p in picks], np.int32)
+  q = np.asarray(jnp.asarray(rng.standard_normal((len(picks), group, head_dim)),
+                             jnp.bfloat16).astype(jnp.float32))
+  out = paged_attention_mgpu(jnp.asarray(q, jnp.bfloat16), pool.k_pages, pool.v_pages,
+                             jnp.asarray(tables), jnp.asarray(lengths),
+                             interpret=gpu_interpreter)
+  seq_k = pool.k_np[seq_blocks].reshape(-1, num_kv_heads, head_dim)
+  seq_v = pool.v_np[seq_blocks].reshape(-1, num_kv_heads, head_dim)
+  for b, p in enumerate(picks):
+    token_block = np.arange(len(seq_blocks) * block_size) // block_size
+    order = np.concatenate([np.flatnonzero(token_block == i) for i in p])[:lengths[b]]
+    want = lib.naive_attention(q[b:b + 1], seq_k[order], seq_v[order])
+    assert lib.max_abs_err(out[b:b + 1].astype(jnp.float32), want) <= 2e-2, b
+
+
+def test_refuses_what_wgmma_and_tma_cannot_take(rng):
+  q, k, v, tables, lengths = _case(rng, 4, 8, 64, jnp.bfloat16, [3, 9])
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  with pytest.raises(ValueError, match="bfloat16 or float16 KV, got float32"):
+    paged_attention_mgpu(*f32, tables, lengths)
+  q4, k4, v4, t4, l4 = _case(rng, 4, 4, 64, jnp.bfloat16, [3, 9])
+  with pytest.raises(ValueError, match="got block_size 4"):
+    paged_attention_mgpu(q4, k4, v4, t4, l4)
+  with pytest.raises(ValueError, match="block_size a multiple of 8 that divides "
+                                       "tokens_per_step=64, got block_size 128"):
+    paged_attention_mgpu(*_case(rng, 1, 128, 64, jnp.bfloat16, [3]))
+  q_wide = jnp.zeros((2, 2 * 65, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="query heads per KV head 65"):
+    paged_attention_mgpu(q_wide, k, v, tables, lengths)
+  with pytest.raises(ValueError, match="head_dim a multiple of 32, got 48"):
+    paged_attention_mgpu(*_case(rng, 1, 8, 48, jnp.bfloat16, [3]))
+  with pytest.raises(ValueError, match="tokens_per_step must be a multiple of 64"):
+    paged_attention_mgpu(q, k, v, tables, lengths, tokens_per_step=96)
+  with pytest.raises(ValueError, match="InterpretGPUParams"):
+    paged_attention_mgpu(q, k, v, tables, lengths, interpret=True)
+  with pytest.raises(ValueError, match=r"\(3, 8\)"):  # the shared shape checks
+    paged_attention_mgpu(q, k, v, jnp.zeros((3, 8), I32), lengths)
+
+
+def lower_for_cuda(fn, *args) -> str:
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text: str) -> set[str]:
+  return set(re.findall(r"custom_call @([\w$.]+)\(", text))
+
+
+# (group, block_size, head_dim, dtype, tokens_per_step): GQA 1 to 64, block sizes 8 to 64,
+# head_dim 32 to 256 (swizzles 64 and 128 bytes), both 16-bit dtypes.
+LOWERING_GRID = (
+    (1, 8, 64, "bfloat16", 64),
+    (4, 16, 128, "bfloat16", 64),
+    (8, 32, 128, "float16", 128),
+    (2, 64, 32, "bfloat16", 64),
+    (64, 16, 64, "bfloat16", 64),
+    (4, 64, 256, "bfloat16", 64),
+    (6, 8, 96, "float16", 128),
+)
+
+
+@pytest.mark.parametrize(("group", "block_size", "head_dim", "dtype", "tokens_per_step"),
+                         LOWERING_GRID)
+def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(group, block_size, head_dim, dtype,
+                                                       tokens_per_step):
+  num_kv_heads, batch = 2, 4
+  pages = S((NUM_BLOCKS, block_size, num_kv_heads, head_dim), dtype)
+  args = (S((batch, group * num_kv_heads, head_dim), dtype), pages, pages,
+          S((batch, 8), I32), S((batch,), I32))
+  text = lower_for_cuda(
+      functools.partial(paged_attention_mgpu, tokens_per_step=tokens_per_step), *args)
+  assert custom_calls(text) == {MGPU_CALL}
+  assert text.count(f"custom_call @{MGPU_CALL}(") == 1
+  assert TRITON_CALL not in text
+
+
+def test_pallas_mgpu_backend_lowers_mosaic_gpu_decode_and_triton_others():
+  ops = kernels_pallas.ops("pallas_mgpu", platform="cuda")
+  pages = S((NUM_BLOCKS, 16, 2, 64), jnp.bfloat16)
+  decode = lower_for_cuda(ops.paged_attention, S((4, 8, 64), jnp.bfloat16), pages, pages,
+                          S((4, 8), I32), S((4,), I32))
+  assert custom_calls(decode) == {MGPU_CALL}
+  ragged = lower_for_cuda(ops.ragged_paged_attention, S((64, 8, 64), jnp.bfloat16), pages,
+                          pages, S((4, 8), I32), S((4,), I32), S((5,), I32))
+  assert custom_calls(ragged) == {TRITON_CALL}
+
+
+def test_lowering_refuses_a_step_that_overflows_shared_memory():
+  # head_dim 256 at 128 keys per step: q + 2 slots of K and V + p = 304 KiB > 227 KiB.
+  pages = S((NUM_BLOCKS, 64, 2, 256), jnp.bfloat16)
+  args = (S((4, 8, 256), jnp.bfloat16), pages, pages, S((4, 8), I32), S((4,), I32))
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    lower_for_cuda(functools.partial(paged_attention_mgpu, tokens_per_step=128), *args)
