@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args.budget_s = BUDGET_S if gpu else CPU_BUDGET_S
   out = Path(args.out) if args.out else ROOT / "results" / (
       "gpu_check.json" if gpu else "gpu_check_cpu.json")
-  tmp = ROOT / "results" / ".gpu_check_tmp"
+  tmp = out.parent / f".{out.stem}_tmp"  # the benches' JSON, removed at the end
   tmp.mkdir(parents=True, exist_ok=True)
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   t_start = time.monotonic()
