@@ -73,6 +73,11 @@ flags.DEFINE_integer("max_num_batched_tokens", 2048,
                      "Most tokens (prefill chunks + decodes) computed in one step.")
 flags.DEFINE_bool("async_scheduling", True, "Plan and dispatch each step while the previous "
                   "one runs on the device (tokens come back one step later).")
+flags.DEFINE_bool("compile_in_background", None,
+                  "Run a batch whose step shape is not compiled yet padded to a compiled "
+                  "shape that covers it while its own program compiles in a background "
+                  "thread (no compile stall). Default: on for serve (batches follow "
+                  "arrival times anyway), off for generate and demo (bit-reproducible).")
 flags.DEFINE_integer("max_new_tokens", 16,
                      "Tokens to generate per prompt (a prompts_file line's max_tokens wins).")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -141,7 +146,8 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
 
 # The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`.
 _MODEL = ("model", "dtype", "block_size", "device_kv_gib", "host_pool_gib", "max_model_len")
-_ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "seed")
+_ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
+           "compile_in_background", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")

@@ -97,6 +97,11 @@ class EngineConfig:
   # Overlap the host's work for step t + 1 with the device's step t (vLLM V1's async
   # scheduling); False finishes each step within its step() call.
   async_scheduling: bool = True
+  # A batch whose step shape has no compiled program yet runs padded to the cheapest
+  # compiled shape that covers it while its own compiles in a background thread
+  # (step_shapes.py): no compile stall while serving. Off: each new shape compiles
+  # before its step runs (reproducible to the bit: the padding never depends on timing).
+  compile_in_background: bool = False
   seed: int = 0
   hisparse: HiSparseConfig | None = None  # None: dense attention only
 
@@ -198,7 +203,8 @@ class Engine:
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               kernel_backend=config.kernel_backend, hisparse=config.hisparse,
-                              host_pool=self.host_pool, eos_token_ids=self.eos_token_ids)
+                              host_pool=self.host_pool, eos_token_ids=self.eos_token_ids,
+                              compile_in_background=config.compile_in_background)
     # Reserved bytes as allocated (the runner's arrays), not as planned.
     hisparse = None
     if config.hisparse is not None:
@@ -725,7 +731,7 @@ class Engine:
     """All metrics as a flat dict (labelled series keyed like `name{label="x"}`)."""
     self.transfer.poll()
     self.stats.on_usage(self.block_manager, self.scheduler)
-    self.stats.on_shapes(len(self.runner.shapes_compiled))
+    self.stats.on_shapes(len(self.runner.shapes_compiled), self.runner.compiler)
     return self.metrics_registry.to_dict()
 
   def check_invariants(self) -> None:

@@ -34,7 +34,15 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
   hisparse_step_shapes                          gauge   distinct padded step shapes run so
                                                         far (each compiled a step program
                                                         the first time: a rise while serving
-                                                        is a compile stall)
+                                                        is a compile stall, unless
+                                                        compile_in_background)
+  hisparse_step_compiles{where}                 gauge   step programs compiled so far:
+                                                        foreground (the step waited: a
+                                                        stall) or background
+                                                        (compile_in_background)
+  hisparse_steps_on_covering_shape              gauge   steps run padded to a compiled
+                                                        covering shape while their own
+                                                        compiled (compile_in_background)
   hisparse_time_to_first_token_seconds, hisparse_inter_token_seconds,
   hisparse_step_seconds                         histograms (_count, _sum, _p50, _p99)
 """
@@ -63,6 +71,8 @@ PROMPT_TOKENS_TOTAL = "hisparse_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "hisparse_generation_tokens_total"
 NUM_REQUESTS = "hisparse_num_requests"
 STEP_SHAPES = "hisparse_step_shapes"
+STEP_COMPILES = "hisparse_step_compiles"
+STEPS_ON_COVERING_SHAPE = "hisparse_steps_on_covering_shape"
 TTFT_SECONDS = "hisparse_time_to_first_token_seconds"
 INTER_TOKEN_SECONDS = "hisparse_inter_token_seconds"
 STEP_SECONDS = "hisparse_step_seconds"
@@ -84,6 +94,11 @@ class EngineMetrics:
     self.preemptions = r.counter(PREEMPTIONS_TOTAL, "Requests preempted.")
     self.step_shapes = r.gauge(STEP_SHAPES, "Distinct padded step shapes run so far (each "
                                "compiled a step program once).")
+    self.step_compiles = r.gauge(STEP_COMPILES, "Step programs compiled so far, in the "
+                                 "foreground (the step waited) or the background.",
+                                 labelnames=("where",))
+    self.steps_on_cover = r.gauge(STEPS_ON_COVERING_SHAPE, "Steps run padded to a compiled "
+                                  "covering shape while their own program compiled.")
     self.thrash = r.counter(THRASH_TOTAL, "Blocks reloaded soon after eviction.")
     self.offloads = r.counter(OFFLOADS_TOTAL, "Sparse requests whose written-through device "
                               "blocks were dropped to make room (HiSparse).")
@@ -185,8 +200,12 @@ class EngineMetrics:
   def on_finish(self, request) -> None:
     self.requests.inc(finish_reason=request.finish_reason)
 
-  def on_shapes(self, num_shapes: int) -> None:
+  def on_shapes(self, num_shapes: int, compiler=None) -> None:
     self.step_shapes.set(num_shapes)
+    if compiler is not None:
+      self.step_compiles.set(compiler.foreground, where="foreground")
+      self.step_compiles.set(compiler.background, where="background")
+      self.steps_on_cover.set(compiler.covered)
 
   def on_usage(self, block_manager, scheduler) -> None:
     for kind, pool in block_manager.pools.items():

@@ -158,16 +158,20 @@ def matches_expected(text: str, expected: str) -> bool:
   return bool(want) and answer_of(text).split()[:len(want)] == want
 
 
-def engine_kwargs_from_flags() -> dict[str, Any]:
+def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, Any]:
   """The `LLM` arguments the shared and engine flags give, checked as an `EngineConfig`
-  before any model loads (its fields are the flags' names, so errors name the flag)."""
+  before any model loads (its fields are the flags' names, so errors name the flag).
+  `compile_in_background`: the command's default for that flag."""
   from hisparse_jax.engine import EngineConfig  # noqa: PLC0415 (imports jax)
 
   kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
                 device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
                 max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
-                async_scheduling=FLAGS.async_scheduling, hisparse=hisparse_from_flags())
+                async_scheduling=FLAGS.async_scheduling, hisparse=hisparse_from_flags(),
+                compile_in_background=(compile_in_background
+                                       if FLAGS.compile_in_background is None
+                                       else FLAGS.compile_in_background))
   try:
     EngineConfig(**kwargs)
   except ValueError as e:

@@ -23,6 +23,7 @@ The runner is assembled from one module per concern:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -37,14 +38,15 @@ from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVPool, device_full_fn
 from hisparse_jax.sparse_attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.step_batch import (  # noqa: F401 (re-exported)
-    BatchBuilderMixin,
-    SamplerExtras,
-    SparseTiers,
-    StepBatch,
-    StepMetadata,
-    needs_extras,
+  BatchBuilderMixin,
+  SamplerExtras,
+  SparseTiers,
+  StepBatch,
+  StepMetadata,
+  needs_extras,
 )
 from hisparse_jax.step_program import copy_program, refresh_program, step_program
+from hisparse_jax.step_shapes import StepCompiler
 from hisparse_jax.transfer import bucket_size
 
 
@@ -91,7 +93,8 @@ class ModelRunner(BatchBuilderMixin):
   def __init__(self, model: nnx.Module, device_pool: KVPool, *, max_model_len: int,
                max_num_seqs: int, max_num_batched_tokens: int,
                kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
-               host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = ()):
+               host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = (),
+               compile_in_background: bool = False):
     self.config = model.config
     self.vocab_size = model.config.vocab_size
     self.eos_token_ids = tuple(eos_token_ids)  # stop tokens min_tokens holds back
@@ -137,6 +140,11 @@ class ModelRunner(BatchBuilderMixin):
     self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size)
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
+    # compile_in_background: new step shapes run padded to a compiled covering shape
+    # while their own program compiles in a thread (step_shapes.py); None: jit's cache.
+    self.compiler = (StepCompiler(self._step, {"num_token_rows": max_num_seqs},
+                                  self.ops.hints_cover, self.num_hot_rows)
+                     if compile_in_background else None)
     # The previous-step tokens of a step that reads none (its token_src is all -1).
     self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), device_pool.sharding)
 
@@ -173,16 +181,20 @@ class ModelRunner(BatchBuilderMixin):
     compile time as the whole tiny forward.
     """
     greedy_only = not np.any(batch.temperature > 0)
-    self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
-                              batch.metadata.block_tables.shape[1], greedy_only))
     if prev_tokens is None:
       if np.any(batch.token_src >= 0):
         raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
       prev_tokens = self._no_tokens
+    if self.compiler is None:
+      step = functools.partial(self._step, greedy_only=greedy_only,
+                               num_token_rows=self.max_num_seqs)
+    else:
+      step, batch = self.compiler.program(
+          batch, greedy_only, lambda b: self._step_args(b, prev_tokens))
+    self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
+                              batch.metadata.block_tables.shape[1], greedy_only))
     (tokens, arrays, self.bounds, self.hot_state, (counts, loaded),
-     (logprobs, prompt)) = self._step(*self._step_args(batch, prev_tokens),
-                                      greedy_only=greedy_only,
-                                      num_token_rows=self.max_num_seqs)
+     (logprobs, prompt)) = step(*self._step_args(batch, prev_tokens))
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1

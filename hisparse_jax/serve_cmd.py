@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
   from hisparse_jax.openai_server import build_app  # noqa: PLC0415
   from hisparse_jax.serving import AsyncEngine  # noqa: PLC0415
 
-  llm_kwargs = generate_cmd.engine_kwargs_from_flags()  # bad flags fail before the load
+  # bad flags fail before the load
+  llm_kwargs = generate_cmd.engine_kwargs_from_flags(compile_in_background=True)
   if FLAGS.drain_timeout_s < 0:
     raise ValueError(f"--drain_timeout_s must be >= 0, got {FLAGS.drain_timeout_s}")
   if logging.get_verbosity() < logging.INFO:

@@ -125,12 +125,18 @@ def _no_hints(q_lens: Sequence[int]) -> dict[str, int]:
   return {}
 
 
+def _no_hints_cover(hints: dict[str, int], q_lens: Sequence[int]) -> bool:
+  del q_lens
+  return not hints
+
+
 class KernelOps(NamedTuple):
   """The four kernels bound to one backend; every field has its kernel's signature.
 
   `ragged_hints(q_lens)` (host side) gives the static keyword arguments that size
   `ragged_paged_attention` for a batch whose rows have these query lengths (the xla
-  backend's prefill tiles; nothing for the others).
+  backend's prefill tiles; nothing for the others). `hints_cover(hints, q_lens)`: whether
+  a call with the static sizes `hints` computes rows of these query lengths.
   """
 
   backend: str
@@ -139,6 +145,7 @@ class KernelOps(NamedTuple):
   write_kv: Callable[..., tuple[jax.Array, jax.Array]]
   block_key_bounds: Callable[..., jax.Array]
   ragged_hints: Callable[[Sequence[int]], dict[str, int]] = _no_hints
+  hints_cover: Callable[[dict[str, int], Sequence[int]], bool] = _no_hints_cover
 
 
 @functools.cache  # the same KernelOps (a static argument of the step) per backend
@@ -169,6 +176,7 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None) -> K
                      bind(wkv.write_kv), bind(bkb.block_key_bounds))
   if name == "xla":
     return KernelOps(name, xa.paged_attention_xla, xa.ragged_paged_attention_xla,
-                     wkv.write_kv_reference, bkb.block_key_bounds_reference, xa.ragged_hints)
+                     wkv.write_kv_reference, bkb.block_key_bounds_reference, xa.ragged_hints,
+                     xa.hints_cover)
   return KernelOps(name, pa.paged_attention_reference, rpa.ragged_paged_attention_reference,
                    wkv.write_kv_reference, bkb.block_key_bounds_reference)

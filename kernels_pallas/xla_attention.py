@@ -81,6 +81,16 @@ def ragged_hints(q_lens: Sequence[int]) -> dict[str, int]:
           "num_decode_rows": decode_rows_bucket(sum(int(n) == 1 for n in q_lens))}
 
 
+def hints_cover(hints: dict[str, int], q_lens: Sequence[int]) -> bool:
+  """Whether a call with the static sizes `hints` (of `ragged_hints`, perhaps of other
+  rows) computes rows of these query lengths: enough prefill tiles of its tile size and
+  enough decode rows."""
+  multi = [int(n) for n in q_lens if n > 1]
+  tile = hints["prefill_tile"]
+  return (sum(common.cdiv(n, tile) for n in multi) <= hints["num_prefill_tiles"]
+          and sum(int(n) == 1 for n in q_lens) <= hints["num_decode_rows"])
+
+
 def _blocks_per_step(keys: int, block_size: int) -> int:
   return max(1, keys // block_size)
 

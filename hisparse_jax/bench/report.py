@@ -72,7 +72,10 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
     sl = suites["serve_load"]
     rows.append(("serve_load", f"output tokens/s, {sl['num_clients']} streaming clients over "
                  f"HTTP / the same requests through `LLM.generate` (compile stalls in the timed "
-                 f"rounds: {sl['server_step_shapes_new']:.0f})",
+                 f"rounds: {sl.get('server_compile_stalls', sl['server_step_shapes_new']):.0f}"
+                 + (f"; steps on a covering shape while {sl['server_background_compiles']:.0f} "
+                    f"compiled in the background: {sl['server_steps_on_covering_shape']:.0f}"
+                    if "server_background_compiles" in sl else "") + ")",
                  _fmt(sl["served_over_offline"]), "-"))
   if "kernel" in suites:
     for name, k in suites["kernel"]["summary"].items():

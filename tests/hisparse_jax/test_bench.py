@@ -192,6 +192,7 @@ def test_serve_load_fields(smoke):
   """The served streams give the offline texts; the server drained and exited 0."""
   sl = smoke[0]["suites"]["serve_load"]
   assert sl["texts_equal"] and sl["server_exit_status"] == 0
+  assert sl["server_compile_stalls"] >= 0 and sl["server_steps_on_covering_shape"] >= 0
   assert _positive(sl["served_over_offline"], sl["served"]["output_tokens_per_s"],
                    sl["offline"]["output_tokens_per_s"], sl["served"]["ttft_s"]["p50"])
   assert len(sl["served_round_seconds"]) == len(sl["offline_round_seconds"]) == \
