@@ -144,24 +144,25 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
                    "get to finish before they are aborted.")
 
 
-# The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`.
+# The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`; a flag of
+# this file given to a command that does not read it is refused (absl's flags are global).
 _MODEL = ("model", "dtype", "block_size", "device_kv_gib", "host_pool_gib", "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
            "compile_in_background", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
+_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
                  ("HiSparse", _HISPARSE)),
     "generate": (("prompts", ("prompt", "prompts_file")),
-                 ("sampling", ("max_new_tokens", "temperature", "top_p", "top_k", "stop",
-                               "logprobs", "n")),
+                 ("sampling", _SAMPLING),
                  ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
                  ("output", _OUTPUT)),
     "demo": (("demo", ("demo_num_prompts", "demo_context_len", "demo_seed")),
-             ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
-             ("output", _OUTPUT)),
+             ("sampling", _SAMPLING), ("model and memory", _MODEL), ("engine", _ENGINE),
+             ("HiSparse", _HISPARSE), ("output", _OUTPUT)),
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
               ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE)),
@@ -212,6 +213,12 @@ def _main(argv: list[str]) -> int:
   if rest:
     print(f"hisparse-jax {name}: unexpected argument {rest[0]!r}", file=sys.stderr)
     return 2
+  unread = unread_flags(name)
+  if unread:
+    print(f"hisparse-jax {name}: error: {', '.join('--' + f for f in unread)} "
+          f"{'is not a flag' if len(unread) == 1 else 'are not flags'} of {name} (ignored "
+          f"there); `hisparse-jax {name} --help` lists its flags", file=sys.stderr)
+    return 2
   module = importlib.import_module(COMMANDS[name][0])
   try:
     return int(module.main(argv[1:]) or 0)
@@ -220,6 +227,18 @@ def _main(argv: list[str]) -> int:
       traceback.print_exc()
     print(f"hisparse-jax {name}: error: {error_line(e)}", file=sys.stderr)
     return 2
+
+
+def command_flags(command: str) -> set[str]:
+  """The flags of this file that `command` reads."""
+  return {n for _, names in COMMAND_FLAGS.get(command, ()) for n in names}
+
+
+def unread_flags(command: str) -> list[str]:
+  """Flags of this file given on the command line that `command` does not read (absl's
+  own flags, --verbosity and the like, are every command's)."""
+  ours = [f.name for f in FLAGS.get_flags_for_module(sys.modules[__name__])]
+  return sorted(n for n in ours if FLAGS[n].present and n not in command_flags(command))
 
 
 def error_line(error: ValueError) -> str:
