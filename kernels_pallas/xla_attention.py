@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas import common
+from kernels_pallas import common, cpu_kernels
 from kernels_pallas.paged_attention import _check as _check_paged
 from kernels_pallas.ragged_paged_attention import _check as _check_ragged
 
@@ -132,7 +132,20 @@ def _cap(s, soft_cap):
 def _decode_rows(q, k_pages, v_pages, block_tables, kv_lens, starts, *, sm_scale, soft_cap,
                  blocks_per_step):
   """One query per row over keys [starts, kv_lens) of its table (starts None: from 0).
-  q [B, Hq, D] -> f32.
+  q [B, Hq, D] -> f32. On a CPU target with the C++ kernel built (cpu_kernels), the
+  kernel reads the blocks in place; elsewhere `_decode_rows_jnp`."""
+  jnp_path = functools.partial(_decode_rows_jnp, sm_scale=sm_scale, soft_cap=soft_cap,
+                               blocks_per_step=blocks_per_step)
+  if not cpu_kernels.supports(q, k_pages):
+    return jnp_path(q, k_pages, v_pages, block_tables, kv_lens, starts)
+  kernel = functools.partial(cpu_kernels.paged_decode, sm_scale=sm_scale, soft_cap=soft_cap)
+  return lax.platform_dependent(q, k_pages, v_pages, block_tables, kv_lens, starts,
+                                cpu=kernel, default=jnp_path)
+
+
+def _decode_rows_jnp(q, k_pages, v_pages, block_tables, kv_lens, starts, *, sm_scale,
+                     soft_cap, blocks_per_step):
+  """`_decode_rows` in jnp.
 
   Rows go in groups (lax.map) whose key chunk, K and V, is about DECODE_GROUP_BYTES: the
   gathered chunk stays in the core's L2 between its gather and its two products

@@ -1,26 +1,43 @@
 """The xla backend's attention (what the engine runs on CPU) against the references.
 
+Its decode rows run the C++ kernel (cpu_kernels) where it is built and the jnp loop
+elsewhere: the `decode_path` fixture runs each test on both.
+
 Also: masked KV never contributes, whatever an unused slot holds (NaN or inf), in every
 attention path: the Pallas kernels (interpret mode), the references and the xla backend.
 """
 
 import chex
+import jax
 import jax.numpy as jnp
 import kernels_testlib as lib
 import numpy as np
 import pytest
 
 from kernels_pallas import (
-    paged_attention,
-    paged_attention_reference,
-    paged_attention_xla,
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-    ragged_paged_attention_xla,
+  cpu_kernels,
+  paged_attention,
+  paged_attention_reference,
+  paged_attention_xla,
+  ragged_paged_attention,
+  ragged_paged_attention_reference,
+  ragged_paged_attention_xla,
 )
 from kernels_pallas.xla_attention import decode_rows_bucket, prefill_plan, ragged_hints
 
 NUM_BLOCKS = 96
+
+
+@pytest.fixture(params=["cpp", "jnp"])
+def decode_path(request, monkeypatch):
+  """The xla backend's decode rows through the C++ kernel, or the jnp loop."""
+  if request.param == "cpp" and not cpu_kernels.available():
+    pytest.skip("the C++ CPU kernels are not built here (no C++ compiler)")
+  if request.param == "jnp":
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  jax.clear_caches()  # the choice is made when a call is traced
+  yield request.param
+  jax.clear_caches()
 
 
 def _batch(rng, ratio, block_size, head_dim, dtype, seqs, pad_rows=3, num_blocks=NUM_BLOCKS):
@@ -45,7 +62,7 @@ def _mixed(block_size):
 
 
 @pytest.mark.parametrize("ratio,block_size,head_dim,dtype", lib.PAIRWISE_GRID)
-def test_ragged_xla_matches_reference_on_grid(rng, ratio, block_size, head_dim, dtype):
+def test_ragged_xla_matches_reference_on_grid(rng, decode_path, ratio, block_size, head_dim, dtype):
   _, args = _batch(rng, ratio, block_size, head_dim, dtype, _mixed(block_size))
   q_lens = np.diff(np.asarray(args[5]))
   ref = ragged_paged_attention_reference(*args)
@@ -62,7 +79,7 @@ def test_ragged_xla_matches_reference_on_grid(rng, ratio, block_size, head_dim, 
 
 @pytest.mark.parametrize("kw", [{"sliding_window": 21}, {"soft_cap": 5.0},
                                 {"sm_scale": 0.3, "sliding_window": 1}])
-def test_ragged_xla_window_cap_scale(rng, kw):
+def test_ragged_xla_window_cap_scale(rng, decode_path, kw):
   _, args = _batch(rng, 4, 8, 64, "float32", _mixed(8))
   out = ragged_paged_attention_xla(*args, **ragged_hints(np.diff(np.asarray(args[5]))), **kw)
   ref = ragged_paged_attention_reference(*args, **kw)
@@ -83,7 +100,7 @@ def test_ragged_xla_equals_naive_attention_per_sequence(rng):
 
 
 @pytest.mark.parametrize("ratio,block_size,head_dim,dtype", lib.PAIRWISE_GRID)
-def test_paged_xla_matches_reference_on_grid(rng, ratio, block_size, head_dim, dtype):
+def test_paged_xla_matches_reference_on_grid(rng, decode_path, ratio, block_size, head_dim, dtype):
   lengths = lib.grid_lengths(block_size) + [17 * block_size + 1]
   num_kv_heads = 2 if ratio < 8 else 1
   pool = lib.make_pool(rng, NUM_BLOCKS, block_size, num_kv_heads, head_dim, lib.DTYPES[dtype])
@@ -131,7 +148,7 @@ PAGED = {"pallas": paged_attention, "reference": paged_attention_reference,
 
 
 @pytest.mark.parametrize("backend", ["pallas", "reference", "xla"])
-def test_masked_kv_never_contributes_ragged(rng, backend):
+def test_masked_kv_never_contributes_ragged(rng, backend, decode_path):
   bs = 8
   seqs = [(1, 13), (5, 5), (3, 2 * bs + 1), (1, bs)]
   _, args = _batch(rng, 2, bs, 32, "float32", seqs, num_blocks=24)
@@ -144,7 +161,7 @@ def test_masked_kv_never_contributes_ragged(rng, backend):
 
 
 @pytest.mark.parametrize("backend", ["pallas", "reference", "xla"])
-def test_masked_kv_never_contributes_paged(rng, backend):
+def test_masked_kv_never_contributes_paged(rng, backend, decode_path):
   bs = 8
   lengths = [13, 1, 2 * bs + 1, 0]
   pool = lib.make_pool(rng, 24, bs, 2, 32, jnp.float32)

@@ -1,0 +1,113 @@
+"""C++ kernels for XLA:CPU (XLA FFI custom calls), built on first use.
+
+Pallas does not compile for CPU, and XLA:CPU runs a paged decode as a gather of each row's
+blocks followed by many tiny batched matmuls (a group of query heads against a chunk of
+keys). `cpu_paged_decode.cc` reads the blocks in place instead, one task per (row, KV
+head) on XLA's intra-op thread pool (vLLM's CPU backend runs C++ attention kernels the
+same way). `paged_decode` is what xla_attention's decode rows call when `available()`.
+
+Build: the source is compiled once per source / jaxlib / compiler into
+$HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
+else c++ / g++ / clang++) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then
+loaded and registered as an FFI target. Without a compiler, or with
+HISPARSE_CPU_KERNELS=0, `available()` is False and the jnp path runs (warned once when a
+build fails). Only float32 pages: other dtypes take the jnp path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_paged_decode.cc")
+TARGET = "hisparse_paged_decode_f32"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _cache_dir() -> str:
+  return os.environ.get("HISPARSE_CACHE_DIR",
+                        os.path.join(os.path.expanduser("~"), ".cache", "hisparse_jax"))
+
+
+def build() -> str:
+  """Compiles the kernel (or finds it compiled); returns the shared library's path.
+  Raises RuntimeError when there is no compiler or the compile fails."""
+  import jaxlib
+
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+  with open(SOURCE, "rb") as f:
+    source = f.read()
+  key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode()
+                       + " ".join(FLAGS).encode()).hexdigest()[:16]
+  path = os.path.join(_cache_dir(), f"cpu_paged_decode_{key}.so")
+  if os.path.exists(path):
+    return path
+  os.makedirs(_cache_dir(), exist_ok=True)
+  # Built beside its final name and renamed: processes building at once each write their
+  # own file, and the rename is atomic.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+  os.close(fd)
+  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  if r.returncode != 0:
+    os.unlink(tmp)
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+  os.replace(tmp, path)
+  return path
+
+
+@functools.cache
+def available() -> bool:
+  """Whether the C++ kernels are built and registered (HISPARSE_CPU_KERNELS=0: never)."""
+  if os.environ.get("HISPARSE_CPU_KERNELS", "1") == "0":
+    return False
+  try:
+    lib = ctypes.cdll.LoadLibrary(build())
+  except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+    warnings.warn(f"hisparse_jax: the C++ CPU kernels are not available ({e}); the jnp "
+                  "attention runs instead", RuntimeWarning, stacklevel=2)
+    print(f"hisparse_jax: C++ CPU kernels not built: {e}", file=sys.stderr)
+    return False
+  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HisparsePagedDecodeF32),
+                              platform="cpu")
+  return True
+
+
+def supports(q: jax.Array, k_pages: jax.Array) -> bool:
+  """Whether `paged_decode` takes these operands (float32 pages and queries, the kernels
+  built)."""
+  return (isinstance(k_pages, jax.Array | jax.core.Tracer) and k_pages.dtype == jnp.float32
+          and q.shape[1] % k_pages.shape[2] == 0 and available())
+
+
+def paged_decode(q, k_pages, v_pages, block_tables, kv_lens, starts=None, *, sm_scale: float,
+                 soft_cap: float | None = None) -> jax.Array:
+  """float32 [B, Hq, D]: each row's query over its keys [starts, kv_lens) (starts None:
+  from 0); the contract of xla_attention's decode rows."""
+  if starts is None:
+    starts = jnp.zeros_like(kv_lens)
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
+              kv_lens.astype(jnp.int32), starts.astype(jnp.int32),
+              scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
