@@ -2,9 +2,12 @@
 
 Pallas does not compile for CPU, and XLA:CPU runs a paged decode as a gather of each row's
 blocks followed by many tiny batched matmuls (a group of query heads against a chunk of
-keys). `cpu_paged_decode.cc` reads the blocks in place instead, one task per (row, KV
-head) on XLA's intra-op thread pool (vLLM's CPU backend runs C++ attention kernels the
-same way). `paged_decode` is what xla_attention's decode rows call when `available()`.
+keys), and a prefill as matmuls whose scores go through memory between the two products.
+`cpu_attention.cc` reads the blocks in place instead, on XLA's intra-op thread pool
+(vLLM's CPU backend runs C++ attention kernels the same way): `paged_decode` (one task
+per row) is what xla_attention's decode rows call when `available()`, `ragged_prefill`
+(one task per 32 queries of a row and KV head, flash attention over 16-key tiles) its
+prefill rows.
 
 Build: the source is compiled once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
@@ -30,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_paged_decode.cc")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
 TARGET = "hisparse_paged_decode_f32"
+PREFILL_TARGET = "hisparse_ragged_prefill_f32"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -59,7 +63,7 @@ def build() -> str:
     source = f.read()
   key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode()
                        + " ".join(FLAGS).encode()).hexdigest()[:16]
-  path = os.path.join(_cache_dir(), f"cpu_paged_decode_{key}.so")
+  path = os.path.join(_cache_dir(), f"cpu_attention_{key}.so")
   if os.path.exists(path):
     return path
   os.makedirs(_cache_dir(), exist_ok=True)
@@ -90,6 +94,8 @@ def available() -> bool:
     return False
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HisparsePagedDecodeF32),
                               platform="cpu")
+  jax.ffi.register_ffi_target(PREFILL_TARGET,
+                              jax.ffi.pycapsule(lib.HisparseRaggedPrefillF32), platform="cpu")
   return True
 
 
@@ -111,3 +117,17 @@ def paged_decode(q, k_pages, v_pages, block_tables, kv_lens, starts=None, *, sm_
   return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
               kv_lens.astype(jnp.int32), starts.astype(jnp.int32),
               scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def ragged_prefill(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale: float,
+                   soft_cap: float | None = None, sliding_window: int | None = None
+                   ) -> jax.Array:
+  """float32 [T, Hq, D]: the rows of a ragged batch with more than one query, causal over
+  their keys (and a sliding window); every other token's output is 0. The contract of
+  `ragged_paged_attention` for those rows."""
+  call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
+              kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
+              scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+              window=np.int64(sliding_window or 0))

@@ -320,6 +320,18 @@ def _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
   return out, dst
 
 
+def _prefill_rows_jnp(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_scale,
+                      soft_cap, sliding_window, tile, num_tiles, blocks_per_step):
+  """`cpu_kernels.ragged_prefill`'s contract from `_prefill_tiles`: [T, Hq, D] f32, the
+  rows with more than one query, zeros elsewhere."""
+  tiles, dst = _prefill_tiles(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                              sm_scale=sm_scale, soft_cap=soft_cap,
+                              sliding_window=sliding_window, tile=tile, num_tiles=num_tiles,
+                              blocks_per_step=blocks_per_step)
+  out = jnp.zeros((q.shape[0], *q.shape[1:]), jnp.float32)
+  return out.at[dst.reshape(-1)].set(tiles.reshape(-1, *q.shape[1:]), mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
                                              "interpret", "prefill_tile",
                                              "num_prefill_tiles", "num_decode_rows"))
@@ -368,7 +380,19 @@ def ragged_paged_attention_xla(
                        sm_scale=scale, soft_cap=soft_cap,
                        blocks_per_step=_blocks_per_step(DECODE_KEYS, block_size))
     out = out.at[jnp.where(is_decode, tokens, num_tokens)].set(dec, mode="drop")
-  if num_prefill_tiles:
+  if num_prefill_tiles and cpu_kernels.supports(q, k_pages):
+    # Rows with more than one query through the C++ kernel on a CPU target (zeros for the
+    # other rows); the jnp tiles elsewhere.
+    prefill = functools.partial(_prefill_rows_jnp, sm_scale=scale, soft_cap=soft_cap,
+                                sliding_window=sliding_window, tile=prefill_tile,
+                                num_tiles=num_prefill_tiles,
+                                blocks_per_step=_blocks_per_step(PREFILL_KEYS, block_size))
+    kernel = functools.partial(cpu_kernels.ragged_prefill, sm_scale=scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window)
+    rows = lax.platform_dependent(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                                  cpu=kernel, default=prefill)
+    out = out + rows  # each token's output is in one of them, the other holds 0
+  elif num_prefill_tiles:
     tiles, dst = _prefill_tiles(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sm_scale=scale,
         soft_cap=soft_cap, sliding_window=sliding_window, tile=prefill_tile,

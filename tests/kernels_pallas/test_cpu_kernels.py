@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel for XLA:CPU (kernels_pallas/cpu_paged_decode.cc) against
+"""The C++ attention kernels for XLA:CPU (kernels_pallas/cpu_attention.cc): the paged decode against
 `paged_attention_reference` and naive numpy attention: GQA 1:1 to 8:1, block sizes 4 to
 128, head_dim powers of 2 or not, key ranges that start past 0 (sliding windows), soft
 caps, empty rows, and pages poisoned with NaN / inf outside every range."""
@@ -99,3 +99,56 @@ def test_without_a_compiler_the_jnp_path_runs():
                      timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "C++ CPU kernels not built: no C++ compiler" in r.stderr
+
+
+def _ragged(rng, group, block_size, head_dim, seqs, num_kv_heads=2, num_blocks=96, pad=3):
+  q_lens, kv_lens = zip(*seqs)
+  pool = lib.make_pool(rng, num_blocks, block_size, num_kv_heads, head_dim, jnp.float32)
+  width = -(-max(kv_lens) // block_size) + 1
+  tables = jnp.asarray(lib.make_tables(rng, kv_lens, block_size, width, num_blocks))
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = jnp.asarray(rng.standard_normal((cu[-1] + pad, group * num_kv_heads, head_dim)),
+                  jnp.float32)
+  return q, pool, tables, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), q_lens
+
+
+@pytest.mark.parametrize("group,block_size,head_dim", [
+    (1, 4, 32), (2, 8, 64), (4, 16, 128), (3, 128, 32), (8, 32, 80), (2, 16, 40)])
+def test_prefill_matches_the_reference(rng, group, block_size, head_dim):
+  from kernels_pallas import ragged_paged_attention_reference
+  bs = block_size
+  # Whole prompts, chunks that continue a prompt (q_len < kv_len), decode rows and an
+  # empty row (zeros from this kernel), long rows over many 16-key tiles and blocks.
+  seqs = [(37, 37), (1, 9 * bs + 5), (70, 12 * bs + 72), (0, 5), (3, bs + 1), (2, 2),
+          (bs + 5, 5 * bs + 3), (1, bs)]
+  q, pool, tables, lens, cu, q_lens = _ragged(rng, group, bs, head_dim, seqs)
+  for kw in ({}, {"sliding_window": 21}, {"soft_cap": 5.0}, {"sliding_window": 1}):
+    out = np.asarray(cpu_kernels.ragged_prefill(q, pool.k_pages, pool.v_pages, tables, lens,
+                                                cu, sm_scale=head_dim**-0.5, **kw))
+    ref = np.asarray(ragged_paged_attention_reference(q, pool.k_pages, pool.v_pages, tables,
+                                                      lens, cu, **kw))
+    for b, n in enumerate(q_lens):
+      if n == 0:
+        continue
+      rows = slice(int(cu[b]), int(cu[b + 1]))
+      want = ref[rows] if n > 1 else 0.0  # only rows with more than one query
+      assert np.abs(out[rows] - want).max() <= lib.TOL["float32"], (b, kw)
+    np.testing.assert_array_equal(out[int(cu[-1]):], 0.0)  # padding tokens
+
+
+def test_prefill_never_reads_past_the_context(rng):
+  bs = 8
+  seqs = [(13, 13), (5, 2 * bs + 1), (9, 20)]
+  q, pool, tables, lens, cu, _ = _ragged(rng, 2, bs, 32, seqs, num_blocks=24)
+  clean = cpu_kernels.ragged_prefill(q, pool.k_pages, pool.v_pages, tables, lens, cu,
+                                     sm_scale=0.1)
+  k, v = np.array(pool.k_np), np.array(pool.v_np)
+  used = np.zeros(k.shape[:2], bool)
+  for table, n in zip(np.asarray(tables), np.asarray(lens)):
+    for t in range(n):
+      used[table[t // bs], t % bs] = True
+  k[~used], v[~used] = np.nan, np.inf
+  out = cpu_kernels.ragged_prefill(q, jnp.asarray(k), jnp.asarray(v), tables, lens, cu,
+                                   sm_scale=0.1)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
