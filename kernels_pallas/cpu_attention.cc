@@ -201,10 +201,25 @@ inline Keys16 ExpNonPositive16(Keys16 x) {
   return x < lowest ? Keys16{} : e * scale;
 }
 
+// Horizontal max and sum of 16 lanes in 4 shuffle steps (no scalar loop).
 inline float MaxOf(Keys16 x) {
-  float m = x[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-  return m;
+  Keys16 y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  x = x > y ? x : y;
+  return x[0];
+}
+
+inline float SumOf(Keys16 x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
 }
 constexpr int64_t kKeyTile = 16;
 constexpr int64_t kQueryTile = 32;  // queries of one task (x the GQA group in rows)
@@ -295,9 +310,7 @@ void OnePrefillTask(const PrefillTask& task, const float* q, const float* k, con
           m[r] = m_next;
           const Keys16 pv = ExpNonPositive16(sv[x] - m_next);
           std::memcpy(p[x], &pv, sizeof(pv));
-          float sum = 0.0f;
-          for (int t = 0; t < kKeyTile; ++t) sum += p[x][t];
-          l[r] = l[r] * alpha + sum;
+          l[r] = l[r] * alpha + SumOf(pv);
           const float* a = acc.data() + r * kDim;
           for (int64_t d = 0; d < kDim; ++d) ar[x][d] = a[d] * alpha;
         }
