@@ -23,6 +23,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,17 @@ def _cache_dir() -> str:
                         os.path.join(os.path.expanduser("~"), ".cache", "hisparse_jax"))
 
 
+def _cpu_signature() -> bytes:
+  """What -march=native compiles for: the CPU's model and flags (a cache shared by
+  machines with different CPUs must not hand one the other's instructions)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    return "".join(lines).encode()
+  except OSError:
+    return platform.processor().encode()
+
+
 def build() -> str:
   """Compiles the kernel (or finds it compiled); returns the shared library's path.
   Raises RuntimeError when there is no compiler or the compile fails."""
@@ -62,7 +74,7 @@ def build() -> str:
   with open(SOURCE, "rb") as f:
     source = f.read()
   key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode()
-                       + " ".join(FLAGS).encode()).hexdigest()[:16]
+                       + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
   path = os.path.join(_cache_dir(), f"cpu_attention_{key}.so")
   if os.path.exists(path):
     return path
