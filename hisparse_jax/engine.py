@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 from absl import logging
 
-from hisparse_jax import engine_metrics
+from hisparse_jax import engine_metrics, parallel
 from hisparse_jax.block_manager import BlockManager
 from hisparse_jax.capacity import (
   CapacityReport,
@@ -99,8 +99,14 @@ class EngineConfig:
   async_scheduling: bool = True
   seed: int = 0
   hisparse: HiSparseConfig | None = None  # None: dense attention only
+  # Devices of the one mesh the engine runs over (heads, MLP and KV cache split); 1: one
+  # device, no mesh (hisparse_jax.parallel).
+  tensor_parallel_size: int = 1
 
   def __post_init__(self):
+    tp = self.tensor_parallel_size
+    if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
+      raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     if self.block_size is None and self.hisparse is not None:
       object.__setattr__(self, "block_size", default_block_size(hisparse=True))
     if self.block_size is not None and (self.block_size <= 0
@@ -165,8 +171,14 @@ class Engine:
     if config.block_size is None:
       config = dataclasses.replace(config, block_size=default_block_size())
     self.config = config
+    # Tensor parallel: one mesh; the weights go straight into their shards.
+    self.mesh = parallel.make_mesh(config.tensor_parallel_size)
     if model is None:
-      model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype)
+      model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype,
+                                                       mesh=self.mesh)
+    elif self.mesh is not None:
+      raise ValueError("tensor_parallel_size > 1 loads the weights itself (into their "
+                       "shards): give EngineConfig.model, not model=")
     self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
     # Ends of generation: the model config's eos ids and the tokenizer's, which come from
     # generation_config.json (what transformers' generate stops at; instruction-tuned
@@ -185,7 +197,8 @@ class Engine:
                        "the sparse path; run without hisparse")
     spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
-                     device_kv_gib=config.device_kv_gib)
+                     device_kv_gib=config.device_kv_gib,
+                     num_devices=parallel.tp_size(self.mesh))
     if config.hisparse is None:
       plan = plan_capacity(spec, **plan_args)
     else:
@@ -193,7 +206,7 @@ class Engine:
       # state come out of the device budget, beside the blocks they serve.
       plan = plan_capacity_reserving(
           spec, lambda d, h: self._hisparse_capacity(spec, d, h).reserved_bytes, **plan_args)
-    self.device_pool, self.host_pool = plan.allocate()
+    self.device_pool, self.host_pool = plan.allocate(mesh=self.mesh)
     self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
@@ -208,7 +221,8 @@ class Engine:
         raise AssertionError(f"HiSparse device bytes: planned {hisparse.reserved_bytes:,}, "
                              f"allocated {self.runner.reserved_bytes:,}")
     self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
-                                              self.runner.reserved_bytes, hisparse)
+                                              self.runner.reserved_bytes, hisparse,
+                                              reserved_arrays=self.runner.reserved_arrays())
     configure_library_logging()
     self.capacity.log(config.max_model_len)
     self.metrics_registry = MetricsRegistry()
@@ -240,7 +254,8 @@ class Engine:
     c = self.config
     return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
                              num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
-                             max_model_len=c.max_model_len)
+                             max_model_len=c.max_model_len,
+                             num_devices=parallel.tp_size(self.mesh))
 
   # --- Requests ------------------------------------------------------------------
 

@@ -158,12 +158,21 @@ def select(
     kv_lens: jax.Array,  # int32 [batch]
     blocks: HiSparseBlocks,
     selection: str = "shared",
+    axis_name: str | None = None,
 ) -> Selection:
   """Scores and selection in one call: [batch, k] ("shared") or
-  [batch, num_kv_heads, k] ("per_kv_head")."""
+  [batch, num_kv_heads, k] ("per_kv_head").
+
+  axis_name: the KV heads are split over this mesh axis (inside shard_map): the shared
+  scores of the local heads are maxed over it before top-k, so every device selects the
+  same blocks, those of the unsplit heads (max is exact in any order)."""
   scores = block_scores(q, bounds)
   if selection == "shared":
     scores = shared_scores(scores, kv_lens, blocks.block_size)
+    if axis_name is not None:
+      scores = lax.pmax(scores, axis_name)
+  elif axis_name is not None:
+    raise ValueError("selection='per_kv_head' is not supported with tensor parallelism")
   elif selection != "per_kv_head":
     raise ValueError(f"selection must be 'shared' or 'per_kv_head', got {selection!r}")
   return select_blocks(scores, kv_lens, blocks)

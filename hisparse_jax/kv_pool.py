@@ -35,6 +35,8 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from hisparse_jax import parallel
+
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, PINNED_HOST)
@@ -140,13 +142,26 @@ class KVPool:
   """
 
   def __init__(self, spec: KVCacheSpec, num_blocks: int, memory_kind: str,
-               device: jax.Device | None = None):
+               device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None):
+    """mesh: tensor parallelism, the arrays split by KV head over its devices
+    (`hisparse_jax.parallel`); `device` is then the mesh's first."""
     if memory_kind not in MEMORY_KINDS:
       raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
     self.spec = spec
     self.memory_kind = memory_kind
+    self.mesh = mesh
+    if mesh is not None:
+      device = mesh.devices.flat[0]
     self.device = device if device is not None else jax.devices()[0]
     self.sharding = memory_sharding(self.device, memory_kind)
+    # What is not split (the runner's hot-buffer state, step inputs): one copy per device.
+    self.replicated = self.sharding
+    if mesh is not None:
+      if spec.num_kv_heads % parallel.tp_size(mesh):
+        raise ValueError(f"--tensor_parallel_size={parallel.tp_size(mesh)} does not divide "
+                         f"the KV cache's num_kv_heads={spec.num_kv_heads}")
+      self.sharding = parallel.kv_sharding(mesh, memory_kind)
+      self.replicated = parallel.replicated(mesh, memory_kind)
     if num_usable_blocks(num_blocks) < 1:
       raise ValueError(f"a {memory_kind} pool needs more than 1 blocks (the null block), "
                        f"got {num_blocks}")
@@ -205,8 +220,13 @@ class KVPool:
 
   @property
   def nbytes(self) -> int:
-    """Bytes of all arrays of this pool, as allocated."""
+    """Bytes of all arrays of this pool, as allocated (all shards together)."""
     return sum(int(a.nbytes) for a in self.arrays())
+
+  @property
+  def devices(self) -> tuple[jax.Device, ...]:
+    """The devices holding a shard of every array (one without a mesh)."""
+    return (self.device,) if self.mesh is None else tuple(self.mesh.devices.flat)
 
   def to_storage(self, x: jax.Array) -> jax.Array:
     """Logical dtype -> this pool's storage dtype (`to_storage`)."""
