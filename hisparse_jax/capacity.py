@@ -311,7 +311,7 @@ class CapacityReport:
         kind = array.sharding.memory_kind
         if kind != pool.memory_kind:
           raise ValueError(f"a {pool.memory_kind} pool holds an array in {kind}")
-        acc["kv_bytes"] += int(array.nbytes)
+        acc["kv_bytes"] += sum(live_bytes([array]).values())  # every shard, every copy
       acc["num_blocks"] += pool.num_usable_blocks
       acc["num_null_blocks"] += pool.num_blocks - pool.num_usable_blocks
     specs = {pool.spec for pool in pools}

@@ -161,7 +161,13 @@ class Engine:
 
   def __init__(self, config: EngineConfig | None = None, *, model=None, model_config=None,
                tokenizer=None):
-    from models.loader import checkpoint_dtype, load_pretrained  # heavy import, on use
+    from models.loader import (  # heavy import, on use
+      checkpoint_dtype,
+      load_config,
+      load_pretrained,
+      shard_model,
+    )
+    from models.sharding import check_tensor_parallel, kv_head_repeat
 
     config = config if config is not None else EngineConfig()
     if config.dtype == "auto":  # the checkpoint's torch_dtype (float32 for a given model)
@@ -173,12 +179,18 @@ class Engine:
     self.config = config
     # Tensor parallel: one mesh; the weights go straight into their shards.
     self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+    self.kv_head_repeat = 1  # copies of each KV head over the mesh (models.sharding)
+    if self.mesh is not None:  # refused before any weight is read
+      unsplit = load_config(config.model) if model is None else model.config
+      check_tensor_parallel(unsplit, config.tensor_parallel_size)
+      self.kv_head_repeat = kv_head_repeat(unsplit, config.tensor_parallel_size)
     if model is None:
       model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype,
                                                        mesh=self.mesh)
-    elif self.mesh is not None:
-      raise ValueError("tensor_parallel_size > 1 loads the weights itself (into their "
-                       "shards): give EngineConfig.model, not model=")
+    elif self.mesh is not None:  # a model built in memory (tests): into its shards
+      model = shard_model(model, self.mesh)
+      model_config = dataclasses.replace(
+          model_config, num_key_value_heads=model.config.num_key_value_heads)
     self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
     # Ends of generation: the model config's eos ids and the tokenizer's, which come from
     # generation_config.json (what transformers' generate stops at; instruction-tuned
@@ -211,7 +223,8 @@ class Engine:
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               kernel_backend=config.kernel_backend, hisparse=config.hisparse,
-                              host_pool=self.host_pool, eos_token_ids=self.eos_token_ids)
+                              host_pool=self.host_pool, eos_token_ids=self.eos_token_ids,
+                              kv_head_repeat=self.kv_head_repeat)
     # Reserved bytes as allocated (the runner's arrays), not as planned.
     hisparse = None
     if config.hisparse is not None:

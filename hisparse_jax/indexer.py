@@ -159,18 +159,26 @@ def select(
     blocks: HiSparseBlocks,
     selection: str = "shared",
     axis_name: str | None = None,
+    kv_head_repeat: int = 1,
 ) -> Selection:
   """Scores and selection in one call: [batch, k] ("shared") or
   [batch, num_kv_heads, k] ("per_kv_head").
 
-  axis_name: the KV heads are split over this mesh axis (inside shard_map): the shared
-  scores of the local heads are maxed over it before top-k, so every device selects the
-  same blocks, those of the unsplit heads (max is exact in any order)."""
+  axis_name: the KV heads are split over this mesh axis (tensor parallel, inside
+  shard_map): each device scores its own heads, then ONE all-gather of the scores
+  ([batch, heads, max_blocks] float32, small) gives every device all heads, so each
+  selects the blocks the unsplit model selects. kv_head_repeat: each of the model's KV
+  heads is held `kv_head_repeat` times (fewer KV heads than devices); the copies' scores
+  (each over its own query heads) are maxed back into the head's score first."""
   scores = block_scores(q, bounds)
+  if axis_name is not None:
+    scores = lax.all_gather(scores, axis_name, axis=1, tiled=True)
+    if kv_head_repeat > 1:
+      batch, heads, max_blocks = scores.shape
+      scores = scores.reshape(batch, heads // kv_head_repeat, kv_head_repeat,
+                              max_blocks).max(axis=2)
   if selection == "shared":
     scores = shared_scores(scores, kv_lens, blocks.block_size)
-    if axis_name is not None:
-      scores = lax.pmax(scores, axis_name)
   elif axis_name is not None:
     raise ValueError("selection='per_kv_head' is not supported with tensor parallelism")
   elif selection != "per_kv_head":

@@ -91,10 +91,14 @@ class ModelRunner(BatchBuilderMixin):
   def __init__(self, model: nnx.Module, device_pool: KVPool, *, max_model_len: int,
                max_num_seqs: int, max_num_batched_tokens: int,
                kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
-               host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = ()):
+               host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = (),
+               kv_head_repeat: int = 1):
+    """kv_head_repeat: tensor parallel with fewer KV heads than devices, the copies of
+    each KV head the (repeated) model holds (models.sharding.kv_head_repeat)."""
     self.config = model.config
     self.vocab_size = model.config.vocab_size
     self.eos_token_ids = tuple(eos_token_ids)  # stop tokens min_tokens holds back
+    self.kv_head_repeat = kv_head_repeat
     self.pool = device_pool
     self.block_size = device_pool.spec.block_size
     self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -150,7 +154,7 @@ class ModelRunner(BatchBuilderMixin):
         self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
-        one_memory, mesh=self.pool.mesh)
+        one_memory, mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
 
   @property
   def reserved_bytes(self) -> int:

@@ -44,7 +44,7 @@ from hisparse_jax.transfer import hop_free
 def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
                  blocks: HiSparseBlocks | None = None, selection: str | None = None,
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
-                 one_memory: bool | None = None, *, mesh=None):
+                 one_memory: bool | None = None, *, mesh=None, kv_head_repeat: int = 1):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
@@ -55,7 +55,7 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
             "--tensor_parallel_size > 1 with --hisparse: the in-step host loads are built "
             "only where device and host memory are one (CPU) so far")
       sparse = dataclasses.replace(sparse, device_sharding=None, one_memory=True,
-                                   axis_name=KV_HEADS[2])
+                                   axis_name=KV_HEADS[2], kv_head_repeat=kv_head_repeat)
   attn_fn = functools.partial(attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
                               sparse)
   if mesh is not None:
@@ -86,8 +86,8 @@ def sharded_attend(attn_fn, mesh, sparse: bool, q, k, v, *, layer_idx, kv_cache,
   """`attn_fn` under `shard_map` over the mesh's KV-head axis (tensor parallelism): each
   device attends with its own query / KV heads over its shard of the pages (and key
   bounds, host pages); block tables and every other step input are the same on all.
-  Nothing crosses devices here except HiSparse's shared selection (one `pmax` of the
-  block scores per layer, in indexer.select), so the rows' selection, resolution,
+  Nothing crosses devices here except HiSparse's shared selection (one all-gather of
+  the block scores per layer, in indexer.select), so the rows' selection, resolution,
   hot-buffer state and counts come out equal on every device (replicated outputs).
   q [1, tokens, heads, head_dim], k / v [1, tokens, kv_heads, head_dim]."""
   heads = P(None, None, KV_HEADS[2], None)

@@ -268,3 +268,23 @@ def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
 
 def param_count(model: nnx.Module) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def shard_model(model: LlamaForCausalLM, mesh: jax.sharding.Mesh) -> LlamaForCausalLM:
+  """An in-memory model put into its shards over `mesh` (as `load_pretrained(mesh=)` loads
+  one; its config is `models.sharding.tp_config`). Each parameter is read back to host
+  memory first, so the source model's full copy is where it already was (tests and
+  embedders that build a model themselves; checkpoints load straight into shards)."""
+  config = model.config
+  tp = int(mesh.shape[sharding.TP_AXIS])
+  tp_cfg = sharding.tp_config(config, tp)
+  repeat = sharding.kv_head_repeat(config, tp)
+  dtype = model.embed_tokens[...].dtype
+  placed = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=dtype, seed=None))
+  for param_path, _ in hf_param_map(config).values():
+    value = np.asarray(jax.device_get(_get_variable(model, param_path)[...]))
+    value = sharding.repeat_kv_heads(value, str(param_path[-2:]), config.head_dim, repeat,
+                                     transposed=False)
+    spec = jax.sharding.NamedSharding(mesh, sharding.param_spec(param_path))
+    _get_variable(placed, param_path).set_value(jax.device_put(value, spec))
+  return placed
