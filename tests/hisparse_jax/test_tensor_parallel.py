@@ -1,0 +1,95 @@
+"""Tensor parallelism on 4 virtual CPU devices: tensor_parallel_size 2 and 4 give the
+tokens of 1, dense and HiSparse (with offloads and host loads), on the default model
+(4 query / 2 KV heads: tp 4 repeats each KV head twice) and on a tiny random GQA
+checkpoint (8 query / 2 KV heads); the capacity lines per device add up to the totals
+and equal the bytes of the live shards.
+
+The suite's process has one device (tests/conftest.py), so each case runs in a process
+of its own (tp_worker.py, ~30-60 s each: compiles dominate).
+
+Margins: float32 row-parallel o_proj / down_proj sums reorder reductions; greedy tokens
+still agree exactly on these prompts (asserted as is, not with a tolerance).
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CASES = ("default_dense", "default_hisparse", "gqa_dense", "gqa_hisparse")
+
+
+@functools.cache
+def _results(case: str, checkpoint_dir: str) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)  # the worker sets 4 devices
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_worker.py"), case,
+                         checkpoint_dir], capture_output=True, text=True, env=env,
+                        timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return {int(tp): r for tp, r in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("gqa_checkpoint"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tokens_identical_to_one_device(case, checkpoint_dir):
+  results = _results(case, checkpoint_dir)
+  reference = results[1]["tokens"]
+  assert len(reference) == 6 and all(len(t) == 16 for t in reference)
+  for tp in (2, 4):
+    assert results[tp]["tokens"] == reference, f"tensor_parallel_size={tp}"
+  if case.endswith("hisparse"):
+    # The sparse path really ran with blocks loaded back from the host pool, and every
+    # size selected, offloaded and loaded the same blocks.
+    assert results[1]["loads"] > 0 and results[1]["offloads"] > 0
+    assert results[1]["d2h_blocks"] > 0
+    for tp in (2, 4):
+      assert results[tp]["loads"] == results[1]["loads"]
+      assert results[tp]["offloads"] == results[1]["offloads"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_capacity_lines_per_device_equal_live_shards(case, checkpoint_dir):
+  results = _results(case, checkpoint_dir)
+  one = results[1]["capacity"]
+  assert one["per_device"] == [] and one["devices"] == ["cpu:0"]
+  assert not any("device=" in line for line in one["lines"])
+  for tp in (2, 4):
+    cap = results[tp]["capacity"]
+    devices = [f"cpu:{i}" for i in range(tp)]
+    assert cap["devices"] == devices
+    # Every split weight is a 1/tp shard on each device (q_proj: [hidden, heads * dim]).
+    assert len(cap["weight_shard_shapes"]) == 1
+    full = one["weight_shard_shapes"][0]
+    assert cap["weight_shard_shapes"][0] == [full[0], full[1] // tp]
+    for tier in cap["tiers"]:
+      kind = tier["kind"]
+      rows = [r for r in cap["per_device"] if r["kind"] == kind]
+      assert [r["device"] for r in rows] == devices
+      assert sum(r["kv_bytes"] for r in rows) == tier["kv_bytes"]
+      for r in rows:
+        assert r["kv_bytes"] == cap["live"][kind][r["device"]]  # the live shards' bytes
+        assert r["kv_bytes"] * tp == tier["kv_bytes"]  # split evenly by KV head
+        assert r["num_tokens"] == tier["num_tokens"]  # every device holds every block
+        line = next(x for x in cap["lines"]
+                    if x.startswith(f"KV cache capacity [memory_kind={kind}, "
+                                    f"device={r['device']}]"))
+        assert f"{r['num_tokens']:,} tokens" in line
+      if kind == "device":
+        assert sum(r["reserved_bytes"] for r in rows) == tier["reserved_bytes"]
+        for r in rows:
+          assert r["reserved_bytes"] == cap["live_reserved"].get(r["device"], 0)
+    # Lines: each device's, then each kind's total over the mesh, then [total].
+    assert len(cap["lines"]) == 2 * tp + 3
+    assert cap["lines"][2 * tp].startswith("KV cache capacity [memory_kind=device]: ")
+    assert cap["lines"][2 * tp].count(f"over {tp} devices") == 1
+    assert cap["lines"][-1].startswith("KV cache capacity [total]: ")
