@@ -56,6 +56,11 @@ flags.DEFINE_float(
 flags.DEFINE_float("host_pool_gib", 1.0,
                    "Pinned-host KV pool in GiB (refused above 95% of available RAM).")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output) in tokens.")
+flags.DEFINE_integer(
+    "tensor_parallel_size", 1,
+    "Devices of one jax Mesh the engine runs over: attention / KV heads and the MLP split, "
+    "KV pools split by KV head, capacity lines per device. On CPU, make the devices first: "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N.")
 
 # Engine, sampling and output flags (generate, demo).
 flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts. "
@@ -145,20 +150,22 @@ _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
+_PARALLEL = ("tensor_parallel_size",)
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
-                 ("HiSparse", _HISPARSE)),
+                 ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
     "generate": (("prompts", ("prompt", "prompts_file")),
                  ("sampling", ("max_new_tokens", "temperature", "top_p", "top_k", "stop",
                                "logprobs", "n")),
                  ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
-                 ("output", _OUTPUT)),
+                 ("parallel", _PARALLEL), ("output", _OUTPUT)),
     "demo": (("demo", ("demo_num_prompts", "demo_context_len", "demo_seed")),
              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
-             ("output", _OUTPUT)),
+             ("parallel", _PARALLEL), ("output", _OUTPUT)),
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
-              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE)),
+              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
+              ("parallel", _PARALLEL)),
 }
 HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
 

@@ -167,7 +167,8 @@ def engine_kwargs_from_flags() -> dict[str, Any]:
                 device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
                 max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
-                async_scheduling=FLAGS.async_scheduling, hisparse=hisparse_from_flags())
+                async_scheduling=FLAGS.async_scheduling, hisparse=hisparse_from_flags(),
+                tensor_parallel_size=FLAGS.tensor_parallel_size)
   try:
     EngineConfig(**kwargs)
   except ValueError as e:

@@ -37,8 +37,10 @@ def make_mesh(tensor_parallel_size: int, devices: Iterable[jax.Device] | None = 
     return None
   devices = list(devices) if devices is not None else jax.devices()
   if tp > len(devices):
+    hint = (" (on CPU, make more first: XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{tp})" if devices[0].platform == "cpu" else "")
     raise ValueError(f"--tensor_parallel_size={tp} is larger than the {len(devices)} "
-                     f"{devices[0].platform} devices jax sees")
+                     f"{devices[0].platform} devices jax sees{hint}")
   return Mesh(np.array(devices[:tp]), (TP_AXIS,))
 
 

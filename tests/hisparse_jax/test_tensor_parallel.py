@@ -93,3 +93,42 @@ def test_capacity_lines_per_device_equal_live_shards(case, checkpoint_dir):
     assert cap["lines"][2 * tp].startswith("KV cache capacity [memory_kind=device]: ")
     assert cap["lines"][2 * tp].count(f"over {tp} devices") == 1
     assert cap["lines"][-1].startswith("KV cache capacity [total]: ")
+
+
+def _cli(*args: str, devices: int = 4) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.run([sys.executable, "-m", "hisparse_jax", *args], capture_output=True,
+                        text=True, env=env, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("flag, line", [
+    ("--tensor_parallel_size=8", "--tensor_parallel_size=8 is larger than the 4 cpu devices "
+     "jax sees (on CPU, make more first: XLA_FLAGS=--xla_force_host_platform_device_count=8)"),
+    ("--tensor_parallel_size=3", "--tensor_parallel_size=3 does not divide the model's "
+     "num_attention_heads=4"),
+    ("--tensor_parallel_size=0", "--tensor_parallel_size must be a positive integer, got 0"),
+])
+def test_bad_tensor_parallel_size_exits_2_with_one_line(flag, line):
+  proc = _cli("generate", "--prompt=bafu: bapo\\n? bafu:", flag)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [f"hisparse-jax generate: error: {line}"]
+
+
+def test_capacity_command_prints_lines_per_device():
+  proc = _cli("capacity", "--tensor_parallel_size=2", "--device_kv_gib=0.01",
+              "--host_pool_gib=0.02", "--max_model_len=512")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.strip().splitlines()
+  assert [line.split("]")[0] for line in lines] == [
+      "KV cache capacity [memory_kind=device, device=cpu:0",
+      "KV cache capacity [memory_kind=device, device=cpu:1",
+      "KV cache capacity [memory_kind=pinned_host, device=cpu:0",
+      "KV cache capacity [memory_kind=pinned_host, device=cpu:1",
+      "KV cache capacity [memory_kind=device", "KV cache capacity [memory_kind=pinned_host",
+      "KV cache capacity [total"]
+  # --device_kv_gib is per device: each holds up to 0.01 GiB (10.24 MiB) of blocks, its
+  # KV head of each (64 KiB of 128 KiB a block): 163 blocks, the null one included.
+  assert lines[0].startswith("KV cache capacity [memory_kind=device, device=cpu:0]: "
+                             "10.19 MiB = 162 blocks x 128 tokens = 20,736 tokens; "
+                             "512 bytes per token")
