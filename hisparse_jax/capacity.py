@@ -91,7 +91,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   num_devices: tensor parallelism; each block is split over that many devices, the
   device budget (flag, memory_stats or default) is per device, and the plan's budget and
   `device_reserved_bytes` are over all of them. The host budget is the whole host's."""
-  device = device if device is not None else jax.devices()[0]
+  device = device if device is not None else jax.local_devices()[0]  # (this process's)
   if max_model_len <= 0:
     raise ValueError(f"--max_model_len must be positive, got {max_model_len}")
   if device_reserved_bytes < 0:
@@ -208,6 +208,9 @@ class TierCapacity:
   # for the memory kind over all devices of the mesh.
   device: str | None = None
   num_devices: int = 1  # devices whose shards the figures add up
+  # Multi-host: the figures are this process's devices' (each process reports its own).
+  process_index: int = 0
+  num_processes: int = 1
 
   def log_line(self) -> str:
     where = f"memory_kind={self.memory_kind}"
@@ -222,6 +225,8 @@ class TierCapacity:
       line += f"; {self.reserved_bytes:,} bytes reserved for the indexer and hot buffers"
     if self.device is None and self.num_devices > 1:
       line += f"; over {self.num_devices} devices"
+      if self.num_processes > 1:
+        line += f" of process {self.process_index} of {self.num_processes}"
     return line
 
 
@@ -325,19 +330,23 @@ class CapacityReport:
                      reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
         for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
     devices = {d for pool in pools for d in pool.devices}
+    local = {d for pool in pools for d in pool.local_devices}  # multi-host: this process's
     per_device = []
     if len(devices) > 1:
-      tiers = tuple(dataclasses.replace(t, num_devices=len(devices)) for t in tiers)
+      tiers = tuple(dataclasses.replace(
+          t, num_devices=len(local), process_index=jax.process_index(),
+          num_processes=jax.process_count(),
+          bytes_per_token=t.bytes_per_token * len(local) // len(devices)) for t in tiers)
       reserved = live_bytes(reserved_arrays)
       for tier in tiers:
         kind_pools = [p for p in pools if p.memory_kind == tier.memory_kind]
         live = live_bytes(a for p in kind_pools for a in p.arrays())
-        for device in kind_pools[0].devices:
+        for device in kind_pools[0].local_devices:
           per_device.append(dataclasses.replace(
               tier, device=parallel.device_name(device), kv_bytes=live.get(device, 0),
               bytes_per_token=spec.bytes_per_token // len(kind_pools[0].devices),
               reserved_bytes=reserved.get(device, 0) if tier.memory_kind == DEVICE else 0,
-              num_devices=1))
+              num_devices=1, num_processes=1))
     return cls(tiers=tiers, hisparse=hisparse, per_device=tuple(per_device))
 
   def __getitem__(self, memory_kind: str) -> TierCapacity:

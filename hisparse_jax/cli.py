@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging as std_logging
+import os
 import sys
 import traceback
 
@@ -61,6 +62,16 @@ flags.DEFINE_integer(
     "Devices of one jax Mesh the engine runs over: attention / KV heads and the MLP split, "
     "KV pools split by KV head, capacity lines per device. On CPU, make the devices first: "
     "XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+flags.DEFINE_string(
+    "coordinator_address", None,
+    "Multi-host: HOST:PORT of process 0 (jax.distributed); every process runs the same "
+    "command with its --process_id; the mesh spans all processes' devices and only process "
+    "0 writes results.")
+flags.DEFINE_integer("num_processes", 1, "Multi-host: processes in all (with "
+                     "--coordinator_address).")
+flags.DEFINE_integer("process_id", 0, "Multi-host: this process, in [0, --num_processes).")
+flags.DEFINE_float("coordinator_timeout_s", 60.0, "Multi-host: seconds to wait for the "
+                   "coordinator and the other processes.")
 
 # Engine, sampling and output flags (generate, demo).
 flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts. "
@@ -150,7 +161,8 @@ _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
-_PARALLEL = ("tensor_parallel_size",)
+_PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",
+             "coordinator_timeout_s")
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
                  ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
@@ -215,12 +227,29 @@ def _main(argv: list[str]) -> int:
     return 2
   module = importlib.import_module(COMMANDS[name][0])
   try:
+    _join_processes()
     return int(module.main(argv[1:]) or 0)
   except ValueError as e:  # bad input: one line, exit 2; the traceback only when verbose
     if logging.get_verbosity() >= logging.DEBUG:
       traceback.print_exc()
     print(f"hisparse-jax {name}: error: {error_line(e)}", file=sys.stderr)
     return 2
+
+
+def _join_processes() -> None:
+  """Multi-host (--coordinator_address or --num_processes > 1): joins the other
+  processes before any command touches jax; processes other than 0 run silently (they
+  compute the same steps; process 0 writes the results)."""
+  if FLAGS.coordinator_address is None and FLAGS.num_processes == 1:
+    return
+  from hisparse_jax import parallel  # noqa: PLC0415 (imports jax)
+
+  if FLAGS.coordinator_address is None:
+    raise ValueError(f"--num_processes={FLAGS.num_processes} needs --coordinator_address")
+  parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                  FLAGS.process_id, FLAGS.coordinator_timeout_s)
+  if FLAGS.process_id != 0:
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
 
 
 def error_line(error: ValueError) -> str:

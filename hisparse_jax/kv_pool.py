@@ -150,8 +150,8 @@ class KVPool:
     self.spec = spec
     self.memory_kind = memory_kind
     self.mesh = mesh
-    if mesh is not None:
-      device = mesh.devices.flat[0]
+    if mesh is not None:  # its first device of this process (multi-host: not all are)
+      device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     self.device = device if device is not None else jax.devices()[0]
     self.sharding = memory_sharding(self.device, memory_kind)
     # What is not split (the runner's hot-buffer state, step inputs): one copy per device.
@@ -227,6 +227,11 @@ class KVPool:
   def devices(self) -> tuple[jax.Device, ...]:
     """The devices holding a shard of every array (one without a mesh)."""
     return (self.device,) if self.mesh is None else tuple(self.mesh.devices.flat)
+
+  @property
+  def local_devices(self) -> tuple[jax.Device, ...]:
+    """`devices` of this process (multi-host: each process holds its devices' shards)."""
+    return tuple(d for d in self.devices if d.process_index == jax.process_index())
 
   def to_storage(self, x: jax.Array) -> jax.Array:
     """Logical dtype -> this pool's storage dtype (`to_storage`)."""

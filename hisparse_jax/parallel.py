@@ -14,6 +14,9 @@ cache is split by KV head, the block ids are not, so every device holds every bl
 
 from __future__ import annotations
 
+import math
+import socket
+import time
 from collections.abc import Iterable
 
 import jax
@@ -69,3 +72,46 @@ def live_bytes(arrays: Iterable[jax.Array]) -> dict[jax.Device, int]:
     for shard in array.addressable_shards:
       out[shard.device] = out.get(shard.device, 0) + int(shard.data.nbytes)
   return out
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int,
+                           timeout_s: float = 60.0) -> None:
+  """Multi-host: this process joins `num_processes` processes through
+  `jax.distributed.initialize` (before anything else touches jax's backends). Every
+  process then sees the devices of all (`jax.devices()`), the engine's mesh spans them,
+  and each process holds its own devices' shards (its host pool in its host's memory).
+  Every process runs the same deterministic scheduler on the same requests.
+
+  ValueError naming the flag on bad input, and when no coordinator answers within
+  `timeout_s` (checked before jax's own wait, which aborts the process instead of
+  raising)."""
+  if not isinstance(num_processes, int) or num_processes < 1:
+    raise ValueError(f"--num_processes must be >= 1, got {num_processes!r}")
+  if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+    raise ValueError(f"--process_id must be in [0, --num_processes={num_processes}), "
+                     f"got {process_id!r}")
+  if timeout_s <= 0:
+    raise ValueError(f"--coordinator_timeout_s must be > 0, got {timeout_s}")
+  host, _, port = (coordinator_address or "").rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"--coordinator_address must be HOST:PORT, got {coordinator_address!r}")
+  if process_id != 0:  # process 0 starts the coordinator; the others must reach it
+    _wait_for_coordinator(coordinator_address, host.strip("[]"), int(port), timeout_s)
+  # CPU collectives across processes go through gloo (no effect on accelerators).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                             process_id=process_id,
+                             initialization_timeout=max(1, int(math.ceil(timeout_s))))
+
+
+def _wait_for_coordinator(address: str, host: str, port: int, timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host, port), timeout=1.0):
+        return
+    except OSError:
+      if time.monotonic() >= deadline:
+        raise ValueError(f"--coordinator_address={address}: no coordinator answered within "
+                         f"{timeout_s:g} s (--coordinator_timeout_s)") from None
+      time.sleep(0.2)

@@ -190,7 +190,7 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
     if repeat > 1:
       placed = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=jdtype, seed=None))
     config = tp_cfg
-    host = jax.devices("cpu")[0]  # tensors are read into host memory, then sharded
+    host = jax.local_devices(backend="cpu")[0]  # tensors read into host memory, then sharded
   by_file: dict[str, list[str]] = {}
   for name in expected:
     by_file.setdefault(name_to_file[name], []).append(name)

@@ -14,6 +14,8 @@ still agree exactly on these prompts (asserted as is, not with a tolerance).
 import functools
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -132,3 +134,61 @@ def test_capacity_command_prints_lines_per_device():
   assert lines[0].startswith("KV cache capacity [memory_kind=device, device=cpu:0]: "
                              "10.19 MiB = 162 blocks x 128 tokens = 20,736 tokens; "
                              "512 bytes per token")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+GENERATE = ("generate", "--prompts_file=examples/prompts.jsonl", "--max_new_tokens=8",
+            "--max_model_len=512", "--device_kv_gib=0.01", "--host_pool_gib=0.02",
+            "--log_every_steps=0")
+
+
+def _answers(stdout: str) -> list[str]:
+  """The per-prompt lines of generate's output ([i] "text" (...))."""
+  return [line for line in stdout.splitlines() if re.match(r"^\[\d+\] ", line)]
+
+
+def test_two_processes_on_loopback_give_the_single_process_tokens():
+  """Multi-host on one machine: 2 processes x 2 CPU devices, one mesh of 4 (KV heads
+  repeated), collectives through jax's CPU backend (gloo); every process runs the same
+  scheduler, process 0 prints. Both are started and stopped here, within a bound."""
+  single = _cli(*GENERATE, devices=1)
+  assert single.returncode == 0, single.stderr[-2000:]
+  expected = _answers(single.stdout)
+  assert len(expected) == 5
+  address = f"127.0.0.1:{_free_port()}"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "hisparse_jax", *GENERATE, "--tensor_parallel_size=4",
+       f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}",
+       "--coordinator_timeout_s=60"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=400) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  assert _answers(outs[0][0]) == expected
+  # Process 1 computes the same steps and writes no result (gloo's own C++ lines
+  # about connected ranks go to the fd of both).
+  assert _answers(outs[1][0]) == [] and "right" not in outs[1][0]
+
+
+def test_unreachable_coordinator_exits_2_with_one_line():
+  address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+  proc = _cli("generate", "--prompt=bafu: bapo\\n? bafu:", "--tensor_parallel_size=4",
+              f"--coordinator_address={address}", "--num_processes=2", "--process_id=1",
+              "--coordinator_timeout_s=2", devices=2)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [
+      f"hisparse-jax generate: error: --coordinator_address={address}: no coordinator "
+      "answered within 2 s (--coordinator_timeout_s)"]
