@@ -413,8 +413,14 @@ class CapacityReport:
       logging.info("%s", line)
 
   def export(self, registry: m.MetricsRegistry) -> None:
-    """Sets `hisparse_kv_capacity_tokens{memory_kind}` for every tier."""
+    """Sets `hisparse_kv_capacity_tokens{memory_kind}` for every tier (and, over a mesh,
+    `hisparse_kv_capacity_bytes{memory_kind, device}` for every device)."""
     gauge = registry.gauge(m.KV_CAPACITY_TOKENS, "KV tokens each memory kind holds.",
                            ("memory_kind",))
     for tier in self.tiers:
       gauge.set(tier.num_tokens, memory_kind=tier.memory_kind)
+    if self.per_device:  # tensor parallel: the tokens are every device's; bytes differ
+      by_device = registry.gauge(m.KV_CAPACITY_BYTES, "KV cache bytes of each device's "
+                                 "shards, by memory kind.", ("memory_kind", "device"))
+      for tier in self.per_device:
+        by_device.set(tier.kv_bytes, memory_kind=tier.memory_kind, device=tier.device)

@@ -227,7 +227,7 @@ def _main(argv: list[str]) -> int:
     return 2
   module = importlib.import_module(COMMANDS[name][0])
   try:
-    _join_processes()
+    _join_processes(name)
     return int(module.main(argv[1:]) or 0)
   except ValueError as e:  # bad input: one line, exit 2; the traceback only when verbose
     if logging.get_verbosity() >= logging.DEBUG:
@@ -236,7 +236,7 @@ def _main(argv: list[str]) -> int:
     return 2
 
 
-def _join_processes() -> None:
+def _join_processes(command: str) -> None:
   """Multi-host (--coordinator_address or --num_processes > 1): joins the other
   processes before any command touches jax; processes other than 0 run silently (they
   compute the same steps; process 0 writes the results)."""
@@ -246,6 +246,9 @@ def _join_processes() -> None:
 
   if FLAGS.coordinator_address is None:
     raise ValueError(f"--num_processes={FLAGS.num_processes} needs --coordinator_address")
+  if command in ("serve", "bench"):  # every process must see the same requests
+    raise ValueError(f"--coordinator_address: {command} runs on one process (requests reach "
+                     "one host); generate, demo and capacity run on several")
   parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                   FLAGS.process_id, FLAGS.coordinator_timeout_s)
   if FLAGS.process_id != 0:

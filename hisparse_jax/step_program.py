@@ -51,9 +51,10 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
                           host_sharding, one_memory)
     if mesh is not None:  # tensor parallel: under shard_map, see sharded_attend
       if not (hop_free(device_sharding) if one_memory is None else one_memory):
-        raise NotImplementedError(
-            "--tensor_parallel_size > 1 with --hisparse: the in-step host loads are built "
-            "only where device and host memory are one (CPU) so far")
+        raise ValueError(
+            "--tensor_parallel_size > 1 with --hisparse: the in-step host loads under "
+            "tensor parallelism are built only where device and host memory are one (CPU) "
+            "so far")
       sparse = dataclasses.replace(sparse, device_sharding=None, one_memory=True,
                                    axis_name=KV_HEADS[2], kv_head_repeat=kv_head_repeat)
   attn_fn = functools.partial(attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),

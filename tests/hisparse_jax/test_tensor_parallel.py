@@ -65,6 +65,7 @@ def test_capacity_lines_per_device_equal_live_shards(case, checkpoint_dir):
   one = results[1]["capacity"]
   assert one["per_device"] == [] and one["devices"] == ["cpu:0"]
   assert not any("device=" in line for line in one["lines"])
+  assert results[1]["bytes_metrics"] == {}
   for tp in (2, 4):
     cap = results[tp]["capacity"]
     devices = [f"cpu:{i}" for i in range(tp)]
@@ -80,6 +81,8 @@ def test_capacity_lines_per_device_equal_live_shards(case, checkpoint_dir):
       assert sum(r["kv_bytes"] for r in rows) == tier["kv_bytes"]
       for r in rows:
         assert r["kv_bytes"] == cap["live"][kind][r["device"]]  # the live shards' bytes
+        metric = f'hisparse_kv_capacity_bytes{{memory_kind="{kind}",device="{r["device"]}"}}'
+        assert results[tp]["bytes_metrics"][metric] == r["kv_bytes"]
         assert r["kv_bytes"] * tp == tier["kv_bytes"]  # split evenly by KV head
         assert r["num_tokens"] == tier["num_tokens"]  # every device holds every block
         line = next(x for x in cap["lines"]

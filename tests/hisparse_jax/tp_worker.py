@@ -98,6 +98,8 @@ def run(case: str, checkpoint: str | None) -> dict:
     out[tp] = dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
                    loads=metrics.get("hisparse_hot_buffer_loads_total", 0.0),
                    offloads=metrics.get("hisparse_offloads_total", 0.0),
+                   bytes_metrics={k: v for k, v in metrics.items()
+                                  if k.startswith("hisparse_kv_capacity_bytes")},
                    d2h_blocks=metrics.get('hisparse_transfer_blocks_total{direction="d2h"}',
                                           0.0),
                    capacity=capacity_figures(llm))
