@@ -230,8 +230,11 @@ class Engine:
     if config.hisparse is not None:
       hisparse = self._hisparse_capacity(spec, self.device_pool.num_blocks,
                                          self.host_pool.num_blocks)
-      if hisparse.reserved_bytes != self.runner.reserved_bytes:
-        raise AssertionError(f"HiSparse device bytes: planned {hisparse.reserved_bytes:,}, "
+      # (multi-host: this process holds its devices' share of the mesh's bytes)
+      planned = (hisparse.reserved_bytes * len(self.device_pool.local_devices)
+                 // len(self.device_pool.devices))
+      if planned != self.runner.reserved_bytes:
+        raise AssertionError(f"HiSparse device bytes: planned {planned:,}, "
                              f"allocated {self.runner.reserved_bytes:,}")
     self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
                                               self.runner.reserved_bytes, hisparse,

@@ -145,9 +145,20 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-GENERATE = ("generate", "--prompts_file=examples/prompts.jsonl", "--max_new_tokens=8",
-            "--max_model_len=512", "--device_kv_gib=0.01", "--host_pool_gib=0.02",
-            "--log_every_steps=0")
+GENERATE = ("generate", "--max_new_tokens=16", "--max_model_len=320", "--log_every_steps=0",
+            "--max_num_seqs=4")
+# Per mode: the extra flags, and the memory flags of one process of 1 device and of the
+# 2 x 2 devices (per-device budget; tp 4 repeats the default model's 2 KV heads: the same
+# blocks need twice the bytes, as in tp_worker.py).
+MODES = {
+    "dense": ((), ("--device_kv_gib=0.0008", "--host_pool_gib=0.004"),
+              ("--device_kv_gib=0.0004", "--host_pool_gib=0.008")),
+    "hisparse": (("--hisparse", "--block_size=4", "--top_k_tokens=32",
+                  "--hot_buffer_tokens=32", "--sink_tokens=4", "--local_tokens=8",
+                  "--sparse_threshold_tokens=32"),
+                 ("--device_kv_gib=0.0012", "--host_pool_gib=0.002"),
+                 ("--device_kv_gib=0.0006", "--host_pool_gib=0.004")),
+}
 
 
 def _answers(stdout: str) -> list[str]:
@@ -155,22 +166,33 @@ def _answers(stdout: str) -> list[str]:
   return [line for line in stdout.splitlines() if re.match(r"^\[\d+\] ", line)]
 
 
-def test_two_processes_on_loopback_give_the_single_process_tokens():
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_two_processes_on_loopback_give_the_single_process_tokens(mode, tmp_path):
   """Multi-host on one machine: 2 processes x 2 CPU devices, one mesh of 4 (KV heads
   repeated), collectives through jax's CPU backend (gloo); every process runs the same
-  scheduler, process 0 prints. Both are started and stopped here, within a bound."""
-  single = _cli(*GENERATE, devices=1)
+  scheduler, process 0 prints. Both are started and stopped here, within a bound.
+  HiSparse: offloads and host loads, the same counts as one process."""
+  sys.path.insert(0, ROOT)
+  from models import data  # noqa: PLC0415
+
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt_token_ids": list(p.token_ids)}) + "\n"
+                             for p in data.make_retrieval_prompts(6, 250, seed=3)))
+  flags, one, two = MODES[mode]
+  common = (*GENERATE, f"--prompts_file={prompts}", *flags)
+  single = _cli(*common, *one, f"--metrics_json={tmp_path / 'single.json'}", devices=1)
   assert single.returncode == 0, single.stderr[-2000:]
   expected = _answers(single.stdout)
-  assert len(expected) == 5
+  assert len(expected) == 6
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "hisparse_jax", *GENERATE, "--tensor_parallel_size=4",
+      [sys.executable, "-m", "hisparse_jax", *common, *two, "--tensor_parallel_size=4",
        f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}",
-       "--coordinator_timeout_s=60"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for i in range(2)]
+       "--coordinator_timeout_s=60", f"--metrics_json={tmp_path / f'p{i}.json'}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
   try:
     outs = [p.communicate(timeout=400) for p in procs]
   finally:
@@ -183,7 +205,15 @@ def test_two_processes_on_loopback_give_the_single_process_tokens():
   assert _answers(outs[0][0]) == expected
   # Process 1 computes the same steps and writes no result (gloo's own C++ lines
   # about connected ranks go to the fd of both).
-  assert _answers(outs[1][0]) == [] and "right" not in outs[1][0]
+  assert _answers(outs[1][0]) == []
+  metrics = [json.loads((tmp_path / name).read_text())
+             for name in ("single.json", "p0.json", "p1.json")]
+  for key in ("hisparse_hot_buffer_loads_total", "hisparse_offloads_total",
+              "hisparse_generation_tokens_total"):
+    assert metrics[0].get(key) == metrics[1].get(key) == metrics[2].get(key), key
+  if mode == "hisparse":
+    assert metrics[0]["hisparse_hot_buffer_loads_total"] > 0
+    assert metrics[0]["hisparse_offloads_total"] > 0
 
 
 def test_unreachable_coordinator_exits_2_with_one_line():
