@@ -29,11 +29,11 @@ from hisparse_jax.hisparse_config import HiSparseBlocks
 from hisparse_jax.kv_pool import from_storage
 from hisparse_jax.parallel import KV_HEADS, kv_sharding
 from hisparse_jax.sampling import (
-  apply_penalties,
-  greedy,
-  mask_tokens,
-  sample,
-  token_logprobs,
+    apply_penalties,
+    greedy,
+    mask_tokens,
+    sample,
+    token_logprobs,
 )
 from hisparse_jax.sparse_attention import SparseStatic, attend
 from hisparse_jax.step_batch import SamplerExtras, StepMetadata
