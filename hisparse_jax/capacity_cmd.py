@@ -67,9 +67,18 @@ def _tensor_parallel() -> int:
   """The capacity lines of an engine over --tensor_parallel_size devices (weights loaded
   into their shards; the lines per device come from the live shards)."""
   from hisparse_jax.engine import Engine, EngineConfig  # noqa: PLC0415 (heavy)
-  from hisparse_jax.generate_cmd import engine_kwargs_from_flags  # noqa: PLC0415
 
-  engine = Engine(EngineConfig(**engine_kwargs_from_flags()))
+  # Only the flags this command reads (its --help groups).
+  kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+                device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
+                max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+                hisparse=hisparse_from_flags(),
+                tensor_parallel_size=FLAGS.tensor_parallel_size)
+  try:
+    config = EngineConfig(**kwargs)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
+  engine = Engine(config)
   _print(engine.capacity)
   return 0
 
