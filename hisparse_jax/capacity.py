@@ -32,6 +32,7 @@ import psutil
 from absl import logging
 
 from hisparse_jax import metrics as m
+from hisparse_jax import parallel
 from hisparse_jax.kv_pool import (
   DEVICE,
   MEMORY_KINDS,
@@ -40,6 +41,7 @@ from hisparse_jax.kv_pool import (
   KVPool,
   num_usable_blocks,
 )
+from hisparse_jax.parallel import live_bytes
 
 GIB = 2**30
 # Device KV blocks when neither the flag nor memory_stats() decide (+ reserved bytes).
@@ -64,10 +66,11 @@ class CapacityPlan:
   host_budget_bytes: int
   max_model_len: int
 
-  def allocate(self, device: jax.Device | None = None) -> tuple[KVPool, KVPool]:
-    """The (device pool, host pool) of this plan."""
-    return (KVPool(self.spec, self.num_device_blocks, DEVICE, device),
-            KVPool(self.spec, self.num_host_blocks, PINNED_HOST, device))
+  def allocate(self, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None
+               ) -> tuple[KVPool, KVPool]:
+    """The (device pool, host pool) of this plan (mesh: split by KV head over it)."""
+    return (KVPool(self.spec, self.num_device_blocks, DEVICE, device, mesh=mesh),
+            KVPool(self.spec, self.num_host_blocks, PINNED_HOST, device, mesh=mesh))
 
 
 def _gib(num_bytes: float) -> str:
@@ -81,10 +84,14 @@ def _gib(num_bytes: float) -> str:
 def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float,
                   device_kv_gib: float | None = None, device: jax.Device | None = None,
                   device_reserved_bytes: int = 0,
-                  device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION
-                  ) -> CapacityPlan:
-  """Plans the block counts of both tiers; `ValueError` naming the flag when refused."""
-  device = device if device is not None else jax.devices()[0]
+                  device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
+                  num_devices: int = 1) -> CapacityPlan:
+  """Plans the block counts of both tiers; `ValueError` naming the flag when refused.
+
+  num_devices: tensor parallelism; each block is split over that many devices, the
+  device budget (flag, memory_stats or default) is per device, and the plan's budget and
+  `device_reserved_bytes` are over all of them. The host budget is the whole host's."""
+  device = device if device is not None else jax.local_devices()[0]  # (this process's)
   if max_model_len <= 0:
     raise ValueError(f"--max_model_len must be positive, got {max_model_len}")
   if device_reserved_bytes < 0:
@@ -107,10 +114,14 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
     if free is not None and budget > free:
       raise ValueError(f"--device_kv_gib={device_kv_gib} asks for {_gib(budget)} but only "
                        f"{_gib(free)} of device memory is free after loading the weights")
+    budget *= num_devices
   elif free is not None:
-    budget, source = int(device_memory_fraction * free), "memory_stats"
+    budget, source = int(device_memory_fraction * free) * num_devices, "memory_stats"
   else:
-    budget, source = int(DEFAULT_DEVICE_KV_GIB * GIB) + device_reserved_bytes, "default"
+    budget = int(DEFAULT_DEVICE_KV_GIB * GIB) * num_devices + device_reserved_bytes
+    source = "default"
+  if num_devices > 1:
+    source += f", per device x {num_devices} devices"
   num_device_blocks = max(0, (budget - device_reserved_bytes) // spec.bytes_per_block)
   if num_usable_blocks(num_device_blocks) < blocks_per_request:
     raise ValueError(
@@ -132,7 +143,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"--host_pool_gib={host_pool_gib} asks for {_gib(host_bytes)} of pinned host memory, "
         f"above 95% of the available RAM ({_gib(available)} available, at most "
         f"{_gib(MAX_HOST_RAM_FRACTION * available)})")
-  if free is None and device.platform == "cpu" and source == "--device_kv_gib":
+  if free is None and device.platform == "cpu" and device_kv_gib is not None:
     # On CPU the device pool is host RAM too: both pools must fit it.
     if budget + host_bytes > MAX_HOST_RAM_FRACTION * available:
       raise ValueError(
@@ -193,15 +204,29 @@ class TierCapacity:
   num_null_blocks: int
   bytes_per_token: int
   reserved_bytes: int = 0  # device bytes for the indexer and hot buffers, not in kv_bytes
+  # Tensor parallel: "cpu:0" for one device's shards (its KV heads of every block), None
+  # for the memory kind over all devices of the mesh.
+  device: str | None = None
+  num_devices: int = 1  # devices whose shards the figures add up
+  # Multi-host: the figures are this process's devices' (each process reports its own).
+  process_index: int = 0
+  num_processes: int = 1
 
   def log_line(self) -> str:
-    line = (f"KV cache capacity [memory_kind={self.memory_kind}]: {_gib(self.kv_bytes)} = "
+    where = f"memory_kind={self.memory_kind}"
+    if self.device is not None:
+      where += f", device={self.device}"
+    line = (f"KV cache capacity [{where}]: {_gib(self.kv_bytes)} = "
             f"{self.num_blocks:,} blocks x {self.block_size} tokens = "
             f"{self.num_tokens:,} tokens; {self.bytes_per_token:,} bytes per token")
     if self.num_null_blocks:
       line += (f"; +{self.num_null_blocks} null block in the bytes, never handed out")
     if self.memory_kind == DEVICE:
       line += f"; {self.reserved_bytes:,} bytes reserved for the indexer and hot buffers"
+    if self.device is None and self.num_devices > 1:
+      line += f"; over {self.num_devices} devices"
+      if self.num_processes > 1:
+        line += f" of process {self.process_index} of {self.num_processes}"
     return line
 
 
@@ -239,17 +264,19 @@ def bounds_bytes_per_block(spec: KVCacheSpec) -> int:
 
 def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
                       num_host_blocks: int, max_num_seqs: int,
-                      max_model_len: int) -> HiSparseCapacity:
+                      max_model_len: int, num_devices: int = 1) -> HiSparseCapacity:
   """The device bytes HiSparse needs besides the pool, for pools of these block counts
   (null blocks included): key bounds of every device and host block, and hot-buffer
   state rows of [slots] x 2 + [max blocks] int32 per layer and running request (what
-  hisparse_jax.runner.ModelRunner allocates). `hisparse`: a HiSparseConfig."""
+  hisparse_jax.runner.ModelRunner allocates). `hisparse`: a HiSparseConfig.
+  num_devices: tensor parallel; the key bounds are split by KV head, the state is
+  replicated (one copy per device, all counted)."""
   blocks = hisparse.blocks(spec.block_size)
   max_blocks = math.ceil(max_model_len / spec.block_size)
   state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
   return HiSparseCapacity(
       indexer_bytes=(num_device_blocks + num_host_blocks) * bounds_bytes_per_block(spec),
-      hot_state_bytes=state, hot_buffer_blocks=blocks.hot_buffer_blocks,
+      hot_state_bytes=state * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
       top_k_blocks=blocks.top_k_blocks,
       sparse_threshold_tokens=hisparse.sparse_threshold_tokens)
 
@@ -270,11 +297,17 @@ class CapacityReport:
 
   tiers: tuple[TierCapacity, ...]
   hisparse: HiSparseCapacity | None = None
+  # Tensor parallel: each device's shards, by memory kind (device order of the mesh);
+  # their kv_bytes / reserved_bytes add up to the tiers'. Empty on one device.
+  per_device: tuple[TierCapacity, ...] = ()
 
   @classmethod
   def from_pools(cls, pools: Sequence[KVPool], device_reserved_bytes: int = 0,
-                 hisparse: HiSparseCapacity | None = None) -> CapacityReport:
-    """Capacity from the arrays of `pools`, grouped by each array's memory kind."""
+                 hisparse: HiSparseCapacity | None = None,
+                 reserved_arrays: Sequence[jax.Array] = ()) -> CapacityReport:
+    """Capacity from the arrays of `pools`, grouped by each array's memory kind (and, over
+    a mesh, by device: the bytes of each device's live shards; `reserved_arrays`: the
+    arrays of `device_reserved_bytes`, split the same way)."""
     by_kind: dict[str, dict[str, int]] = {}
     for pool in pools:
       acc = by_kind.setdefault(pool.memory_kind, dict(kv_bytes=0, num_blocks=0,
@@ -283,7 +316,7 @@ class CapacityReport:
         kind = array.sharding.memory_kind
         if kind != pool.memory_kind:
           raise ValueError(f"a {pool.memory_kind} pool holds an array in {kind}")
-        acc["kv_bytes"] += int(array.nbytes)
+        acc["kv_bytes"] += sum(live_bytes([array]).values())  # every shard, every copy
       acc["num_blocks"] += pool.num_usable_blocks
       acc["num_null_blocks"] += pool.num_blocks - pool.num_usable_blocks
     specs = {pool.spec for pool in pools}
@@ -296,7 +329,25 @@ class CapacityReport:
                      bytes_per_token=spec.bytes_per_token,
                      reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
         for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
-    return cls(tiers=tiers, hisparse=hisparse)
+    devices = {d for pool in pools for d in pool.devices}
+    local = {d for pool in pools for d in pool.local_devices}  # multi-host: this process's
+    per_device = []
+    if len(devices) > 1:
+      tiers = tuple(dataclasses.replace(
+          t, num_devices=len(local), process_index=jax.process_index(),
+          num_processes=jax.process_count(),
+          bytes_per_token=t.bytes_per_token * len(local) // len(devices)) for t in tiers)
+      reserved = live_bytes(reserved_arrays)
+      for tier in tiers:
+        kind_pools = [p for p in pools if p.memory_kind == tier.memory_kind]
+        live = live_bytes(a for p in kind_pools for a in p.arrays())
+        for device in kind_pools[0].local_devices:
+          per_device.append(dataclasses.replace(
+              tier, device=parallel.device_name(device), kv_bytes=live.get(device, 0),
+              bytes_per_token=spec.bytes_per_token // len(kind_pools[0].devices),
+              reserved_bytes=reserved.get(device, 0) if tier.memory_kind == DEVICE else 0,
+              num_devices=1, num_processes=1))
+    return cls(tiers=tiers, hisparse=hisparse, per_device=tuple(per_device))
 
   def __getitem__(self, memory_kind: str) -> TierCapacity:
     for tier in self.tiers:
@@ -336,9 +387,11 @@ class CapacityReport:
                device.num_blocks / (self.hisparse.hot_buffer_blocks + 1))
 
   def log_lines(self, tokens_per_request: int) -> list[str]:
-    lines = [t.log_line() for t in self.tiers]
+    lines = [t.log_line() for t in self.per_device]  # tensor parallel: each device first
+    lines += [t.log_line() for t in self.tiers]
     if self.hisparse is not None:
-      lines[0] += "; " + self.hisparse.device_detail(self.tiers[0].block_size)
+      lines[len(self.per_device)] += "; " + self.hisparse.device_detail(
+          self.tiers[0].block_size)
     line = (f"KV cache capacity [total]: {self.total_tokens:,} tokens; max concurrency for "
             f"{tokens_per_request:,} tokens per request: "
             f"{self.max_concurrency(tokens_per_request):,.2f}x (device only: "
@@ -360,8 +413,14 @@ class CapacityReport:
       logging.info("%s", line)
 
   def export(self, registry: m.MetricsRegistry) -> None:
-    """Sets `hisparse_kv_capacity_tokens{memory_kind}` for every tier."""
+    """Sets `hisparse_kv_capacity_tokens{memory_kind}` for every tier (and, over a mesh,
+    `hisparse_kv_capacity_bytes{memory_kind, device}` for every device)."""
     gauge = registry.gauge(m.KV_CAPACITY_TOKENS, "KV tokens each memory kind holds.",
                            ("memory_kind",))
     for tier in self.tiers:
       gauge.set(tier.num_tokens, memory_kind=tier.memory_kind)
+    if self.per_device:  # tensor parallel: the tokens are every device's; bytes differ
+      by_device = registry.gauge(m.KV_CAPACITY_BYTES, "KV cache bytes of each device's "
+                                 "shards, by memory kind.", ("memory_kind", "device"))
+      for tier in self.per_device:
+        by_device.set(tier.kv_bytes, memory_kind=tier.memory_kind, device=tier.device)

@@ -34,6 +34,8 @@ def main(argv: list[str]) -> int:
   del argv  # all input comes from the shared flags of hisparse_jax.cli
   from models.loader import checkpoint_dtype, load_pretrained  # noqa: PLC0415 (heavy)
 
+  if FLAGS.tensor_parallel_size != 1:  # over a mesh: the engine's own pools and lines
+    return _tensor_parallel()
   dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
   _, config, _ = load_pretrained(FLAGS.model, dtype=dtype)
   max_positions = getattr(config, "max_position_embeddings", None)
@@ -58,6 +60,26 @@ def main(argv: list[str]) -> int:
   detail = hisparse_capacity(spec, hisparse, num_device_blocks=pools[0].num_blocks,
                              num_host_blocks=pools[1].num_blocks, **sizes)
   _print(CapacityReport.from_pools(pools, detail.reserved_bytes, detail))
+  return 0
+
+
+def _tensor_parallel() -> int:
+  """The capacity lines of an engine over --tensor_parallel_size devices (weights loaded
+  into their shards; the lines per device come from the live shards)."""
+  from hisparse_jax.engine import Engine, EngineConfig  # noqa: PLC0415 (heavy)
+
+  # Only the flags this command reads (its --help groups).
+  kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+                device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
+                max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+                hisparse=hisparse_from_flags(),
+                tensor_parallel_size=FLAGS.tensor_parallel_size)
+  try:
+    config = EngineConfig(**kwargs)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
+  engine = Engine(config)
+  _print(engine.capacity)
   return 0
 
 

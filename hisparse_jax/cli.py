@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging as std_logging
+import os
 import sys
 import traceback
 
@@ -56,6 +57,21 @@ flags.DEFINE_float(
 flags.DEFINE_float("host_pool_gib", 1.0,
                    "Pinned-host KV pool in GiB (refused above 95% of available RAM).")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output) in tokens.")
+flags.DEFINE_integer(
+    "tensor_parallel_size", 1,
+    "Devices of one jax Mesh the engine runs over: attention / KV heads and the MLP split, "
+    "KV pools split by KV head, capacity lines per device. On CPU, make the devices first: "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+flags.DEFINE_string(
+    "coordinator_address", None,
+    "Multi-host: HOST:PORT of process 0 (jax.distributed); every process runs the same "
+    "command with its --process_id; the mesh spans all processes' devices and only process "
+    "0 writes results.")
+flags.DEFINE_integer("num_processes", 1, "Multi-host: processes in all (with "
+                     "--coordinator_address).")
+flags.DEFINE_integer("process_id", 0, "Multi-host: this process, in [0, --num_processes).")
+flags.DEFINE_float("coordinator_timeout_s", 60.0, "Multi-host: seconds to wait for the "
+                   "coordinator and the other processes.")
 
 # Engine, sampling and output flags (generate, demo).
 flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts. "
@@ -153,19 +169,22 @@ _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "lo
              "sparse_threshold_tokens")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
+_PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",
+             "coordinator_timeout_s")
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
-                 ("HiSparse", _HISPARSE)),
+                 ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
     "generate": (("prompts", ("prompt", "prompts_file")),
                  ("sampling", _SAMPLING),
                  ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
-                 ("output", _OUTPUT)),
+                 ("parallel", _PARALLEL), ("output", _OUTPUT)),
     "demo": (("demo", ("demo_num_prompts", "demo_context_len", "demo_seed")),
              ("sampling", _SAMPLING), ("model and memory", _MODEL), ("engine", _ENGINE),
-             ("HiSparse", _HISPARSE), ("output", _OUTPUT)),
+             ("HiSparse", _HISPARSE), ("parallel", _PARALLEL), ("output", _OUTPUT)),
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
-              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE)),
+              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
+              ("parallel", ("tensor_parallel_size",))),  # (one process: requests reach one host)
 }
 HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
 
@@ -221,6 +240,7 @@ def _main(argv: list[str]) -> int:
     return 2
   module = importlib.import_module(COMMANDS[name][0])
   try:
+    _join_processes(name)
     return int(module.main(argv[1:]) or 0)
   except ValueError as e:  # bad input: one line, exit 2; the traceback only when verbose
     if logging.get_verbosity() >= logging.DEBUG:
@@ -239,6 +259,25 @@ def unread_flags(command: str) -> list[str]:
   own flags, --verbosity and the like, are every command's)."""
   ours = [f.name for f in FLAGS.get_flags_for_module(sys.modules[__name__])]
   return sorted(n for n in ours if FLAGS[n].present and n not in command_flags(command))
+
+
+def _join_processes(command: str) -> None:
+  """Multi-host (--coordinator_address or --num_processes > 1): joins the other
+  processes before any command touches jax; processes other than 0 run silently (they
+  compute the same steps; process 0 writes the results)."""
+  if FLAGS.coordinator_address is None and FLAGS.num_processes == 1:
+    return
+  from hisparse_jax import parallel  # noqa: PLC0415 (imports jax)
+
+  if FLAGS.coordinator_address is None:
+    raise ValueError(f"--num_processes={FLAGS.num_processes} needs --coordinator_address")
+  if command in ("serve", "bench"):  # every process must see the same requests
+    raise ValueError(f"--coordinator_address: {command} runs on one process (requests reach "
+                     "one host); generate, demo and capacity run on several")
+  parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                  FLAGS.process_id, FLAGS.coordinator_timeout_s)
+  if FLAGS.process_id != 0:
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
 
 
 def error_line(error: ValueError) -> str:

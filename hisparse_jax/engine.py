@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 from absl import logging
 
-from hisparse_jax import engine_metrics
+from hisparse_jax import engine_metrics, parallel
 from hisparse_jax.block_manager import BlockManager
 from hisparse_jax.capacity import (
   CapacityReport,
@@ -104,8 +104,14 @@ class EngineConfig:
   compile_in_background: bool = False
   seed: int = 0
   hisparse: HiSparseConfig | None = None  # None: dense attention only
+  # Devices of the one mesh the engine runs over (heads, MLP and KV cache split); 1: one
+  # device, no mesh (hisparse_jax.parallel).
+  tensor_parallel_size: int = 1
 
   def __post_init__(self):
+    tp = self.tensor_parallel_size
+    if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
+      raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     if self.block_size is None and self.hisparse is not None:
       object.__setattr__(self, "block_size", default_block_size(hisparse=True))
     if self.block_size is not None and (self.block_size <= 0
@@ -160,7 +166,13 @@ class Engine:
 
   def __init__(self, config: EngineConfig | None = None, *, model=None, model_config=None,
                tokenizer=None):
-    from models.loader import checkpoint_dtype, load_pretrained  # heavy import, on use
+    from models.loader import (  # heavy import, on use
+      checkpoint_dtype,
+      load_config,
+      load_pretrained,
+      shard_model,
+    )
+    from models.sharding import check_tensor_parallel, kv_head_repeat
 
     config = config if config is not None else EngineConfig()
     if config.dtype == "auto":  # the checkpoint's torch_dtype (float32 for a given model)
@@ -170,8 +182,20 @@ class Engine:
     if config.block_size is None:
       config = dataclasses.replace(config, block_size=default_block_size())
     self.config = config
+    # Tensor parallel: one mesh; the weights go straight into their shards.
+    self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+    self.kv_head_repeat = 1  # copies of each KV head over the mesh (models.sharding)
+    if self.mesh is not None:  # refused before any weight is read
+      unsplit = load_config(config.model) if model is None else model.config
+      check_tensor_parallel(unsplit, config.tensor_parallel_size)
+      self.kv_head_repeat = kv_head_repeat(unsplit, config.tensor_parallel_size)
     if model is None:
-      model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype)
+      model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype,
+                                                       mesh=self.mesh)
+    elif self.mesh is not None:  # a model built in memory (tests): into its shards
+      model = shard_model(model, self.mesh)
+      model_config = dataclasses.replace(
+          model_config, num_key_value_heads=model.config.num_key_value_heads)
     self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
     # Ends of generation: the model config's eos ids and the tokenizer's, which come from
     # generation_config.json (what transformers' generate stops at; instruction-tuned
@@ -190,7 +214,8 @@ class Engine:
                        "the sparse path; run without hisparse")
     spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
-                     device_kv_gib=config.device_kv_gib)
+                     device_kv_gib=config.device_kv_gib,
+                     num_devices=parallel.tp_size(self.mesh))
     if config.hisparse is None:
       plan = plan_capacity(spec, **plan_args)
     else:
@@ -198,23 +223,28 @@ class Engine:
       # state come out of the device budget, beside the blocks they serve.
       plan = plan_capacity_reserving(
           spec, lambda d, h: self._hisparse_capacity(spec, d, h).reserved_bytes, **plan_args)
-    self.device_pool, self.host_pool = plan.allocate()
+    self.device_pool, self.host_pool = plan.allocate(mesh=self.mesh)
     self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               kernel_backend=config.kernel_backend, hisparse=config.hisparse,
                               host_pool=self.host_pool, eos_token_ids=self.eos_token_ids,
-                              compile_in_background=config.compile_in_background)
+                              compile_in_background=config.compile_in_background,
+                              kv_head_repeat=self.kv_head_repeat)
     # Reserved bytes as allocated (the runner's arrays), not as planned.
     hisparse = None
     if config.hisparse is not None:
       hisparse = self._hisparse_capacity(spec, self.device_pool.num_blocks,
                                          self.host_pool.num_blocks)
-      if hisparse.reserved_bytes != self.runner.reserved_bytes:
-        raise AssertionError(f"HiSparse device bytes: planned {hisparse.reserved_bytes:,}, "
+      # (multi-host: this process holds its devices' share of the mesh's bytes)
+      planned = (hisparse.reserved_bytes * len(self.device_pool.local_devices)
+                 // len(self.device_pool.devices))
+      if planned != self.runner.reserved_bytes:
+        raise AssertionError(f"HiSparse device bytes: planned {planned:,}, "
                              f"allocated {self.runner.reserved_bytes:,}")
     self.capacity = CapacityReport.from_pools((self.device_pool, self.host_pool),
-                                              self.runner.reserved_bytes, hisparse)
+                                              self.runner.reserved_bytes, hisparse,
+                                              reserved_arrays=self.runner.reserved_arrays())
     configure_library_logging()
     self.capacity.log(config.max_model_len)
     self.metrics_registry = MetricsRegistry()
@@ -246,7 +276,8 @@ class Engine:
     c = self.config
     return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
                              num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
-                             max_model_len=c.max_model_len)
+                             max_model_len=c.max_model_len,
+                             num_devices=parallel.tp_size(self.mesh))
 
   # --- Requests ------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ Every series lives in the engine's `MetricsRegistry` (flat dict via `to_dict()`,
 Prometheus via `serve(port)`). Series, with the labels they carry:
 
   hisparse_kv_capacity_tokens{memory_kind}      gauge   (set at load, CapacityReport)
+  hisparse_kv_capacity_bytes{memory_kind,device} gauge  (tensor parallel only: each
+                                                        device's live shard bytes)
   hisparse_kv_usage_ratio{memory_kind}          gauge   owned blocks / usable blocks
   hisparse_blocks_selected_total{source}        counter blocks attention read (all of a
                                                         dense row's blocks, the selected

@@ -171,7 +171,8 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
                 async_scheduling=FLAGS.async_scheduling, hisparse=hisparse_from_flags(),
                 compile_in_background=(compile_in_background
                                        if FLAGS.compile_in_background is None
-                                       else FLAGS.compile_in_background))
+                                       else FLAGS.compile_in_background),
+                tensor_parallel_size=FLAGS.tensor_parallel_size)
   try:
     EngineConfig(**kwargs)
   except ValueError as e:

@@ -158,12 +158,29 @@ def select(
     kv_lens: jax.Array,  # int32 [batch]
     blocks: HiSparseBlocks,
     selection: str = "shared",
+    axis_name: str | None = None,
+    kv_head_repeat: int = 1,
 ) -> Selection:
   """Scores and selection in one call: [batch, k] ("shared") or
-  [batch, num_kv_heads, k] ("per_kv_head")."""
+  [batch, num_kv_heads, k] ("per_kv_head").
+
+  axis_name: the KV heads are split over this mesh axis (tensor parallel, inside
+  shard_map): each device scores its own heads, then ONE all-gather of the scores
+  ([batch, heads, max_blocks] float32, small) gives every device all heads, so each
+  selects the blocks the unsplit model selects. kv_head_repeat: each of the model's KV
+  heads is held `kv_head_repeat` times (fewer KV heads than devices); the copies' scores
+  (each over its own query heads) are maxed back into the head's score first."""
   scores = block_scores(q, bounds)
+  if axis_name is not None:
+    scores = lax.all_gather(scores, axis_name, axis=1, tiled=True)
+    if kv_head_repeat > 1:
+      batch, heads, max_blocks = scores.shape
+      scores = scores.reshape(batch, heads // kv_head_repeat, kv_head_repeat,
+                              max_blocks).max(axis=2)
   if selection == "shared":
     scores = shared_scores(scores, kv_lens, blocks.block_size)
+  elif axis_name is not None:
+    raise ValueError("selection='per_kv_head' is not supported with tensor parallelism")
   elif selection != "per_kv_head":
     raise ValueError(f"selection must be 'shared' or 'per_kv_head', got {selection!r}")
   return select_blocks(scores, kv_lens, blocks)

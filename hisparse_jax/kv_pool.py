@@ -35,6 +35,8 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from hisparse_jax import parallel
+
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, PINNED_HOST)
@@ -140,13 +142,26 @@ class KVPool:
   """
 
   def __init__(self, spec: KVCacheSpec, num_blocks: int, memory_kind: str,
-               device: jax.Device | None = None):
+               device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None):
+    """mesh: tensor parallelism, the arrays split by KV head over its devices
+    (`hisparse_jax.parallel`); `device` is then the mesh's first."""
     if memory_kind not in MEMORY_KINDS:
       raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
     self.spec = spec
     self.memory_kind = memory_kind
+    self.mesh = mesh
+    if mesh is not None:  # its first device of this process (multi-host: not all are)
+      device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     self.device = device if device is not None else jax.devices()[0]
     self.sharding = memory_sharding(self.device, memory_kind)
+    # What is not split (the runner's hot-buffer state, step inputs): one copy per device.
+    self.replicated = self.sharding
+    if mesh is not None:
+      if spec.num_kv_heads % parallel.tp_size(mesh):
+        raise ValueError(f"--tensor_parallel_size={parallel.tp_size(mesh)} does not divide "
+                         f"the KV cache's num_kv_heads={spec.num_kv_heads}")
+      self.sharding = parallel.kv_sharding(mesh, memory_kind)
+      self.replicated = parallel.replicated(mesh, memory_kind)
     if num_usable_blocks(num_blocks) < 1:
       raise ValueError(f"a {memory_kind} pool needs more than 1 blocks (the null block), "
                        f"got {num_blocks}")
@@ -205,8 +220,18 @@ class KVPool:
 
   @property
   def nbytes(self) -> int:
-    """Bytes of all arrays of this pool, as allocated."""
+    """Bytes of all arrays of this pool, as allocated (all shards together)."""
     return sum(int(a.nbytes) for a in self.arrays())
+
+  @property
+  def devices(self) -> tuple[jax.Device, ...]:
+    """The devices holding a shard of every array (one without a mesh)."""
+    return (self.device,) if self.mesh is None else tuple(self.mesh.devices.flat)
+
+  @property
+  def local_devices(self) -> tuple[jax.Device, ...]:
+    """`devices` of this process (multi-host: each process holds its devices' shards)."""
+    return tuple(d for d in self.devices if d.process_index == jax.process_index())
 
   def to_storage(self, x: jax.Array) -> jax.Array:
     """Logical dtype -> this pool's storage dtype (`to_storage`)."""
@@ -240,4 +265,9 @@ def device_full_fn(shape: tuple[int, ...], dtype, value, sharding: SingleDeviceS
 
 @functools.cache
 def _host_zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: SingleDeviceSharding):
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    # Split (tensor parallel): the device_put inside keeps the host kind in the type, the
+    # out_shardings the split (measured, jax 0.10.2: device_put alone replicates).
+    return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), sharding),
+                   out_shardings=sharding)
   return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), sharding))

@@ -80,7 +80,8 @@ class LLM:
       hisparse: a `HiSparseConfig`: top-k sparse decoding of long sequences (None: dense).
       log_every_steps: log a status line every this many engine steps (0: never).
       **engine_kwargs: any other `EngineConfig` field (max_num_batched_tokens, seed,
-        enable_chunked_prefill, enable_prefix_caching, kernel_backend).
+        enable_chunked_prefill, enable_prefix_caching, kernel_backend,
+        tensor_parallel_size: one engine over a mesh of that many devices, as vLLM's).
     """
     unknown = sorted(set(engine_kwargs) - set(_DEFAULTS))
     if unknown:

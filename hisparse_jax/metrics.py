@@ -32,6 +32,8 @@ TRANSFER_BYTES_TOTAL = "hisparse_transfer_bytes_total"  # {direction}: K+V bytes
 TRANSFER_SECONDS = "hisparse_transfer_seconds"  # histogram {direction}: dispatch -> done
 # Capacity (hisparse_jax.capacity).
 KV_CAPACITY_TOKENS = "hisparse_kv_capacity_tokens"  # {memory_kind}
+# {memory_kind, device}: tensor parallel only, each device's live KV shard bytes
+KV_CAPACITY_BYTES = "hisparse_kv_capacity_bytes"
 
 DIRECTION_H2D = "h2d"  # host pool -> device pool (swap in)
 DIRECTION_D2H = "d2h"  # device pool -> host pool (swap out / write-back)

@@ -246,7 +246,9 @@ def load_blocks(
   count = loads.sum(dtype=jnp.int32)
   if transfer.hop_free(device_sharding) if one_memory is None else one_memory:
     # One memory (CPU): copy exactly the loads, host page -> device page, no bucket.
-    host_view = [jax.device_put(h, device_sharding) for h in host_arrays]
+    # (device_sharding None: the caller already moved them to the device kind)
+    host_view = (list(host_arrays) if device_sharding is None else
+                 [jax.device_put(h, device_sharding) for h in host_arrays])
     new_arrays = transfer.copy_block_loop(host_view, device_arrays, host_packed,
                                           device_packed, count)
     return new_arrays, count

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from hisparse_jax import resolver
+from hisparse_jax import parallel, resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseConfig
 from hisparse_jax.kv_pool import KVPool, device_full_fn
@@ -94,10 +94,14 @@ class ModelRunner(BatchBuilderMixin):
                max_num_seqs: int, max_num_batched_tokens: int,
                kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
                host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = (),
-               compile_in_background: bool = False):
+               compile_in_background: bool = False,
+               kv_head_repeat: int = 1):
+    """kv_head_repeat: tensor parallel with fewer KV heads than devices, the copies of
+    each KV head the (repeated) model holds (models.sharding.kv_head_repeat)."""
     self.config = model.config
     self.vocab_size = model.config.vocab_size
     self.eos_token_ids = tuple(eos_token_ids)  # stop tokens min_tokens holds back
+    self.kv_head_repeat = kv_head_repeat
     self.pool = device_pool
     self.block_size = device_pool.spec.block_size
     self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -130,10 +134,10 @@ class ModelRunner(BatchBuilderMixin):
                           for _ in range(spec.num_layers))
       rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
       self.hot_state = (
-          device_full_fn((*rows, slots), jnp.int32, -1, device_pool.sharding)(),
-          device_full_fn((*rows, slots), jnp.int32, resolver.NEVER, device_pool.sharding)(),
+          device_full_fn((*rows, slots), jnp.int32, -1, device_pool.replicated)(),
+          device_full_fn((*rows, slots), jnp.int32, resolver.NEVER, device_pool.replicated)(),
           device_full_fn((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
-                         device_pool.sharding)())
+                         device_pool.replicated)())
     self._graphdef, self.params = nnx.split(model)
     self._step = self._step_for(self.ops, one_memory=None)
     self._copy = copy_program()
@@ -146,7 +150,8 @@ class ModelRunner(BatchBuilderMixin):
                                   self.ops.hints_cover, self.num_hot_rows)
                      if compile_in_background else None)
     # The previous-step tokens of a step that reads none (its token_src is all -1).
-    self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), device_pool.sharding)
+    self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
+                                     device_pool.replicated)
 
   def _step_for(self, ops: kernels_pallas.KernelOps, one_memory: bool | None):
     """The jitted step program over `ops` (`one_memory`: how HiSparse loads cross, see
@@ -157,13 +162,18 @@ class ModelRunner(BatchBuilderMixin):
         self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
-        one_memory)
+        one_memory, mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
 
   @property
   def reserved_bytes(self) -> int:
     """Device bytes the runner holds besides the pool (key bounds by device and by host
-    block, hot-buffer state)."""
-    return self.indexer_bytes + sum(int(a.nbytes) for a in self.hot_state or ())
+    block, hot-buffer state), over all devices (tensor parallel: the state is replicated,
+    every copy counts)."""
+    return sum(parallel.live_bytes(self.reserved_arrays()).values())
+
+  def reserved_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays of `reserved_bytes` (their shards: the capacity lines per device)."""
+    return (*self.bounds, *(self.hot_state or ()))
 
   @property
   def indexer_bytes(self) -> int:

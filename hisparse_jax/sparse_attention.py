@@ -60,6 +60,11 @@ class SparseStatic:
   device_sharding: jax.sharding.Sharding
   host_sharding: jax.sharding.Sharding
   one_memory: bool | None = None  # resolver.load_blocks' (None: the devices say)
+  # Tensor parallel (under shard_map): the mesh axis of the KV heads, over which the
+  # indexer gathers the block scores (one small collective per layer), and how many
+  # copies of each KV head the devices hold (indexer.select).
+  axis_name: str | None = None
+  kv_head_repeat: int = 1
 
 
 def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
@@ -146,7 +151,8 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   # dropped, its host copy's row (one gather).
   num_device_blocks = k_pages.shape[0]
   bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
-  sel = indexer.select(q_rows, bounds[bounds_rows], kv_lens, sparse.blocks, sparse.selection)
+  sel = indexer.select(q_rows, bounds[bounds_rows], kv_lens, sparse.blocks, sparse.selection,
+                       axis_name=sparse.axis_name, kv_head_repeat=sparse.kv_head_repeat)
   # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
   slot_block, last_used, evicted_at = cache["state"]
   num_state_rows, width = slot_block.shape[0], tables.shape[1]

@@ -16,15 +16,18 @@ state are donated (updated in place).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from hisparse_jax.hisparse_config import HiSparseBlocks
 from hisparse_jax.kv_pool import from_storage
+from hisparse_jax.parallel import KV_HEADS, kv_sharding
 from hisparse_jax.sampling import (
     apply_penalties,
     greedy,
@@ -34,19 +37,30 @@ from hisparse_jax.sampling import (
 )
 from hisparse_jax.sparse_attention import SparseStatic, attend
 from hisparse_jax.step_batch import SamplerExtras, StepMetadata
+from hisparse_jax.transfer import hop_free
 
 
 @functools.cache  # one jitted program per model structure, shared by engines of a process
 def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
                  blocks: HiSparseBlocks | None = None, selection: str | None = None,
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
-                 one_memory: bool | None = None):
+                 one_memory: bool | None = None, *, mesh=None, kv_head_repeat: int = 1):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
                           host_sharding, one_memory)
+    if mesh is not None:  # tensor parallel: under shard_map, see sharded_attend
+      if not (hop_free(device_sharding) if one_memory is None else one_memory):
+        raise ValueError(
+            "--tensor_parallel_size > 1 with --hisparse: the in-step host loads under "
+            "tensor parallelism are built only where device and host memory are one (CPU) "
+            "so far")
+      sparse = dataclasses.replace(sparse, device_sharding=None, one_memory=True,
+                                   axis_name=KV_HEADS[2], kv_head_repeat=kv_head_repeat)
   attn_fn = functools.partial(attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
                               sparse)
+  if mesh is not None:
+    attn_fn = functools.partial(sharded_attend, attn_fn, mesh, sparse is not None)
   forward = functools.partial(_forward, graphdef, attn_fn)
   return jax.jit(forward, donate_argnums=(1, 2, 3),
                  static_argnames=("greedy_only", "num_token_rows"))
@@ -66,6 +80,39 @@ def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: in
 @functools.cache
 def copy_program():
   return jax.jit(_copy_blocks, donate_argnums=(0,))
+
+
+def sharded_attend(attn_fn, mesh, sparse: bool, q, k, v, *, layer_idx, kv_cache,
+                   metadata: StepMetadata, config):
+  """`attn_fn` under `shard_map` over the mesh's KV-head axis (tensor parallelism): each
+  device attends with its own query / KV heads over its shard of the pages (and key
+  bounds, host pages); block tables and every other step input are the same on all.
+  Nothing crosses devices here except HiSparse's shared selection (one all-gather of
+  the block scores per layer, in indexer.select), so the rows' selection, resolution,
+  hot-buffer state and counts come out equal on every device (replicated outputs).
+  q [1, tokens, heads, head_dim], k / v [1, tokens, kv_heads, head_dim]."""
+  heads = P(None, None, KV_HEADS[2], None)
+  if sparse:
+    cache = dict(kv_cache)
+    if metadata.num_sparse_rows:
+      # One memory (CPU): the host loads read the host pages as device-kind arrays (a
+      # memory-kind move needs a sharding, which shard_map's body has not).
+      device = kv_sharding(mesh, "device")
+      cache["host_k"] = jax.device_put(cache["host_k"], device)
+      cache["host_v"] = jax.device_put(cache["host_v"], device)
+    in_cache = dict(k=heads, v=heads, bounds=heads, host_k=heads, host_v=heads, state=P())
+    out_cache = dict(k=heads, v=heads, bounds=heads, state=P(), counts=P(), loaded=P())
+  else:
+    cache = kv_cache
+    in_cache = out_cache = (heads, heads)
+
+  def body(q, k, v, cache, metadata):
+    return attn_fn(q, k, v, layer_idx=layer_idx, kv_cache=cache, metadata=metadata,
+                   config=config)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, in_cache, P()),
+                       out_specs=(heads, out_cache), check_vma=False)(
+                           q, k, v, cache, metadata)
 
 
 def _copy_blocks(arrays, src, dst):

@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors import safe_open
 
 import models
+from models import sharding
 from models.config import ConfigError, ModelConfig
 from models.llama import LlamaForCausalLM
 from models.tokenizer import Tokenizer
@@ -150,11 +151,16 @@ def _tensor_files(path: str) -> dict[str, str]:
   return name_to_file
 
 
-def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32"
+def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32",
+                    mesh: jax.sharding.Mesh | None = None
                     ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
   """(model, config, tokenizer) from a HF-layout directory (None = embedded default model).
 
   dtype: "float32" or "bfloat16"; every parameter is converted to it.
+  mesh: tensor parallelism over its `models.sharding.TP_AXIS` axis: each tensor is read
+  into host memory and put straight into its shards (`models.sharding.param_spec`; no
+  device holds a full copy of a split parameter); the config returned is
+  `models.sharding.tp_config` (KV heads repeated when fewer than the devices).
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -175,6 +181,16 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
     raise CheckpointError(f"unexpected tensor {extra[0]!r} in {name_to_file[extra[0]]} "
                           f"({len(extra)} unexpected in all)")
   model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jdtype, seed=None))
+  placed = model  # the model whose variables get the values (mesh: the tp_config one)
+  repeat, host = 1, None
+  if mesh is not None:
+    tp = int(mesh.shape[sharding.TP_AXIS])
+    tp_cfg = sharding.tp_config(config, tp)
+    repeat = sharding.kv_head_repeat(config, tp)
+    if repeat > 1:
+      placed = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=jdtype, seed=None))
+    config = tp_cfg
+    host = jax.local_devices(backend="cpu")[0]  # tensors read into host memory, then sharded
   by_file: dict[str, list[str]] = {}
   for name in expected:
     by_file.setdefault(name_to_file[name], []).append(name)
@@ -192,13 +208,25 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
         if shape != want:
           raise CheckpointError(f"tensor {name!r} in {file} has shape {shape}, expected {want}")
         try:
-          tensor = f.get_tensor(name)
+          if host is None:
+            tensor = f.get_tensor(name)
+          else:
+            with jax.default_device(host):
+              tensor = f.get_tensor(name)
         except Exception as e:
           raise CheckpointError(f"tensor {name!r} in {file} cannot be read (truncated or "
                                 f"corrupt file): {e}") from e
-        tensor = jnp.asarray(tensor).astype(jdtype)
-        var.set_value(tensor.T if transposed else tensor)
-  return model, config, _load_tokenizer(path)
+        if mesh is None:
+          tensor = jnp.asarray(tensor).astype(jdtype)
+          var.set_value(tensor.T if transposed else tensor)
+          continue
+        tensor = np.asarray(tensor).astype(jdtype)
+        tensor = sharding.repeat_kv_heads(tensor, str(param_path[-2:]), config.head_dim, repeat,
+                                          transposed)
+        tensor = tensor.T if transposed else tensor
+        spec = jax.sharding.NamedSharding(mesh, sharding.param_spec(param_path))
+        _get_variable(placed, param_path).set_value(jax.device_put(tensor, spec))
+  return placed, config, _load_tokenizer(path)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
@@ -240,3 +268,23 @@ def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
 
 def param_count(model: nnx.Module) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def shard_model(model: LlamaForCausalLM, mesh: jax.sharding.Mesh) -> LlamaForCausalLM:
+  """An in-memory model put into its shards over `mesh` (as `load_pretrained(mesh=)` loads
+  one; its config is `models.sharding.tp_config`). Each parameter is read back to host
+  memory first, so the source model's full copy is where it already was (tests and
+  embedders that build a model themselves; checkpoints load straight into shards)."""
+  config = model.config
+  tp = int(mesh.shape[sharding.TP_AXIS])
+  tp_cfg = sharding.tp_config(config, tp)
+  repeat = sharding.kv_head_repeat(config, tp)
+  dtype = model.embed_tokens[...].dtype
+  placed = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=dtype, seed=None))
+  for param_path, _ in hf_param_map(config).values():
+    value = np.asarray(jax.device_get(_get_variable(model, param_path)[...]))
+    value = sharding.repeat_kv_heads(value, str(param_path[-2:]), config.head_dim, repeat,
+                                     transposed=False)
+    spec = jax.sharding.NamedSharding(mesh, sharding.param_spec(param_path))
+    _get_variable(placed, param_path).set_value(jax.device_put(value, spec))
+  return placed
