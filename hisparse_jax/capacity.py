@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import psutil
 from absl import logging
 
@@ -220,21 +221,25 @@ class HiSparseCapacity:
   hot_buffer_blocks: int  # device slots per offloaded request
   top_k_blocks: int
   sparse_threshold_tokens: int
+  bounds_dtype: str = "float32"  # of the key bounds (HiSparseConfig.bounds_dtype)
 
   @property
   def reserved_bytes(self) -> int:
     return self.indexer_bytes + self.hot_state_bytes
 
   def device_detail(self, block_size: int) -> str:
-    return (f"HiSparse: indexer key bounds {self.indexer_bytes:,} bytes + hot-buffer state "
+    return (f"HiSparse: indexer key bounds ({self.bounds_dtype}) {self.indexer_bytes:,} "
+            f"bytes + hot-buffer state "
             f"{self.hot_state_bytes:,} bytes; hot buffer {self.hot_buffer_blocks:,} blocks "
             f"= {self.hot_buffer_blocks * block_size:,} tokens per offloaded request, from "
             f"the pool; top-k {self.top_k_blocks:,} blocks")
 
 
-def bounds_bytes_per_block(spec: KVCacheSpec) -> int:
-  """Device bytes of the key bounds of one block id over all layers (float32 min, max)."""
-  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+def bounds_bytes_per_block(spec: KVCacheSpec, bounds_dtype: str = "float32") -> int:
+  """Device bytes of the key bounds of one block id over all layers (min and max, each
+  [num_kv_heads, head_dim] of `bounds_dtype`)."""
+  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * jnp.dtype(
+      bounds_dtype).itemsize
 
 
 def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
@@ -248,10 +253,12 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
   max_blocks = math.ceil(max_model_len / spec.block_size)
   state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
   return HiSparseCapacity(
-      indexer_bytes=(num_device_blocks + num_host_blocks) * bounds_bytes_per_block(spec),
+      indexer_bytes=(num_device_blocks + num_host_blocks)
+      * bounds_bytes_per_block(spec, hisparse.bounds_dtype),
       hot_state_bytes=state, hot_buffer_blocks=blocks.hot_buffer_blocks,
       top_k_blocks=blocks.top_k_blocks,
-      sparse_threshold_tokens=hisparse.sparse_threshold_tokens)
+      sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
+      bounds_dtype=hisparse.bounds_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

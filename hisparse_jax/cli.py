@@ -111,6 +111,10 @@ flags.DEFINE_integer("local_tokens", None, "HiSparse: newest tokens always atten
                      "--top_k_tokens / 4).")
 flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
                      "tokens decode densely. Default: --hot_buffer_tokens.")
+flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
+                  "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
+                  "device and host block (bfloat16: half the bytes of float32, rounded "
+                  "outward so scores stay upper bounds). Default: bfloat16.")
 flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
 flags.DEFINE_integer("demo_context_len", 1026,
                      "demo: tokens each retrieval prompt fills (at most; whole lines). 1026 is "
@@ -143,7 +147,7 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
 _MODEL = ("model", "dtype", "block_size", "device_kv_gib", "host_pool_gib", "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-             "sparse_threshold_tokens")
+             "sparse_threshold_tokens", "bounds_dtype")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),

@@ -34,7 +34,7 @@ import kernels_pallas
 from hisparse_jax import resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVPool, device_full_fn
+from hisparse_jax.kv_pool import KVPool, device_full_fn, storage_dtype
 from hisparse_jax.sparse_attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.step_batch import (  # noqa: F401 (re-exported)
     BatchBuilderMixin,
@@ -123,7 +123,9 @@ class ModelRunner(BatchBuilderMixin):
       # dropped block can still be scored.
       bounds_shape = (device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
                       spec.head_dim)
-      self.bounds = tuple(device_full_fn(bounds_shape, jnp.float32, 0, device_pool.sharding)()
+      # bfloat16 bounds are stored as uint16 on CPU, as the pools' bf16 (kv_pool).
+      bounds_storage = storage_dtype(hisparse.bounds_dtype, device_pool.device.platform)
+      self.bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
                           for _ in range(spec.num_layers))
       rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
       self.hot_state = (
@@ -134,7 +136,8 @@ class ModelRunner(BatchBuilderMixin):
     self._graphdef, self.params = nnx.split(model)
     self._step = self._step_for(self.ops, one_memory=None)
     self._copy = copy_program()
-    self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size)
+    self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size,
+                                    hisparse.bounds_dtype if hisparse else "float32")
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
     # The previous-step tokens of a step that reads none (its token_src is all -1).
@@ -149,7 +152,7 @@ class ModelRunner(BatchBuilderMixin):
         self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
-        one_memory)
+        one_memory, hisparse.bounds_dtype if hisparse is not None else "float32")
 
   @property
   def reserved_bytes(self) -> int:

@@ -3,7 +3,8 @@
 Attention is `attend`: the one place where the HiSparse path swaps the dense block
 table for a table of selected blocks. With a HiSparseConfig the runner also keeps, per
 layer, the key bounds of every device block AND every host block in one array
-(`bounds`, [num_device_blocks + num_host_blocks, 2, num_kv_heads, head_dim] float32:
+(`bounds`, [num_device_blocks + num_host_blocks, 2, num_kv_heads, head_dim] of
+HiSparseConfig.bounds_dtype (bfloat16 by default, uint16 bits on CPU; or float32):
 device block i at row i, host block j at row num_device_blocks + j; donated like the
 pages), and each layer of the step runs:
 
@@ -60,6 +61,7 @@ class SparseStatic:
   device_sharding: jax.sharding.Sharding
   host_sharding: jax.sharding.Sharding
   one_memory: bool | None = None  # resolver.load_blocks' (None: the devices say)
+  bounds_dtype: str = "float32"  # of the key bounds (stored as uint16 when bf16 on CPU)
 
 
 def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
@@ -82,10 +84,11 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
   k_pages, v_pages = ops.write_kv(
       cache["k"], cache["v"], to_storage(k[0], kv_dtype, storage_dtype),
       to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
-  bounds = ops.block_key_bounds(cache["bounds"], from_storage(k_pages, kv_dtype),
-                                metadata.slot_ids)
+  bounds = ops.block_key_bounds(from_storage(cache["bounds"], sparse.bounds_dtype),
+                                from_storage(k_pages, kv_dtype), metadata.slot_ids)
   out, k_pages, v_pages, state, (counts, loaded) = _hisparse_attention(
       ops, sparse, kv_dtype, q[0], k_pages, v_pages, bounds, cache, metadata, config)
+  bounds = to_storage(bounds, sparse.bounds_dtype, cache["bounds"].dtype)
   return out[None], dict(k=k_pages, v=v_pages, bounds=bounds, state=state, counts=counts,
                          loaded=loaded)
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 import kernels_pallas
 from hisparse_jax.hisparse_config import HiSparseBlocks
-from hisparse_jax.kv_pool import from_storage
+from hisparse_jax.kv_pool import from_storage, to_storage
 from hisparse_jax.sampling import (
     apply_penalties,
     greedy,
@@ -40,11 +40,11 @@ from hisparse_jax.step_batch import SamplerExtras, StepMetadata
 def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
                  blocks: HiSparseBlocks | None = None, selection: str | None = None,
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
-                 one_memory: bool | None = None):
+                 one_memory: bool | None = None, bounds_dtype: str = "float32"):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
-                          host_sharding, one_memory)
+                          host_sharding, one_memory, bounds_dtype)
   attn_fn = functools.partial(attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
                               sparse)
   forward = functools.partial(_forward, graphdef, attn_fn)
@@ -53,12 +53,16 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
 
 
 @functools.cache
-def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: int):
+def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: int,
+                    bounds_dtype: str = "float32"):
   del block_size  # part of the cache key only (slots encode it)
 
   def refresh(bounds, k_arrays, slots):
-    return tuple(ops.block_key_bounds(b, from_storage(k, jnp.dtype(kv_dtype)), slots)
-                 for b, k in zip(bounds, k_arrays))
+    return tuple(
+        to_storage(ops.block_key_bounds(from_storage(b, bounds_dtype),
+                                        from_storage(k, jnp.dtype(kv_dtype)), slots),
+                   bounds_dtype, b.dtype)
+        for b, k in zip(bounds, k_arrays))
 
   return jax.jit(refresh, donate_argnums=(0,))
 
