@@ -194,11 +194,14 @@ class TierCapacity:
   num_null_blocks: int
   bytes_per_token: int
   reserved_bytes: int = 0  # device bytes for the indexer and hot buffers, not in kv_bytes
+  kv_dtype: str = ""  # what the pool stores (KVCacheSpec.describe()); "" = not named
 
   def log_line(self) -> str:
     line = (f"KV cache capacity [memory_kind={self.memory_kind}]: {_gib(self.kv_bytes)} = "
             f"{self.num_blocks:,} blocks x {self.block_size} tokens = "
             f"{self.num_tokens:,} tokens; {self.bytes_per_token:,} bytes per token")
+    if self.kv_dtype:
+      line += f" (KV {self.kv_dtype})"
     if self.num_null_blocks:
       line += (f"; +{self.num_null_blocks} null block in the bytes, never handed out")
     if self.memory_kind == DEVICE:
@@ -300,7 +303,7 @@ class CapacityReport:
     tiers = tuple(
         TierCapacity(memory_kind=kind, block_size=spec.block_size,
                      num_tokens=acc["num_blocks"] * spec.block_size,
-                     bytes_per_token=spec.bytes_per_token,
+                     bytes_per_token=spec.bytes_per_token, kv_dtype=spec.describe(),
                      reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
         for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
     return cls(tiers=tiers, hisparse=hisparse)

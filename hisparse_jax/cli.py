@@ -47,6 +47,11 @@ flags.DEFINE_string(
 flags.DEFINE_enum("dtype", "float32", ["auto", "float32", "bfloat16"],
                   "Dtype of the weights and of the KV cache; auto: the checkpoint's "
                   "torch_dtype (float16 checkpoints load as bfloat16).")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
+                  "What the KV cache stores (both tiers): auto = the model's dtype; int8 = "
+                  "int8 values + a float32 scale per token and KV head (3.56x the float32 "
+                  "tokens at head_dim 32), dequantized where attention reads them (xla / "
+                  "reference attention; not the Pallas kernels yet). fp8_e4m3 is refused.")
 flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
                      "CPU, 16 on accelerators and with --hisparse.")
 flags.DEFINE_float(
@@ -144,7 +149,8 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
 
 
 # The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`.
-_MODEL = ("model", "dtype", "block_size", "device_kv_gib", "host_pool_gib", "max_model_len")
+_MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "host_pool_gib",
+          "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens", "bounds_dtype")

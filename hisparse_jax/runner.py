@@ -263,7 +263,7 @@ class ModelRunner(BatchBuilderMixin):
     dst = np.full(n, max([self.pool.num_blocks] + [b.shape[0] for b in self.bounds]),
                   np.int32)
     src[:len(copies)], dst[:len(copies)] = zip(*copies)
-    num_pool_arrays = 2 * self.pool.num_layers
+    num_pool_arrays = len(self.pool.arrays())
     arrays = self._copy((*self.pool.arrays(), *self.bounds), src, dst)
     self.pool.set_arrays(arrays[:num_pool_arrays])
     self.bounds = arrays[num_pool_arrays:]
@@ -277,4 +277,4 @@ class ModelRunner(BatchBuilderMixin):
       return
     slots = np.full(bucket_size(len(device_ids), 4), -1, np.int32)
     slots[:len(device_ids)] = np.asarray(device_ids) * self.block_size + self.block_size - 1
-    self.bounds = self._refresh(self.bounds, self.pool.arrays()[:self.pool.num_layers], slots)
+    self.bounds = self._refresh(self.bounds, self.pool.k, self.pool.k_scale, slots)

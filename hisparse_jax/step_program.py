@@ -34,6 +34,7 @@ from hisparse_jax.sampling import (
 )
 from hisparse_jax.sparse_attention import SparseStatic, attend
 from hisparse_jax.step_batch import SamplerExtras, StepMetadata
+from kernels_pallas.quant import QuantizedPages
 
 
 @functools.cache  # one jitted program per model structure, shared by engines of a process
@@ -57,12 +58,14 @@ def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: in
                     bounds_dtype: str = "float32"):
   del block_size  # part of the cache key only (slots encode it)
 
-  def refresh(bounds, k_arrays, slots):
+  def refresh(bounds, k_arrays, k_scales, slots):
+    # k_scales: an int8 cache's key scales per layer (empty otherwise).
+    keys = (tuple(QuantizedPages(k, s, kv_dtype) for k, s in zip(k_arrays, k_scales))
+            if k_scales else tuple(from_storage(k, jnp.dtype(kv_dtype)) for k in k_arrays))
     return tuple(
-        to_storage(ops.block_key_bounds(from_storage(b, bounds_dtype),
-                                        from_storage(k, jnp.dtype(kv_dtype)), slots),
+        to_storage(ops.block_key_bounds(from_storage(b, bounds_dtype), k, slots),
                    bounds_dtype, b.dtype)
-        for b, k in zip(bounds, k_arrays))
+        for b, k in zip(bounds, keys))
 
   return jax.jit(refresh, donate_argnums=(0,))
 
@@ -83,14 +86,21 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   model = nnx.merge(graphdef, params)
   # Tokens still in flight on the host come from the previous step's output.
   input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
-  num_layers = len(kv_arrays) // 2
+  # The pool's arrays are grouped by kind (k..., v..., and an int8 cache's k_scale...,
+  # v_scale...); a layer's pages are its array of each kind (KVPool.arrays).
+  num_layers = model.config.num_hidden_layers
+  num_kinds = len(kv_arrays) // num_layers
+
+  def layer_arrays(arrays, i):
+    return tuple(arrays[j * num_layers + i] for j in range(num_kinds))
+
   if bounds:  # HiSparse: each layer's cache is a dict (see attend)
-    kv_caches = [dict(k=kv_arrays[i], v=kv_arrays[num_layers + i], bounds=bounds[i],
-                      host_k=host_arrays[i], host_v=host_arrays[num_layers + i],
+    kv_caches = [dict(pages=layer_arrays(kv_arrays, i), bounds=bounds[i],
+                      host=layer_arrays(host_arrays, i),
                       state=tuple(a[i] for a in hot_state))
                  for i in range(num_layers)]
   else:
-    kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i]) for i in range(num_layers)]
+    kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
@@ -115,13 +125,13 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   # One shape for every step (the next step reads it as prev_tokens).
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:
-    new_arrays = (tuple(c["k"] for c in kv_caches) + tuple(c["v"] for c in kv_caches))
+    new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
     new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))
     counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
     loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
     return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,
             (counts, loaded), logprobs)
-  new_arrays = tuple(c[0] for c in kv_caches) + tuple(c[1] for c in kv_caches)
+  new_arrays = tuple(c[j] for j in range(num_kinds) for c in kv_caches)
   return tokens, new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
                                              jnp.zeros((0,), jnp.int32)), logprobs
 

@@ -89,7 +89,7 @@ def _num_real(dst_ids, num_dst_blocks: int):
 
 
 @functools.cache  # one program per pool shape set, shared by engines of a process
-def _swap_out_program(num_layers: int, device_sharding, host_sharding, one_memory: bool):
+def _swap_out_program(num_arrays: int, device_sharding, host_sharding, one_memory: bool):
   """(device arrays, host arrays [donated], device_ids, host_ids) -> new host arrays."""
 
   def swap_out(device_arrays, host_arrays, device_ids, host_ids):
@@ -107,7 +107,7 @@ def _swap_out_program(num_layers: int, device_sharding, host_sharding, one_memor
         out.append(host_array.at[host_ids].set(blocks, mode="drop"))
     return tuple(out), device_ids[0]  # a small output to wait on, never donated
 
-  shardings = (tuple([host_sharding] * 2 * num_layers), device_sharding)
+  shardings = (tuple([host_sharding] * num_arrays), device_sharding)
   return jax.jit(swap_out, donate_argnums=(1,), out_shardings=shardings)
 
 
@@ -138,7 +138,7 @@ def gather_program(num_arrays: int, device_sharding, host_sharding):
 
 
 @functools.cache
-def _swap_in_program(num_layers: int, device_sharding, host_sharding, one_memory: bool):
+def _swap_in_program(num_arrays: int, device_sharding, host_sharding, one_memory: bool):
   """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
 
   def swap_in(host_arrays, device_arrays, host_ids, device_ids):
@@ -152,7 +152,7 @@ def _swap_in_program(num_layers: int, device_sharding, host_sharding, one_memory
     out = tuple(d.at[device_ids].set(b, mode="drop") for d, b in zip(device_arrays, blocks))
     return out, device_ids[0]
 
-  shardings = (tuple([device_sharding] * 2 * num_layers), device_sharding)
+  shardings = (tuple([device_sharding] * num_arrays), device_sharding)
   return jax.jit(swap_in, donate_argnums=(1,), out_shardings=shardings)
 
 
@@ -196,12 +196,13 @@ class TransferEngine:
     self._transfers, self._blocks, self._bytes, self._seconds = register_transfer_metrics(
         self.metrics)
     device_sharding = SingleDeviceSharding(device_pool.device, memory_kind=DEVICE)
-    num_layers = device_pool.spec.num_layers
+    # Every array of a pool moves (K, V, and an int8 cache's scales: KVPool.arrays).
+    num_arrays = len(device_pool.arrays())
     # One memory (CPU): block-copy loops without a hop; else host gather + crossing.
     self.one_memory = hop_free(device_sharding) if one_memory is None else one_memory
-    self._swap_out = _swap_out_program(num_layers, device_sharding, host_pool.sharding,
+    self._swap_out = _swap_out_program(num_arrays, device_sharding, host_pool.sharding,
                                        self.one_memory)
-    self._swap_in = _swap_in_program(num_layers, device_sharding, host_pool.sharding,
+    self._swap_in = _swap_in_program(num_arrays, device_sharding, host_pool.sharding,
                                      self.one_memory)
     self._pending: list[tuple[str, float, jax.Array]] = []
     self.buckets_used: set[tuple[str, int]] = set()  # (direction, padded length)
