@@ -48,10 +48,10 @@ flags.DEFINE_enum("dtype", "float32", ["auto", "float32", "bfloat16"],
                   "Dtype of the weights and of the KV cache; auto: the checkpoint's "
                   "torch_dtype (float16 checkpoints load as bfloat16).")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
-                  "What the KV cache stores (both tiers): auto = the model's dtype; int8 = "
-                  "int8 values + a float32 scale per token and KV head (3.56x the float32 "
-                  "tokens at head_dim 32), dequantized where attention reads them (xla / "
-                  "reference attention; not the Pallas kernels yet). fp8_e4m3 is refused.")
+                  "What the KV cache stores (both tiers): auto = the model's dtype; int8 / "
+                  "fp8_e4m3 = 8-bit values + a float32 scale per token and KV head (3.56x "
+                  "the float32 tokens at head_dim 32), dequantized where attention reads "
+                  "them (xla / reference attention: CPU; not the Pallas kernels yet).")
 flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
                      "CPU, 16 on accelerators and with --hisparse.")
 flags.DEFINE_float(

@@ -117,10 +117,11 @@ class EngineConfig:
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     check_kv_cache_dtype(self.kv_cache_dtype)
-    if self.kv_cache_dtype == "int8" and self.kernel_backend in ("pallas", "pallas_mgpu"):
+    if self.kv_cache_dtype != "auto" and self.kernel_backend in ("pallas", "pallas_mgpu"):
       raise ValueError(
-          f"kv_cache_dtype=int8 is read by the xla and reference attention only; the "
-          f"Pallas kernels (kernel_backend={self.kernel_backend!r}) take no scales yet")
+          f"kv_cache_dtype={self.kv_cache_dtype} is read by the xla and reference attention "
+          f"only; the Pallas kernels (kernel_backend={self.kernel_backend!r}) take no scales "
+          "yet")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:
@@ -193,11 +194,11 @@ class Engine:
                        "the sparse path; run without hisparse")
     from kernels_pallas import resolve_backend  # noqa: PLC0415 (starts jax's backends)
 
-    if config.kv_cache_dtype == "int8" and resolve_backend(
+    if config.kv_cache_dtype != "auto" and resolve_backend(
         config.kernel_backend) in ("pallas", "pallas_mgpu"):
-      raise ValueError("kv_cache_dtype=int8 is read by the xla and reference attention "
-                       "only; on this platform the engine runs the Pallas kernels, which "
-                       "take no scales yet: use kv_cache_dtype=auto")
+      raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype} is read by the xla and "
+                       "reference attention only; on this platform the engine runs the "
+                       "Pallas kernels, which take no scales yet: use --kv_cache_dtype=auto")
     spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size,
                                          config.kv_cache_dtype)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,

@@ -44,13 +44,14 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from kernels_pallas.quant import STORAGE_DTYPES
+
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, PINNED_HOST)
 KV_DTYPES = ("float32", "bfloat16", "float16")
-# What the cache stores: "auto" = the model's dtype; "int8" = int8 values + float32 scales
-# per token and KV head (kernels_pallas.quant). "fp8_e4m3" is a name users may give
-# (vLLM's); it is refused where it cannot be stored (see check_kv_cache_dtype).
+# What the cache stores: "auto" = the model's dtype; "int8" / "fp8_e4m3" = 8-bit values
+# (fp8 as its uint8 bits) + a float32 scale per token and KV head (kernels_pallas.quant).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_BYTES = 4  # float32 scale per token and KV head of a quantized cache
 NULL_BLOCK_ID = 0  # block 0 of each pool (and of each tier's BlockPool): the null block
@@ -65,7 +66,7 @@ def num_usable_blocks(num_blocks: int) -> int:
 class KVCacheSpec:
   """Shape and dtype of the KV cache. Invariant: all fields positive, `block_size` a
   power of two, `dtype` one of `KV_DTYPES` (the logical dtype the model reads),
-  `kv_cache_dtype` "auto" (stored as `dtype`) or "int8" (stored quantized)."""
+  `kv_cache_dtype` "auto" (stored as `dtype`), "int8" or "fp8_e4m3" (stored quantized)."""
 
   num_layers: int
   num_kv_heads: int
@@ -101,13 +102,15 @@ class KVCacheSpec:
 
   @property
   def quantized(self) -> bool:
-    """Whether the cache stores int8 values and per-token, per-KV-head scales."""
-    return self.kv_cache_dtype == "int8"
+    """Whether the cache stores 8-bit values and per-token, per-KV-head scales."""
+    return self.kv_cache_dtype != "auto"
 
   @property
   def cache_dtype(self) -> str:
-    """The dtype of the stored K/V values: `dtype`, or int8 when quantized."""
-    return "int8" if self.quantized else self.dtype
+    """The dtype of the stored K/V values: `dtype`, int8, or uint8 (fp8_e4m3 bits)."""
+    if not self.quantized:
+      return self.dtype
+    return jnp.dtype(STORAGE_DTYPES[self.kv_cache_dtype]).name
 
   @property
   def itemsize(self) -> int:
@@ -121,7 +124,7 @@ class KVCacheSpec:
 
   def describe(self) -> str:
     """The stored dtype, as the capacity log names it."""
-    return "int8 + float32 scales" if self.quantized else self.dtype
+    return f"{self.kv_cache_dtype} + float32 scales" if self.quantized else self.dtype
 
   @property
   def bytes_per_block(self) -> int:
@@ -139,11 +142,9 @@ class KVCacheSpec:
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
   """ValueError naming the kv_cache_dtype field for a name this engine cannot store
   (the CLI prefixes it with "--")."""
-  if kv_cache_dtype == "fp8_e4m3":
-    raise ValueError("kv_cache_dtype=fp8_e4m3 is not supported by this engine yet (no fp8 "
-                     "storage or fp8 attention path); use auto or int8")
   if kv_cache_dtype not in KV_CACHE_DTYPES:
-    raise ValueError(f"kv_cache_dtype must be auto or int8, got {kv_cache_dtype!r}")
+    raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8_e4m3, got "
+                     f"{kv_cache_dtype!r}")
 
 
 def storage_dtype(dtype: str, platform: str) -> np.dtype:
@@ -199,7 +200,7 @@ class KVPool:
       raise ValueError(f"a {memory_kind} pool needs more than 1 blocks (the null block), "
                        f"got {num_blocks}")
     self.num_blocks = int(num_blocks)
-    self.storage_dtype = (np.dtype(np.int8) if spec.quantized
+    self.storage_dtype = (np.dtype(spec.cache_dtype) if spec.quantized
                           else storage_dtype(spec.dtype, self.device.platform))
     shape = spec.block_shape(self.num_blocks)
     self.k: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))

@@ -46,7 +46,7 @@ from hisparse_jax.hisparse_config import HiSparseBlocks
 from hisparse_jax.kv_pool import from_storage, to_storage
 from hisparse_jax.step_batch import StepMetadata
 from kernels_pallas.common import packed_ids
-from kernels_pallas.quant import QuantizedPages, quantize_int8
+from kernels_pallas.quant import QuantizedPages, kind_of, quantize
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
@@ -68,12 +68,13 @@ class SparseStatic:
 def write_pages(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype, pages, k, v,
                 slot_ids):
   """This step's K/V [tokens, kv heads, head_dim] into a layer's `pages`: (k, v) arrays,
-  or (k, v, k scales, v scales) of a quantized cache (int8 values, one scale per token
-  and KV head, written like pages of head_dim 1; kernels_pallas.quant)."""
+  or (k, v, k scales, v scales) of a quantized cache (int8 or fp8_e4m3 values, one scale
+  per token and KV head, written like pages of head_dim 1; kernels_pallas.quant)."""
   if len(pages) == 2:
     return ops.write_kv(pages[0], pages[1], to_storage(k, kv_dtype, storage_dtype),
                         to_storage(v, kv_dtype, storage_dtype), slot_ids)
-  (k_values, k_scales), (v_values, v_scales) = quantize_int8(k), quantize_int8(v)
+  kind = kind_of(pages[0].dtype)  # int8, or fp8_e4m3 stored as uint8
+  (k_values, k_scales), (v_values, v_scales) = quantize(k, kind), quantize(v, kind)
   return (*ops.write_kv(pages[0], pages[1], k_values, v_values, slot_ids),
           *ops.write_kv(pages[2], pages[3], k_scales, v_scales, slot_ids))
 

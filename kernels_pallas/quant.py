@@ -1,10 +1,13 @@
-"""int8 KV pages: quantization on write, dequantization on read (after the gather).
+"""8-bit KV pages: quantization on write, dequantization on read (after the gather).
 
 Layout (decided here), beside each K and V page array of a pool::
 
   values: int8    [num_blocks, block_size, num_kv_heads, head_dim]
+          (fp8_e4m3: the float8_e4m3fn bits as uint8, since XLA:CPU computes in neither)
   scales: float32 [num_blocks, block_size, num_kv_heads, 1]      (one per token and KV head)
-  x ~= values * scales,  scales = max|x| / 127 over the token's head_dim,  |error| <= scale / 2
+  x ~= values * scales,  scales = max|x| / 127 (int8) or / 448 (fp8_e4m3, its largest
+  finite value) over the token's head_dim; int8 |error| <= scale / 2, fp8_e4m3 |error| <=
+  |x| / 16 (3 mantissa bits, round to nearest) or scale / 1024 (subnormals)
 
 Why one scale per token and KV head, not per block: decode writes a block one token at a
 time, so a per-block scale would have to grow with later tokens and re-quantize the
@@ -28,6 +31,10 @@ import jax
 import jax.numpy as jnp
 
 INT8_MAX = 127
+FP8_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no inf: past it, NaN)
+# The stored dtype of each quantized cache's values (fp8 as its bits: XLA:CPU has no fp8
+# arithmetic, and the attention reads through QuantizedPages, which decodes them).
+STORAGE_DTYPES = {"int8": jnp.int8, "fp8_e4m3": jnp.uint8}
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -40,14 +47,47 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return values, scales
 
 
+def quantize_fp8_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [..., head_dim] -> (float8_e4m3fn values as uint8 bits, float32 scales [..., 1]):
+  each row scaled to max |x| = 448, rounded to nearest."""
+  x32 = x.astype(jnp.float32)
+  scales = jnp.abs(x32).max(axis=-1, keepdims=True) / FP8_E4M3_MAX
+  safe = jnp.where(scales > 0, scales, 1.0)
+  values = jnp.clip(x32 / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return jax.lax.bitcast_convert_type(values, jnp.uint8), scales
+
+
+def quantize(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
+  """`quantize_int8` or `quantize_fp8_e4m3` (`kind`: a key of STORAGE_DTYPES)."""
+  if kind == "int8":
+    return quantize_int8(x)
+  if kind == "fp8_e4m3":
+    return quantize_fp8_e4m3(x)
+  raise ValueError(f"quantized KV kind must be one of {tuple(STORAGE_DTYPES)}, got {kind!r}")
+
+
+def kind_of(values_dtype) -> str:
+  """The quantized cache kind whose values are stored as `values_dtype`."""
+  for kind, dtype in STORAGE_DTYPES.items():
+    if jnp.dtype(values_dtype) == jnp.dtype(dtype):
+      return kind
+  raise ValueError(f"no quantized KV stores its values as {values_dtype}")
+
+
 def dequantize_int8(values: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """values * scales in `dtype` (computed in float32)."""
+  """values * scales in `dtype` (computed in float32); uint8 values are fp8_e4m3 bits."""
+  if values.dtype == jnp.uint8:
+    values = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
   return (values.astype(jnp.float32) * scales).astype(dtype)
+
+
+dequantize = dequantize_int8  # either kind: the values' dtype says which
 
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedPages:
-  """int8 pages and their scales, read as pages of `dtype` (the model's dtype).
+  """8-bit pages (int8, or fp8_e4m3 bits as uint8) and their scales, read as pages of
+  `dtype` (the model's dtype).
 
   Supports what the attention code does to pages: `.shape`, `.ndim`, `.dtype` and a
   gather of whole blocks along axis 0 (`pages[block_ids]`), which dequantizes the
@@ -55,7 +95,7 @@ class QuantizedPages:
   """
 
   def __init__(self, values: jax.Array, scales: jax.Array, dtype=jnp.float32):
-    self.values = values  # int8 [num_blocks, block_size, num_kv_heads, head_dim]
+    self.values = values  # int8 / uint8 [num_blocks, block_size, num_kv_heads, head_dim]
     self.scales = scales  # float32 [num_blocks, block_size, num_kv_heads, 1]
     self.dtype = jnp.dtype(dtype)
 

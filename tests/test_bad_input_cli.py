@@ -288,13 +288,7 @@ def test_verbosity_1_adds_the_traceback_and_still_exits_2(tmp_path):
                        "token id 1031 is outside the vocabulary [0, 1031)")
 
 
-def test_kv_cache_dtype_the_engine_cannot_store_exits_2_naming_the_flag(good_checkpoint,
-                                                                         capsys):
-  assert _main_in_process("capacity", f"--model={good_checkpoint}",
-                          "--kv_cache_dtype=fp8_e4m3") == 2
-  _assert_one_line(capsys.readouterr().err, (
-      "hisparse-jax capacity: error: --kv_cache_dtype=fp8_e4m3 is not supported by this "
-      "engine yet (no fp8 storage or fp8 attention path); use auto or int8"))
+def test_unknown_kv_cache_dtype_exits_2_naming_the_flag(good_checkpoint, capsys):
   with pytest.raises(SystemExit) as info:
     cli._parse_flags(["hisparse-jax", "generate", "--kv_cache_dtype=int4"])
   flags.FLAGS.unparse_flags()
@@ -302,9 +296,10 @@ def test_kv_cache_dtype_the_engine_cannot_store_exits_2_naming_the_flag(good_che
   _assert_one_line(capsys.readouterr().err, (
       "hisparse-jax: error: flag --kv_cache_dtype=int4: value should be one of "
       "<auto|int8|fp8_e4m3>"))
-  # int8 plans and reports both tiers.
-  assert _main_in_process("capacity", f"--model={good_checkpoint}", "--kv_cache_dtype=int8",
-                          "--max_model_len=256", "--device_kv_gib=0.001",
-                          "--host_pool_gib=0.002") == 0
-  out = capsys.readouterr().out
-  assert out.count("(KV int8 + float32 scales)") == 2
+  # int8 and fp8_e4m3 plan and report both tiers.
+  for name in ("int8", "fp8_e4m3"):
+    assert _main_in_process("capacity", f"--model={good_checkpoint}",
+                            f"--kv_cache_dtype={name}", "--max_model_len=256",
+                            "--device_kv_gib=0.001", "--host_pool_gib=0.002") == 0
+    out = capsys.readouterr().out
+    assert out.count(f"(KV {name} + float32 scales)") == 2

@@ -150,17 +150,31 @@ def test_int8_full_top_k_sparse_equals_int8_dense():
   assert sparse.metrics()["hisparse_preemptions_total"] > 0
 
 
+def test_fp8_e4m3_swap_gives_the_all_resident_tokens_and_counts_its_bytes():
+  outputs = {}
+  for name, blocks in (("resident", 64), ("swapped", 13)):
+    engine = _engine(blocks, "fp8_e4m3")
+    assert engine.device_pool.k[0].dtype == np.uint8  # float8_e4m3fn bits
+    add_all(engine, SIX_PROMPTS, GREEDY)
+    outputs[name] = _tokens(run(engine))
+    for pool in (engine.device_pool, engine.host_pool):
+      tier = engine.capacity[pool.memory_kind]
+      assert tier.kv_bytes == sum(int(a.nbytes) for a in pool.arrays())
+      assert tier.kv_dtype == "fp8_e4m3 + float32 scales"
+    moved = engine.metrics()['hisparse_transfer_blocks_total{direction="h2d"}']
+    assert (moved > 0) == (name == "swapped")
+    assert_all_blocks_free(engine)
+  assert outputs["swapped"] == outputs["resident"]
+
+
 def test_bad_kv_cache_dtype_is_refused_naming_the_field():
-  with pytest.raises(ValueError, match="^kv_cache_dtype must be auto or int8, got 'int4'"):
+  with pytest.raises(ValueError,
+                     match="^kv_cache_dtype must be auto, int8 or fp8_e4m3, got 'int4'"):
     EngineConfig(kv_cache_dtype="int4")
-  with pytest.raises(ValueError, match="^kv_cache_dtype=fp8_e4m3 is not supported"):
-    EngineConfig(kv_cache_dtype="fp8_e4m3")
-  with pytest.raises(ValueError, match="Pallas kernels .* take no scales"):
-    EngineConfig(kv_cache_dtype="int8", kernel_backend="pallas")
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--kv_cache_dtype=fp8_e4m3"])
-    with pytest.raises(ValueError, match="^--kv_cache_dtype=fp8_e4m3 is not supported"):
-      generate_cmd.engine_kwargs_from_flags()
+  for name in ("int8", "fp8_e4m3"):
+    with pytest.raises(ValueError, match=f"^kv_cache_dtype={name} .*Pallas kernels .* no "
+                                         "scales"):
+      EngineConfig(kv_cache_dtype=name, kernel_backend="pallas")
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--kv_cache_dtype=int8"])
     assert generate_cmd.engine_kwargs_from_flags()["kv_cache_dtype"] == "int8"

@@ -16,7 +16,15 @@ from kernels_pallas import (
     ragged_paged_attention_xla,
     write_kv_reference,
 )
-from kernels_pallas.quant import QuantizedPages, dequantize_int8, quantize_int8
+from kernels_pallas.quant import (
+    FP8_E4M3_MAX,
+    QuantizedPages,
+    dequantize,
+    dequantize_int8,
+    quantize,
+    quantize_fp8_e4m3,
+    quantize_int8,
+)
 
 NUM_BLOCKS = 24
 
@@ -38,19 +46,40 @@ def test_quantize_round_trip_is_within_half_a_step():
   assert err.max() > 0  # float inputs are not all on the grid
 
 
-def _quantized_pool(rng, block_size, num_kv_heads, head_dim, dtype=jnp.float32):
+def test_fp8_e4m3_round_trip_is_within_its_rounding():
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((64, 4, 32)).astype(np.float32) * np.exp(rng.normal(size=(64, 4, 1)))
+  x[5, 2] = 0.0
+  values, scales = quantize_fp8_e4m3(jnp.asarray(x))
+  assert values.dtype == jnp.uint8 and scales.shape == (64, 4, 1)
+  decoded = np.asarray(jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn), np.float32)
+  assert np.isfinite(decoded).all() and np.abs(decoded).max() == FP8_E4M3_MAX  # the row max
+  back = np.asarray(dequantize(values, scales))
+  err = np.abs(back - x)
+  s = np.asarray(scales)
+  # 3 mantissa bits, round to nearest: half a step is |x| / 16 for normals; subnormal
+  # steps (below 2^-6 before scaling) are 2^-9, half of that 2^-10, times the scale.
+  assert (err <= np.maximum(np.abs(x) / 16, s * 2.0 ** -10) * (1 + 1e-6)).all()
+  np.testing.assert_array_equal(back[5, 2], 0.0)
+  np.testing.assert_array_equal(np.asarray(quantize(jnp.asarray(x), "fp8_e4m3")[0]), values)
+  assert err.max() > 0
+
+
+def _quantized_pool(rng, block_size, num_kv_heads, head_dim, dtype=jnp.float32,
+                    kind="int8"):
   shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
-  k = quantize_int8(jnp.asarray(rng.standard_normal(shape), jnp.float32))
-  v = quantize_int8(jnp.asarray(rng.standard_normal(shape), jnp.float32))
+  k = quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32), kind)
+  v = quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32), kind)
   return QuantizedPages(*k, dtype=dtype), QuantizedPages(*v, dtype=dtype)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 4])  # query heads per KV head (GQA)
-def test_attention_over_int8_pages_equals_attention_over_dequantized_pages(rng, block_size,
-                                                                           group):
+def test_attention_over_8bit_pages_equals_attention_over_dequantized_pages(rng, block_size,
+                                                                           group, kind):
   num_kv_heads, head_dim = 2, 32
-  k_q, v_q = _quantized_pool(rng, block_size, num_kv_heads, head_dim)
+  k_q, v_q = _quantized_pool(rng, block_size, num_kv_heads, head_dim, kind=kind)
   k_f, v_f = k_q.dequantize(), v_q.dequantize()
   kv_lens = np.array([37, 5, 64, 1], np.int32)
   tables = lib.make_tables(rng, kv_lens, block_size, -(-64 // block_size) + 1, NUM_BLOCKS)
