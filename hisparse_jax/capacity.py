@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import psutil
 from absl import logging
 
@@ -211,6 +212,7 @@ class TierCapacity:
   # Multi-host: the figures are this process's devices' (each process reports its own).
   process_index: int = 0
   num_processes: int = 1
+  kv_dtype: str = ""  # what the pool stores (KVCacheSpec.describe()); "" = not named
 
   def log_line(self) -> str:
     where = f"memory_kind={self.memory_kind}"
@@ -219,6 +221,8 @@ class TierCapacity:
     line = (f"KV cache capacity [{where}]: {_gib(self.kv_bytes)} = "
             f"{self.num_blocks:,} blocks x {self.block_size} tokens = "
             f"{self.num_tokens:,} tokens; {self.bytes_per_token:,} bytes per token")
+    if self.kv_dtype:
+      line += f" (KV {self.kv_dtype})"
     if self.num_null_blocks:
       line += (f"; +{self.num_null_blocks} null block in the bytes, never handed out")
     if self.memory_kind == DEVICE:
@@ -245,21 +249,25 @@ class HiSparseCapacity:
   hot_buffer_blocks: int  # device slots per offloaded request
   top_k_blocks: int
   sparse_threshold_tokens: int
+  bounds_dtype: str = "float32"  # of the key bounds (HiSparseConfig.bounds_dtype)
 
   @property
   def reserved_bytes(self) -> int:
     return self.indexer_bytes + self.hot_state_bytes
 
   def device_detail(self, block_size: int) -> str:
-    return (f"HiSparse: indexer key bounds {self.indexer_bytes:,} bytes + hot-buffer state "
+    return (f"HiSparse: indexer key bounds ({self.bounds_dtype}) {self.indexer_bytes:,} "
+            f"bytes + hot-buffer state "
             f"{self.hot_state_bytes:,} bytes; hot buffer {self.hot_buffer_blocks:,} blocks "
             f"= {self.hot_buffer_blocks * block_size:,} tokens per offloaded request, from "
             f"the pool; top-k {self.top_k_blocks:,} blocks")
 
 
-def bounds_bytes_per_block(spec: KVCacheSpec) -> int:
-  """Device bytes of the key bounds of one block id over all layers (float32 min, max)."""
-  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+def bounds_bytes_per_block(spec: KVCacheSpec, bounds_dtype: str = "float32") -> int:
+  """Device bytes of the key bounds of one block id over all layers (min and max, each
+  [num_kv_heads, head_dim] of `bounds_dtype`)."""
+  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * jnp.dtype(
+      bounds_dtype).itemsize
 
 
 def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
@@ -275,10 +283,12 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
   max_blocks = math.ceil(max_model_len / spec.block_size)
   state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
   return HiSparseCapacity(
-      indexer_bytes=(num_device_blocks + num_host_blocks) * bounds_bytes_per_block(spec),
+      indexer_bytes=(num_device_blocks + num_host_blocks)
+      * bounds_bytes_per_block(spec, hisparse.bounds_dtype),
       hot_state_bytes=state * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
       top_k_blocks=blocks.top_k_blocks,
-      sparse_threshold_tokens=hisparse.sparse_threshold_tokens)
+      sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
+      bounds_dtype=hisparse.bounds_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +336,7 @@ class CapacityReport:
     tiers = tuple(
         TierCapacity(memory_kind=kind, block_size=spec.block_size,
                      num_tokens=acc["num_blocks"] * spec.block_size,
-                     bytes_per_token=spec.bytes_per_token,
+                     bytes_per_token=spec.bytes_per_token, kv_dtype=spec.describe(),
                      reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
         for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
     devices = {d for pool in pools for d in pool.devices}

@@ -25,13 +25,17 @@ from hisparse_jax.capacity import (
   plan_capacity_reserving,
 )
 from hisparse_jax.generate_cmd import block_size_from_flags, hisparse_from_flags
-from hisparse_jax.kv_pool import KVCacheSpec
+from hisparse_jax.kv_pool import KVCacheSpec, check_kv_cache_dtype
 
 FLAGS = flags.FLAGS
 
 
 def main(argv: list[str]) -> int:
   del argv  # all input comes from the shared flags of hisparse_jax.cli
+  try:  # before the model loads
+    check_kv_cache_dtype(FLAGS.kv_cache_dtype)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
   from models.loader import checkpoint_dtype, load_pretrained  # noqa: PLC0415 (heavy)
 
   if FLAGS.tensor_parallel_size != 1:  # over a mesh: the engine's own pools and lines
@@ -42,7 +46,8 @@ def main(argv: list[str]) -> int:
   if max_positions is not None and FLAGS.max_model_len > max_positions:
     raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
                      f"max_position_embeddings={max_positions}")
-  spec = KVCacheSpec.from_model_config(config, dtype, block_size_from_flags())
+  spec = KVCacheSpec.from_model_config(config, dtype, block_size_from_flags(),
+                                       FLAGS.kv_cache_dtype)
   plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
                    device_kv_gib=FLAGS.device_kv_gib)
   plan = plan_capacity(spec, **plan_args)

@@ -48,6 +48,11 @@ flags.DEFINE_string(
 flags.DEFINE_enum("dtype", "float32", ["auto", "float32", "bfloat16"],
                   "Dtype of the weights and of the KV cache; auto: the checkpoint's "
                   "torch_dtype (float16 checkpoints load as bfloat16).")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
+                  "What the KV cache stores (both tiers): auto = the model's dtype; int8 / "
+                  "fp8_e4m3 = 8-bit values + a float32 scale per token and KV head (3.56x "
+                  "the float32 tokens at head_dim 32), dequantized where attention reads "
+                  "them (xla / reference attention: CPU; not the Pallas kernels yet).")
 flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
                      "CPU, 16 on accelerators and with --hisparse.")
 flags.DEFINE_float(
@@ -132,6 +137,10 @@ flags.DEFINE_integer("local_tokens", None, "HiSparse: newest tokens always atten
                      "--top_k_tokens / 4).")
 flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
                      "tokens decode densely. Default: --hot_buffer_tokens.")
+flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
+                  "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
+                  "device and host block (bfloat16: half the bytes of float32, rounded "
+                  "outward so scores stay upper bounds). Default: bfloat16.")
 flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
 flags.DEFINE_integer("demo_context_len", 1026,
                      "demo: tokens each retrieval prompt fills (at most; whole lines). 1026 is "
@@ -162,11 +171,12 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
 
 # The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`; a flag of
 # this file given to a command that does not read it is refused (absl's flags are global).
-_MODEL = ("model", "dtype", "block_size", "device_kv_gib", "host_pool_gib", "max_model_len")
+_MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "host_pool_gib",
+          "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
            "compile_in_background", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-             "sparse_threshold_tokens")
+             "sparse_threshold_tokens", "bounds_dtype")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
 _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",

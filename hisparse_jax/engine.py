@@ -31,7 +31,7 @@ from hisparse_jax.capacity import (
   plan_capacity_reserving,
 )
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVCacheSpec
+from hisparse_jax.kv_pool import KVCacheSpec, check_kv_cache_dtype
 from hisparse_jax.metrics import MetricsRegistry
 from hisparse_jax.request import (
     CompletionOutput,
@@ -84,6 +84,9 @@ class EngineConfig:
 
   model: str | None = None  # HF checkpoint directory; None = the embedded hisparse-tiny
   dtype: str = "float32"  # weights and KV cache
+  # What the KV cache stores: "auto" (the model's dtype) or "int8" (int8 values and a
+  # float32 scale per token and KV head, dequantized where attention reads them).
+  kv_cache_dtype: str = "auto"
   # None: default_block_size, resolved when the engine is built (128 on CPU, 16 otherwise).
   block_size: int | None = None
   device_kv_gib: float | None = None
@@ -124,6 +127,12 @@ class EngineConfig:
       raise ValueError(f"seed must be >= 0, got {self.seed}")
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+    check_kv_cache_dtype(self.kv_cache_dtype)
+    if self.kv_cache_dtype != "auto" and self.kernel_backend in ("pallas", "pallas_mgpu"):
+      raise ValueError(
+          f"kv_cache_dtype={self.kv_cache_dtype} is read by the xla and reference attention "
+          f"only; the Pallas kernels (kernel_backend={self.kernel_backend!r}) take no scales "
+          "yet")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:
@@ -212,7 +221,15 @@ class Engine:
     if config.hisparse is not None and getattr(model_config, "sliding_window", None):
       raise ValueError("hisparse: models with sliding-window attention are not supported by "
                        "the sparse path; run without hisparse")
-    spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size)
+    from kernels_pallas import resolve_backend  # noqa: PLC0415 (starts jax's backends)
+
+    if config.kv_cache_dtype != "auto" and resolve_backend(
+        config.kernel_backend) in ("pallas", "pallas_mgpu"):
+      raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype} is read by the xla and "
+                       "reference attention only; on this platform the engine runs the "
+                       "Pallas kernels, which take no scales yet: use --kv_cache_dtype=auto")
+    spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size,
+                                         config.kv_cache_dtype)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
                      device_kv_gib=config.device_kv_gib,
                      num_devices=parallel.tp_size(self.mesh))

@@ -164,7 +164,8 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
   `compile_in_background`: the command's default for that flag."""
   from hisparse_jax.engine import EngineConfig  # noqa: PLC0415 (imports jax)
 
-  kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+  kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
+                block_size=FLAGS.block_size,
                 device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
                 max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
@@ -208,7 +209,7 @@ def check_output_flags() -> None:
 
 
 HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-                  "sparse_threshold_tokens")
+                  "sparse_threshold_tokens", "bounds_dtype")
 
 
 def hisparse_from_flags():

@@ -29,6 +29,9 @@ MAX_DEFAULT_LOCAL_TOKENS = 256  # default local_tokens: min(this, top_k_tokens /
 # windows (an eighth and a quarter of it, each rounded up to whole blocks) fit inside it.
 MIN_DEFAULT_TOP_K_BLOCKS = 4
 SELECTIONS = ("shared", "per_kv_head")
+# Dtype of the indexer's key bounds (kept on the device for every device AND host block):
+# bfloat16 halves their bytes (rounded outward, so a block's score stays an upper bound).
+BOUNDS_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,9 @@ class HiSparseConfig:
   `sparse_threshold_tokens > 0` (default: `hot_buffer_tokens`; sequences up to this
   length take the dense path, exact and without host traffic); `indexer ==
   "block_bounds"` ("lightning" is reserved for models with a learned indexer);
-  `selection` in ("shared", "per_kv_head"); `thrash_window_steps >= 0`.
+  `selection` in ("shared", "per_kv_head"); `thrash_window_steps >= 0`; `bounds_dtype`
+  in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
+  the selection accuracy of each).
   """
 
   top_k_tokens: int = 2048
@@ -71,6 +76,7 @@ class HiSparseConfig:
   indexer: str = "block_bounds"
   selection: str = "shared"
   thrash_window_steps: int = 8
+  bounds_dtype: str = "bfloat16"
 
   def __post_init__(self):
     if self.hot_buffer_tokens is None:
@@ -106,6 +112,9 @@ class HiSparseConfig:
     if self.indexer not in INDEXERS:
       raise ValueError(f"HiSparseConfig.indexer must be one of {INDEXERS}, got "
                        f"{self.indexer!r}")
+    if self.bounds_dtype not in BOUNDS_DTYPES:
+      raise ValueError(f"HiSparseConfig.bounds_dtype must be one of {BOUNDS_DTYPES}, got "
+                       f"{self.bounds_dtype!r}")
     if self.selection not in SELECTIONS:
       raise ValueError(f"HiSparseConfig.selection must be one of {SELECTIONS}, got "
                        f"{self.selection!r}")

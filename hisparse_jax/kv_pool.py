@@ -21,6 +21,15 @@ float16 and float32 scatters touch only the updated blocks. So on CPU a bfloat16
 is stored bit-for-bit as uint16 (`storage_dtype`), converted at the pool boundary with
 `to_storage`/`from_storage` (a bitcast, free). On accelerators bfloat16 is stored as is.
 float32 and float16 are always stored as themselves.
+
+Quantized cache (`KVCacheSpec.kv_cache_dtype="int8"`, kernels_pallas.quant): the K and V
+arrays hold int8 values and the pool holds, beside them in the same memory kind, one
+float32 scale per token and KV head::
+
+    pool.k_scale[layer], pool.v_scale[layer]   # [num_blocks, block_size, num_kv_heads, 1]
+
+`arrays()` is then `k..., v..., k_scale..., v_scale...` (4 x num_layers arrays, all
+block-major, so every block move moves a block's scales with its values).
 """
 
 from __future__ import annotations
@@ -36,11 +45,16 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import parallel
+from kernels_pallas.quant import STORAGE_DTYPES
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, PINNED_HOST)
 KV_DTYPES = ("float32", "bfloat16", "float16")
+# What the cache stores: "auto" = the model's dtype; "int8" / "fp8_e4m3" = 8-bit values
+# (fp8 as its uint8 bits) + a float32 scale per token and KV head (kernels_pallas.quant).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+SCALE_BYTES = 4  # float32 scale per token and KV head of a quantized cache
 NULL_BLOCK_ID = 0  # block 0 of each pool (and of each tier's BlockPool): the null block
 
 
@@ -52,13 +66,15 @@ def num_usable_blocks(num_blocks: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
   """Shape and dtype of the KV cache. Invariant: all fields positive, `block_size` a
-  power of two, `dtype` one of `KV_DTYPES` (the logical dtype the model reads)."""
+  power of two, `dtype` one of `KV_DTYPES` (the logical dtype the model reads),
+  `kv_cache_dtype` "auto" (stored as `dtype`), "int8" or "fp8_e4m3" (stored quantized)."""
 
   num_layers: int
   num_kv_heads: int
   head_dim: int
   dtype: str
   block_size: int
+  kv_cache_dtype: str = "auto"
 
   def __post_init__(self):
     for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -71,25 +87,45 @@ class KVCacheSpec:
     if dtype not in KV_DTYPES:
       raise ValueError(f"--dtype: KV cache dtype must be one of {KV_DTYPES}, got {dtype!r}")
     object.__setattr__(self, "dtype", dtype)
+    check_kv_cache_dtype(self.kv_cache_dtype)
 
   @classmethod
-  def from_model_config(cls, config: Any, dtype: str, block_size: int) -> KVCacheSpec:
+  def from_model_config(cls, config: Any, dtype: str, block_size: int,
+                        kv_cache_dtype: str = "auto") -> KVCacheSpec:
     """From any config with `num_hidden_layers`, `num_key_value_heads`, `head_dim`."""
     try:
       return cls(num_layers=int(config.num_hidden_layers),
                  num_kv_heads=int(config.num_key_value_heads),
-                 head_dim=int(config.head_dim), dtype=dtype, block_size=int(block_size))
+                 head_dim=int(config.head_dim), dtype=dtype, block_size=int(block_size),
+                 kv_cache_dtype=kv_cache_dtype)
     except AttributeError as e:
       raise ValueError(f"model config lacks a field the KV cache needs: {e}") from None
 
   @property
+  def quantized(self) -> bool:
+    """Whether the cache stores 8-bit values and per-token, per-KV-head scales."""
+    return self.kv_cache_dtype != "auto"
+
+  @property
+  def cache_dtype(self) -> str:
+    """The dtype of the stored K/V values: `dtype`, int8, or uint8 (fp8_e4m3 bits)."""
+    if not self.quantized:
+      return self.dtype
+    return jnp.dtype(STORAGE_DTYPES[self.kv_cache_dtype]).name
+
+  @property
   def itemsize(self) -> int:
-    return jnp.dtype(self.dtype).itemsize
+    return jnp.dtype(self.cache_dtype).itemsize
 
   @property
   def bytes_per_token(self) -> int:
-    """K and V of one token over all layers."""
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+    """K and V of one token over all layers (with their scales when quantized)."""
+    per_head = self.head_dim * self.itemsize + (SCALE_BYTES if self.quantized else 0)
+    return 2 * self.num_layers * self.num_kv_heads * per_head
+
+  def describe(self) -> str:
+    """The stored dtype, as the capacity log names it."""
+    return f"{self.kv_cache_dtype} + float32 scales" if self.quantized else self.dtype
 
   @property
   def bytes_per_block(self) -> int:
@@ -98,6 +134,18 @@ class KVCacheSpec:
 
   def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
     return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+  def scale_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+    """The scales of a quantized cache: one per token and KV head."""
+    return (num_blocks, self.block_size, self.num_kv_heads, 1)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+  """ValueError naming the kv_cache_dtype field for a name this engine cannot store
+  (the CLI prefixes it with "--")."""
+  if kv_cache_dtype not in KV_CACHE_DTYPES:
+    raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8_e4m3, got "
+                     f"{kv_cache_dtype!r}")
 
 
 def storage_dtype(dtype: str, platform: str) -> np.dtype:
@@ -166,15 +214,23 @@ class KVPool:
       raise ValueError(f"a {memory_kind} pool needs more than 1 blocks (the null block), "
                        f"got {num_blocks}")
     self.num_blocks = int(num_blocks)
-    self.storage_dtype = storage_dtype(spec.dtype, self.device.platform)
+    self.storage_dtype = (np.dtype(spec.cache_dtype) if spec.quantized
+                          else storage_dtype(spec.dtype, self.device.platform))
     shape = spec.block_shape(self.num_blocks)
     self.k: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))
     self.v: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))
+    self.k_scale: tuple[jax.Array, ...] = ()
+    self.v_scale: tuple[jax.Array, ...] = ()
+    if spec.quantized:
+      scales = spec.scale_shape(self.num_blocks)
+      self.k_scale = tuple(self._zeros(scales, np.float32) for _ in range(spec.num_layers))
+      self.v_scale = tuple(self._zeros(scales, np.float32) for _ in range(spec.num_layers))
 
-  def _zeros(self, shape: tuple[int, ...]) -> jax.Array:
+  def _zeros(self, shape: tuple[int, ...], dtype=None) -> jax.Array:
+    dtype = self.storage_dtype if dtype is None else np.dtype(dtype)
     if self.memory_kind == DEVICE:
       # Built on the device: no host buffer, no host-to-device copy.
-      return device_full_fn(shape, self.storage_dtype, 0, self.sharding)()
+      return device_full_fn(shape, dtype, 0, self.sharding)()
     # Host kind. The array must come out of a jitted program: measured on jax 0.10.2 CPU,
     # an array device_put from numpy is donated in place only some of the time (60-95% of
     # first donations reused the buffer), a jitted program's output every time. And its
@@ -183,11 +239,10 @@ class KVPool:
     if self.device.platform == "cpu":
       # zeros, then device_put to the host kind inside the program: on CPU both kinds are
       # the same RAM, and this is the fastest (2.4 s vs 5.9 s for 1 GiB, measured).
-      return _host_zeros_fn(shape, self.storage_dtype, self.sharding)()
+      return _host_zeros_fn(shape, dtype, self.sharding)()
     # Elsewhere never through device memory: staged from a host buffer one layer at a
     # time, then copied by a jitted host-side program.
-    staged = jax.device_put(np.zeros(shape, self.storage_dtype), self.sharding,
-                            may_alias=False)
+    staged = jax.device_put(np.zeros(shape, dtype), self.sharding, may_alias=False)
     return _host_copy_fn(self.sharding)(staged)
 
   @property
@@ -198,25 +253,37 @@ class KVPool:
   def num_layers(self) -> int:
     return self.spec.num_layers
 
+  @property
+  def num_arrays_per_layer(self) -> int:
+    """2 (K, V), or 4 (K, V, K scales, V scales) for a quantized cache."""
+    return 4 if self.spec.quantized else 2
+
   def arrays(self) -> tuple[jax.Array, ...]:
-    """All arrays as one flat tuple: `k[0], ..., k[L-1], v[0], ..., v[L-1]`."""
-    return self.k + self.v
+    """All arrays as one flat tuple: `k[0], ..., k[L-1], v[0], ..., v[L-1]` (then
+    `k_scale[0], ..., v_scale[L-1]` for a quantized cache)."""
+    return self.k + self.v + self.k_scale + self.v_scale
 
   def set_arrays(self, arrays: tuple[jax.Array, ...]) -> None:
     """Installs the arrays returned by a donating update (same order as `arrays()`)."""
     arrays = tuple(arrays)
     num_layers = self.spec.num_layers
-    if len(arrays) != 2 * num_layers:
-      raise ValueError(f"expected {2 * num_layers} arrays, got {len(arrays)}")
-    shape = self.spec.block_shape(self.num_blocks)
-    for a in arrays:
-      if a.shape != shape or a.dtype != self.storage_dtype:
-        raise ValueError(f"pool array must be {self.storage_dtype}{list(shape)}, "
+    want = self.num_arrays_per_layer * num_layers
+    if len(arrays) != want:
+      raise ValueError(f"expected {want} arrays, got {len(arrays)}")
+    for i, a in enumerate(arrays):
+      if i < 2 * num_layers:
+        shape, dtype = self.spec.block_shape(self.num_blocks), self.storage_dtype
+      else:
+        shape, dtype = self.spec.scale_shape(self.num_blocks), np.dtype(np.float32)
+      if a.shape != shape or a.dtype != dtype:
+        raise ValueError(f"pool array must be {dtype}{list(shape)}, "
                          f"got {a.dtype}{list(a.shape)}")
       if a.sharding.memory_kind != self.memory_kind:
         raise ValueError(f"pool array must live in {self.memory_kind}, "
                          f"got {a.sharding.memory_kind}")
-    self.k, self.v = arrays[:num_layers], arrays[num_layers:]
+    self.k, self.v = arrays[:num_layers], arrays[num_layers:2 * num_layers]
+    self.k_scale = arrays[2 * num_layers:3 * num_layers]
+    self.v_scale = arrays[3 * num_layers:]
 
   @property
   def nbytes(self) -> int:
@@ -242,8 +309,10 @@ class KVPool:
     return from_storage(x, self.spec.dtype)
 
   def __repr__(self) -> str:
+    scales = (f" + 2 x float32{list(self.spec.scale_shape(self.num_blocks))}"
+              if self.spec.quantized else "")
     return (f"KVPool({self.memory_kind}, {self.num_layers} layers x 2 x "
-            f"{self.storage_dtype}{list(self.spec.block_shape(self.num_blocks))}, "
+            f"{self.storage_dtype}{list(self.spec.block_shape(self.num_blocks))}{scales}, "
             f"{self.nbytes:,} bytes)")
 
 

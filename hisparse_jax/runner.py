@@ -35,7 +35,7 @@ import kernels_pallas
 from hisparse_jax import parallel, resolver
 from hisparse_jax.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVPool, device_full_fn
+from hisparse_jax.kv_pool import KVPool, device_full_fn, storage_dtype
 from hisparse_jax.sparse_attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.step_batch import (  # noqa: F401 (re-exported)
   BatchBuilderMixin,
@@ -130,7 +130,9 @@ class ModelRunner(BatchBuilderMixin):
       # dropped block can still be scored.
       bounds_shape = (device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
                       spec.head_dim)
-      self.bounds = tuple(device_full_fn(bounds_shape, jnp.float32, 0, device_pool.sharding)()
+      # bfloat16 bounds are stored as uint16 on CPU, as the pools' bf16 (kv_pool).
+      bounds_storage = storage_dtype(hisparse.bounds_dtype, device_pool.device.platform)
+      self.bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
                           for _ in range(spec.num_layers))
       rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
       self.hot_state = (
@@ -141,7 +143,8 @@ class ModelRunner(BatchBuilderMixin):
     self._graphdef, self.params = nnx.split(model)
     self._step = self._step_for(self.ops, one_memory=None)
     self._copy = copy_program()
-    self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size)
+    self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size,
+                                    hisparse.bounds_dtype if hisparse else "float32")
     # (tokens, sequences, block-table width, greedy only) of every step run so far.
     self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
     # compile_in_background: new step shapes run padded to a compiled covering shape
@@ -162,7 +165,8 @@ class ModelRunner(BatchBuilderMixin):
         self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
-        one_memory, mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
+        one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
+        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
 
   @property
   def reserved_bytes(self) -> int:
@@ -282,7 +286,7 @@ class ModelRunner(BatchBuilderMixin):
     dst = np.full(n, max([self.pool.num_blocks] + [b.shape[0] for b in self.bounds]),
                   np.int32)
     src[:len(copies)], dst[:len(copies)] = zip(*copies)
-    num_pool_arrays = 2 * self.pool.num_layers
+    num_pool_arrays = len(self.pool.arrays())
     arrays = self._copy((*self.pool.arrays(), *self.bounds), src, dst)
     self.pool.set_arrays(arrays[:num_pool_arrays])
     self.bounds = arrays[num_pool_arrays:]
@@ -296,4 +300,4 @@ class ModelRunner(BatchBuilderMixin):
       return
     slots = np.full(bucket_size(len(device_ids), 4), -1, np.int32)
     slots[:len(device_ids)] = np.asarray(device_ids) * self.block_size + self.block_size - 1
-    self.bounds = self._refresh(self.bounds, self.pool.arrays()[:self.pool.num_layers], slots)
+    self.bounds = self._refresh(self.bounds, self.pool.k, self.pool.k_scale, slots)

@@ -3,7 +3,8 @@
 Attention is `attend`: the one place where the HiSparse path swaps the dense block
 table for a table of selected blocks. With a HiSparseConfig the runner also keeps, per
 layer, the key bounds of every device block AND every host block in one array
-(`bounds`, [num_device_blocks + num_host_blocks, 2, num_kv_heads, head_dim] float32:
+(`bounds`, [num_device_blocks + num_host_blocks, 2, num_kv_heads, head_dim] of
+HiSparseConfig.bounds_dtype (bfloat16 by default, uint16 bits on CPU; or float32):
 device block i at row i, host block j at row num_device_blocks + j; donated like the
 pages), and each layer of the step runs:
 
@@ -45,6 +46,7 @@ from hisparse_jax.hisparse_config import HiSparseBlocks
 from hisparse_jax.kv_pool import from_storage, to_storage
 from hisparse_jax.step_batch import StepMetadata
 from kernels_pallas.common import packed_ids
+from kernels_pallas.quant import QuantizedPages, kind_of, quantize
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
@@ -65,43 +67,66 @@ class SparseStatic:
   # copies of each KV head the devices hold (indexer.select).
   axis_name: str | None = None
   kv_head_repeat: int = 1
+  bounds_dtype: str = "float32"  # of the key bounds (stored as uint16 when bf16 on CPU)
+
+
+def write_pages(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype, pages, k, v,
+                slot_ids):
+  """This step's K/V [tokens, kv heads, head_dim] into a layer's `pages`: (k, v) arrays,
+  or (k, v, k scales, v scales) of a quantized cache (int8 or fp8_e4m3 values, one scale
+  per token and KV head, written like pages of head_dim 1; kernels_pallas.quant)."""
+  if len(pages) == 2:
+    return ops.write_kv(pages[0], pages[1], to_storage(k, kv_dtype, storage_dtype),
+                        to_storage(v, kv_dtype, storage_dtype), slot_ids)
+  kind = kind_of(pages[0].dtype)  # int8, or fp8_e4m3 stored as uint8
+  (k_values, k_scales), (v_values, v_scales) = quantize(k, kind), quantize(v, kind)
+  return (*ops.write_kv(pages[0], pages[1], k_values, v_values, slot_ids),
+          *ops.write_kv(pages[2], pages[3], k_scales, v_scales, slot_ids))
+
+
+def page_views(pages, kv_dtype):
+  """(K, V) as the attention kernels read them: the pages in the model's dtype, or
+  `QuantizedPages` that dequantize the blocks a kernel gathers."""
+  if len(pages) == 2:
+    return from_storage(pages[0], kv_dtype), from_storage(pages[1], kv_dtype)
+  return (QuantizedPages(pages[0], pages[2], kv_dtype),
+          QuantizedPages(pages[1], pages[3], kv_dtype))
 
 
 def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
            sparse: SparseStatic | None, q, k, v, *, layer_idx, kv_cache,
            metadata: StepMetadata, config):
   """Writes this step's K/V into the pages (and their blocks' key bounds, with HiSparse),
-  then attends: each sequence over its blocks, or sparse rows over their selected ones."""
+  then attends: each sequence over its blocks, or sparse rows over their selected ones.
+  A layer's pages: (k, v), or (k, v, k scales, v scales) of an int8 cache."""
   del layer_idx
   if sparse is None:
-    k_pages, v_pages = kv_cache
-    k_pages, v_pages = ops.write_kv(
-        k_pages, v_pages, to_storage(k[0], kv_dtype, storage_dtype),
-        to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
+    pages = write_pages(ops, kv_dtype, storage_dtype, tuple(kv_cache), k[0], v[0],
+                        metadata.slot_ids)
+    k_view, v_view = page_views(pages, kv_dtype)
     out = ops.ragged_paged_attention(
-        q[0], from_storage(k_pages, kv_dtype), from_storage(v_pages, kv_dtype),
-        metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
+        q[0], k_view, v_view, metadata.block_tables, metadata.kv_lens, metadata.cu_q_lens,
         sliding_window=config.sliding_window, **dict(metadata.ragged_hints))
-    return out[None], (k_pages, v_pages)
+    return out[None], pages
   cache = dict(kv_cache)
-  k_pages, v_pages = ops.write_kv(
-      cache["k"], cache["v"], to_storage(k[0], kv_dtype, storage_dtype),
-      to_storage(v[0], kv_dtype, storage_dtype), metadata.slot_ids)
-  bounds = ops.block_key_bounds(cache["bounds"], from_storage(k_pages, kv_dtype),
-                                metadata.slot_ids)
-  out, k_pages, v_pages, state, (counts, loaded) = _hisparse_attention(
-      ops, sparse, kv_dtype, q[0], k_pages, v_pages, bounds, cache, metadata, config)
-  return out[None], dict(k=k_pages, v=v_pages, bounds=bounds, state=state, counts=counts,
+  pages = write_pages(ops, kv_dtype, storage_dtype, cache["pages"], k[0], v[0],
+                      metadata.slot_ids)
+  bounds = ops.block_key_bounds(from_storage(cache["bounds"], sparse.bounds_dtype),
+                                page_views(pages, kv_dtype)[0], metadata.slot_ids)
+  out, pages, state, (counts, loaded) = _hisparse_attention(
+      ops, sparse, kv_dtype, q[0], pages, bounds, cache, metadata, config)
+  bounds = to_storage(bounds, sparse.bounds_dtype, cache["bounds"].dtype)
+  return out[None], dict(pages=pages, bounds=bounds, state=state, counts=counts,
                          loaded=loaded)
 
 
 def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_dtype, q,
-                        k_pages, v_pages, bounds, cache, metadata: StepMetadata, config):
+                        pages, bounds, cache, metadata: StepMetadata, config):
   """Dense rows through ragged attention over their own tables; sparse rows, gathered
   into `metadata.num_sparse_rows` rows, through select -> resolve -> load -> attend (no
   sparse row's full table is read; with no sparse row none of it runs). q [num_tokens,
-  num_q_heads, head_dim]; returns (out like q, new pages, new hot-buffer state of this
-  layer, (counts [num_seqs, 5], blocks the host loads moved))."""
+  num_q_heads, head_dim]; returns (out like q, new pages (a tuple, as `attend`'s), new
+  hot-buffer state of this layer, (counts [num_seqs, 5], blocks the host loads moved))."""
   is_sparse = metadata.sparse_rows  # bool [num_seqs]
   num_tokens, batch = q.shape[0], is_sparse.shape[0]
   tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
@@ -114,11 +139,10 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
     rows, live = packed_ids(is_sparse, num_sparse)
     out_rows = jnp.where(live, rows, batch)  # for scatters back to the batch (padding dropped)
     token = jnp.minimum(metadata.cu_q_lens[rows], num_tokens - 1)  # each row's query token
-    (k_pages, v_pages), new_state, row_counts, loaded, sparse_out = _sparse_rows(
-        sparse, kv_dtype, ops, q[token], k_pages, v_pages, bounds, cache, metadata, rows,
-        live)
+    pages, new_state, row_counts, loaded, sparse_out = _sparse_rows(
+        sparse, kv_dtype, ops, q[token], pages, bounds, cache, metadata, rows, live)
     counts = counts.at[out_rows].set(row_counts, mode="drop")
-  k_view, v_view = from_storage(k_pages, kv_dtype), from_storage(v_pages, kv_dtype)
+  k_view, v_view = page_views(pages, kv_dtype)
   # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows get
   # no key there (their output is replaced below). A step with no dense row (a batch of
   # long decodes) skips the call: the reference's and the Pallas kernel's cost follows
@@ -136,11 +160,11 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   if sparse_out is not None:
     out = out.at[jnp.where(live, token, num_tokens)].set(sparse_out.astype(out.dtype),
                                                          mode="drop")
-  return out, k_pages, v_pages, new_state, (counts, loaded)
+  return out, pages, new_state, (counts, loaded)
 
 
 def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, q_rows,
-                 k_pages, v_pages, bounds, cache, metadata: StepMetadata, rows, live):
+                 pages, bounds, cache, metadata: StepMetadata, rows, live):
   """select -> resolve -> load -> attend for the batch rows `rows` (`live` False:
   padding). q_rows [n, num_q_heads, head_dim]. Returns (new pages, new hot-buffer state,
   counts [n, 5], blocks loaded, attention output [n, num_q_heads, head_dim])."""
@@ -149,7 +173,7 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   kv_lens = jnp.where(live, metadata.kv_lens[rows], 0)
   # select: key bounds of each logical block, from its device copy's row or, once it was
   # dropped, its host copy's row (one gather).
-  num_device_blocks = k_pages.shape[0]
+  num_device_blocks = pages[0].shape[0]
   bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
   sel = indexer.select(q_rows, bounds[bounds_rows], kv_lens, sparse.blocks, sparse.selection,
                        axis_name=sparse.axis_name, kv_head_repeat=sparse.kv_head_repeat)
@@ -171,13 +195,14 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
                          thrash_window_steps=sparse.thrash_window_steps)
   # load: this layer's misses, host pool -> their slots; the bytes follow the misses
   # (none: nothing moves).
-  (k_pages, v_pages), loaded = resolver.load_blocks(
-      (cache["host_k"], cache["host_v"]), (k_pages, v_pages), res.load_host_ids,
-      res.load_device_ids, device_sharding=sparse.device_sharding,
-      host_sharding=sparse.host_sharding, one_memory=sparse.one_memory)
+  # (An int8 cache's scales move with its values: they are pages too.)
+  pages, loaded = resolver.load_blocks(
+      cache["host"], pages, res.load_host_ids, res.load_device_ids,
+      device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
+      one_memory=sparse.one_memory)
   # attend: the newest, partly filled block is last (indexer order).
-  out = ops.paged_attention(q_rows, from_storage(k_pages, kv_dtype),
-                            from_storage(v_pages, kv_dtype), res.block_tables,
+  k_view, v_view = page_views(pages, kv_dtype)
+  out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables,
                             jnp.where(live, sel.kv_lens, 0))
   # The rows' new state goes back to their state rows (rows without one are dropped).
   dst = jnp.where(own_row, hot_rows, num_state_rows)
@@ -187,4 +212,4 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   c = res.counts
   counts = jnp.stack([c.resident_hits, c.hot_hits, c.misses, c.evictions, c.thrash], axis=-1)
   counts = jnp.where(live[:, None], counts, 0).astype(jnp.int32)
-  return (k_pages, v_pages), new_state, counts, loaded, out
+  return pages, new_state, counts, loaded, out

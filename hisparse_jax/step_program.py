@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from hisparse_jax.hisparse_config import HiSparseBlocks
-from hisparse_jax.kv_pool import from_storage
+from hisparse_jax.kv_pool import from_storage, to_storage
 from hisparse_jax.parallel import KV_HEADS, kv_sharding
 from hisparse_jax.sampling import (
     apply_penalties,
@@ -38,17 +38,19 @@ from hisparse_jax.sampling import (
 from hisparse_jax.sparse_attention import SparseStatic, attend
 from hisparse_jax.step_batch import SamplerExtras, StepMetadata
 from hisparse_jax.transfer import hop_free
+from kernels_pallas.quant import QuantizedPages
 
 
 @functools.cache  # one jitted program per model structure, shared by engines of a process
 def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
                  blocks: HiSparseBlocks | None = None, selection: str | None = None,
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
-                 one_memory: bool | None = None, *, mesh=None, kv_head_repeat: int = 1):
+                 one_memory: bool | None = None, bounds_dtype: str = "float32", *,
+                 mesh=None, kv_head_repeat: int = 1):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
-                          host_sharding, one_memory)
+                          host_sharding, one_memory, bounds_dtype=bounds_dtype)
     if mesh is not None:  # tensor parallel: under shard_map, see sharded_attend
       if not (hop_free(device_sharding) if one_memory is None else one_memory):
         raise ValueError(
@@ -67,12 +69,18 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
 
 
 @functools.cache
-def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: int):
+def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: int,
+                    bounds_dtype: str = "float32"):
   del block_size  # part of the cache key only (slots encode it)
 
-  def refresh(bounds, k_arrays, slots):
-    return tuple(ops.block_key_bounds(b, from_storage(k, jnp.dtype(kv_dtype)), slots)
-                 for b, k in zip(bounds, k_arrays))
+  def refresh(bounds, k_arrays, k_scales, slots):
+    # k_scales: an int8 cache's key scales per layer (empty otherwise).
+    keys = (tuple(QuantizedPages(k, s, kv_dtype) for k, s in zip(k_arrays, k_scales))
+            if k_scales else tuple(from_storage(k, jnp.dtype(kv_dtype)) for k in k_arrays))
+    return tuple(
+        to_storage(ops.block_key_bounds(from_storage(b, bounds_dtype), k, slots),
+                   bounds_dtype, b.dtype)
+        for b, k in zip(bounds, keys))
 
   return jax.jit(refresh, donate_argnums=(0,))
 
@@ -91,20 +99,20 @@ def sharded_attend(attn_fn, mesh, sparse: bool, q, k, v, *, layer_idx, kv_cache,
   the block scores per layer, in indexer.select), so the rows' selection, resolution,
   hot-buffer state and counts come out equal on every device (replicated outputs).
   q [1, tokens, heads, head_dim], k / v [1, tokens, kv_heads, head_dim]."""
-  heads = P(None, None, KV_HEADS[2], None)
+  heads = P(None, None, KV_HEADS[2], None)  # pages, int8 scales and key bounds alike
   if sparse:
     cache = dict(kv_cache)
+    n = len(cache["pages"])  # (k, v) or (k, v, k scales, v scales)
     if metadata.num_sparse_rows:
       # One memory (CPU): the host loads read the host pages as device-kind arrays (a
       # memory-kind move needs a sharding, which shard_map's body has not).
       device = kv_sharding(mesh, "device")
-      cache["host_k"] = jax.device_put(cache["host_k"], device)
-      cache["host_v"] = jax.device_put(cache["host_v"], device)
-    in_cache = dict(k=heads, v=heads, bounds=heads, host_k=heads, host_v=heads, state=P())
-    out_cache = dict(k=heads, v=heads, bounds=heads, state=P(), counts=P(), loaded=P())
+      cache["host"] = tuple(jax.device_put(a, device) for a in cache["host"])
+    in_cache = dict(pages=(heads,) * n, bounds=heads, host=(heads,) * n, state=P())
+    out_cache = dict(pages=(heads,) * n, bounds=heads, state=P(), counts=P(), loaded=P())
   else:
-    cache = kv_cache
-    in_cache = out_cache = (heads, heads)
+    cache = tuple(kv_cache)
+    in_cache = out_cache = (heads,) * len(cache)
 
   def body(q, k, v, cache, metadata):
     return attn_fn(q, k, v, layer_idx=layer_idx, kv_cache=cache, metadata=metadata,
@@ -126,14 +134,21 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   model = nnx.merge(graphdef, params)
   # Tokens still in flight on the host come from the previous step's output.
   input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
-  num_layers = len(kv_arrays) // 2
+  # The pool's arrays are grouped by kind (k..., v..., and an int8 cache's k_scale...,
+  # v_scale...); a layer's pages are its array of each kind (KVPool.arrays).
+  num_layers = model.config.num_hidden_layers
+  num_kinds = len(kv_arrays) // num_layers
+
+  def layer_arrays(arrays, i):
+    return tuple(arrays[j * num_layers + i] for j in range(num_kinds))
+
   if bounds:  # HiSparse: each layer's cache is a dict (see attend)
-    kv_caches = [dict(k=kv_arrays[i], v=kv_arrays[num_layers + i], bounds=bounds[i],
-                      host_k=host_arrays[i], host_v=host_arrays[num_layers + i],
+    kv_caches = [dict(pages=layer_arrays(kv_arrays, i), bounds=bounds[i],
+                      host=layer_arrays(host_arrays, i),
                       state=tuple(a[i] for a in hot_state))
                  for i in range(num_layers)]
   else:
-    kv_caches = [(kv_arrays[i], kv_arrays[num_layers + i]) for i in range(num_layers)]
+    kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
@@ -158,13 +173,13 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
   # One shape for every step (the next step reads it as prev_tokens).
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:
-    new_arrays = (tuple(c["k"] for c in kv_caches) + tuple(c["v"] for c in kv_caches))
+    new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
     new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))
     counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
     loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
     return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,
             (counts, loaded), logprobs)
-  new_arrays = tuple(c[0] for c in kv_caches) + tuple(c[1] for c in kv_caches)
+  new_arrays = tuple(c[j] for j in range(num_kinds) for c in kv_caches)
   return tokens, new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
                                              jnp.zeros((0,), jnp.int32)), logprobs
 

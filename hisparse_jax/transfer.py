@@ -89,7 +89,7 @@ def _num_real(dst_ids, num_dst_blocks: int):
 
 
 @functools.cache  # one program per pool shape set, shared by engines of a process
-def _swap_out_program(num_layers: int, device_sharding, host_sharding, one_memory: bool,
+def _swap_out_program(num_arrays: int, device_sharding, host_sharding, one_memory: bool,
                       scalar_sharding=None):
   """(device arrays, host arrays [donated], device_ids, host_ids) -> new host arrays."""
 
@@ -108,7 +108,7 @@ def _swap_out_program(num_layers: int, device_sharding, host_sharding, one_memor
         out.append(host_array.at[host_ids].set(blocks, mode="drop"))
     return tuple(out), device_ids[0]  # a small output to wait on, never donated
 
-  shardings = (tuple([host_sharding] * 2 * num_layers), scalar_sharding or device_sharding)
+  shardings = (tuple([host_sharding] * num_arrays), scalar_sharding or device_sharding)
   return jax.jit(swap_out, donate_argnums=(1,), out_shardings=shardings)
 
 
@@ -139,7 +139,7 @@ def gather_program(num_arrays: int, device_sharding, host_sharding):
 
 
 @functools.cache
-def _swap_in_program(num_layers: int, device_sharding, host_sharding, one_memory: bool,
+def _swap_in_program(num_arrays: int, device_sharding, host_sharding, one_memory: bool,
                      scalar_sharding=None):
   """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
 
@@ -154,7 +154,7 @@ def _swap_in_program(num_layers: int, device_sharding, host_sharding, one_memory
     out = tuple(d.at[device_ids].set(b, mode="drop") for d, b in zip(device_arrays, blocks))
     return out, device_ids[0]
 
-  shardings = (tuple([device_sharding] * 2 * num_layers), scalar_sharding or device_sharding)
+  shardings = (tuple([device_sharding] * num_arrays), scalar_sharding or device_sharding)
   return jax.jit(swap_in, donate_argnums=(1,), out_shardings=shardings)
 
 
@@ -201,12 +201,13 @@ class TransferEngine:
     scalar_sharding = None
     if device_pool.mesh is not None:  # tensor parallel: pools split by KV head
       device_sharding, scalar_sharding = device_pool.sharding, device_pool.replicated
-    num_layers = device_pool.spec.num_layers
+    # Every array of a pool moves (K, V, and an int8 cache's scales: KVPool.arrays).
+    num_arrays = len(device_pool.arrays())
     # One memory (CPU): block-copy loops without a hop; else host gather + crossing.
     self.one_memory = hop_free(device_sharding) if one_memory is None else one_memory
-    self._swap_out = _swap_out_program(num_layers, device_sharding, host_pool.sharding,
+    self._swap_out = _swap_out_program(num_arrays, device_sharding, host_pool.sharding,
                                        self.one_memory, scalar_sharding)
-    self._swap_in = _swap_in_program(num_layers, device_sharding, host_pool.sharding,
+    self._swap_in = _swap_in_program(num_arrays, device_sharding, host_pool.sharding,
                                      self.one_memory, scalar_sharding)
     self._pending: list[tuple[str, float, jax.Array]] = []
     self.buckets_used: set[tuple[str, int]] = set()  # (direction, padded length)

@@ -16,7 +16,14 @@ Update rule: after ``write_kv(..., slot_ids)``, call
 touched is recomputed from its tokens ``0 .. max written offset`` (blocks fill in
 order, so those are exactly its valid tokens); other blocks are left unchanged.
 The recompute (not an incremental min/max) makes a reused block forget its
-previous owner's keys. ``bounds`` is donated and updated in place. A head_dim that is
+previous owner's keys.
+
+Bounds dtype: float32, bfloat16 (half the bytes: the engine keeps the bounds of every
+host block on the device), or the keys' own dtype. Narrowing rounds outward (min toward
+-inf, max toward +inf, `round_bounds`), so ``min <= k <= max`` still holds for every
+valid key and the indexer's score stays an upper bound of q . k. On CPU the reference
+scatters a bfloat16 ``bounds`` through its uint16 view (XLA:CPU converts a whole bf16
+array to scatter into it, DESIGN.md). ``bounds`` is donated and updated in place. A head_dim that is
 not a power of 2 is tiled at the next one, the padding columns of the pages and of
 ``bounds`` masked (see common.padded_head_dim); neither array is copied.
 """
@@ -33,6 +40,33 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend, common
 
 MIN, MAX = 0, 1
+BOUNDS_DTYPES = ("float32", "bfloat16")  # besides the keys' own dtype
+
+
+def _bfloat16_outward(x: jax.Array, up: bool) -> jax.Array:
+  """float32 -> bfloat16 rounded toward +inf (`up`) or -inf: bfloat16 is the top 16 bits
+  of a float32, so truncating the low bits rounds toward zero, and a value with low bits
+  set that must move away from zero gets one more unit in the top bits. Integer ops on
+  the bits only: no float compare or convert, which XLA:CPU flushes to zero on
+  subnormals."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  inexact = (bits & 0xFFFF) != 0
+  negative = (bits >> 31) == 1
+  away = inexact & (~negative if up else negative)
+  top = (bits >> 16) + jnp.where(away, 1, 0).astype(jnp.uint32)
+  return lax.bitcast_convert_type(top.astype(jnp.uint16), jnp.bfloat16)
+
+
+def round_bounds(k_min: jax.Array, k_max: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """(k_min, k_max) in `dtype`, rounded outward when `dtype` is narrower than the keys:
+  the stored min is <= every key's min and the stored max >= every key's max."""
+  dtype = jnp.dtype(dtype)
+  if dtype == k_min.dtype or dtype == jnp.float32:  # exact
+    return k_min.astype(dtype), k_max.astype(dtype)
+  if dtype != jnp.bfloat16:
+    raise ValueError(f"bounds narrower than the keys must be bfloat16, got {dtype}")
+  return (_bfloat16_outward(k_min.astype(jnp.float32), up=False),
+          _bfloat16_outward(k_max.astype(jnp.float32), up=True))
 
 
 def _block_key_bounds_kernel(
@@ -55,8 +89,9 @@ def _block_key_bounds_kernel(
     valid = lax.broadcasted_iota(jnp.int32, (block_size, width), 0) < num_valid
     k_min = jnp.where(valid, k, jnp.array(jnp.inf, k.dtype)).min(axis=0)
     k_max = jnp.where(valid, k, jnp.array(-jnp.inf, k.dtype)).max(axis=0)
-    common.store_columns(bounds_ref, (block_id, MIN), k_min.astype(bounds_ref.dtype), head_dim)
-    common.store_columns(bounds_ref, (block_id, MAX), k_max.astype(bounds_ref.dtype), head_dim)
+    k_min, k_max = round_bounds(k_min, k_max, bounds_ref.dtype)
+    common.store_columns(bounds_ref, (block_id, MIN), k_min, head_dim)
+    common.store_columns(bounds_ref, (block_id, MAX), k_max, head_dim)
 
 
 def _last_write_slots(slot_ids, num_blocks: int, block_size: int):
@@ -98,9 +133,9 @@ def _check(bounds, k_pages, slot_ids):
     raise ValueError(
         f"bounds must be [num_blocks (or more rows), 2, num_kv_heads, head_dim] = {want} "
         f"for k_pages shape {k_pages.shape}, got {bounds.shape}")
-  if bounds.dtype not in (k_pages.dtype, jnp.float32):
-    raise ValueError(f"bounds dtype must be float32 or the keys' {k_pages.dtype}, got "
-                     f"{bounds.dtype}")
+  if bounds.dtype not in (k_pages.dtype, *map(jnp.dtype, BOUNDS_DTYPES)):
+    raise ValueError(f"bounds dtype must be float32, bfloat16 or the keys' {k_pages.dtype}, "
+                     f"got {bounds.dtype}")
   if slot_ids.ndim != 1:
     raise ValueError(f"slot_ids must be int32 [num_tokens], got shape {slot_ids.shape}")
   common.check_int32("slot_ids", slot_ids, slot_ids.shape)
@@ -141,5 +176,10 @@ def block_key_bounds_reference(
   valid = valid[:, :, None, None]
   k_min = jnp.where(valid, k, jnp.inf).min(axis=1)
   k_max = jnp.where(valid, k, -jnp.inf).max(axis=1)
-  new = jnp.stack([k_min, k_max], axis=1).astype(bounds.dtype)  # [num_tokens, 2, h, d]
-  return bounds.at[jnp.where(touched, block_id, bounds.shape[0])].set(new, mode="drop")
+  new = jnp.stack(round_bounds(k_min, k_max, bounds.dtype), axis=1)  # [num_tokens, 2, h, d]
+  dst = jnp.where(touched, block_id, bounds.shape[0])
+  if bounds.dtype == jnp.bfloat16:  # scatter the bits: XLA:CPU converts a bf16 array whole
+    bits = lax.bitcast_convert_type(bounds, jnp.uint16).at[dst].set(
+        lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
+    return lax.bitcast_convert_type(bits, jnp.bfloat16)
+  return bounds.at[dst].set(new, mode="drop")

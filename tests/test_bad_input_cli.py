@@ -286,3 +286,20 @@ def test_verbosity_1_adds_the_traceback_and_still_exits_2(tmp_path):
   lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
   assert lines[-1] == (f"hisparse-jax generate: error: {prompts} line 1: prompt_token_ids: "
                        "token id 1031 is outside the vocabulary [0, 1031)")
+
+
+def test_unknown_kv_cache_dtype_exits_2_naming_the_flag(good_checkpoint, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli._parse_flags(["hisparse-jax", "generate", "--kv_cache_dtype=int4"])
+  flags.FLAGS.unparse_flags()
+  assert info.value.code == 2
+  _assert_one_line(capsys.readouterr().err, (
+      "hisparse-jax: error: flag --kv_cache_dtype=int4: value should be one of "
+      "<auto|int8|fp8_e4m3>"))
+  # int8 and fp8_e4m3 plan and report both tiers.
+  for name in ("int8", "fp8_e4m3"):
+    assert _main_in_process("capacity", f"--model={good_checkpoint}",
+                            f"--kv_cache_dtype={name}", "--max_model_len=256",
+                            "--device_kv_gib=0.001", "--host_pool_gib=0.002") == 0
+    out = capsys.readouterr().out
+    assert out.count(f"(KV {name} + float32 scales)") == 2

@@ -41,7 +41,7 @@ from flax import nnx
 from hisparse_jax import indexer
 from hisparse_jax.bench import common, tiered
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import DEVICE, KVCacheSpec, KVPool
+from hisparse_jax.kv_pool import DEVICE, KVCacheSpec, KVPool, from_storage
 from hisparse_jax.runner import ModelRunner, bounds_bytes_per_block
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
@@ -88,7 +88,7 @@ def model_config(size: Size) -> ModelConfig:
 
 
 def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int,
-             h2d_bytes: int = 0) -> dict:
+             h2d_bytes: int = 0, bounds_dtype: str = "float32") -> dict:
   """Bytes one decode step moves through memory for its KV, dense and sparse (all layers).
 
   Dense: every token. Sparse: the selected blocks (top-k in whole blocks), the key
@@ -99,7 +99,7 @@ def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int,
   selected = min(math.ceil(top_k_tokens / spec.block_size), num_blocks)
   dense = batch * context * spec.bytes_per_token
   sparse = batch * selected * spec.bytes_per_block
-  index = batch * num_blocks * bounds_bytes_per_block(spec)
+  index = batch * num_blocks * bounds_bytes_per_block(spec, bounds_dtype)
   return {"dense_kv_bytes": dense, "sparse_kv_bytes": sparse, "indexer_bytes": index,
           "bytes_bound": dense / (sparse + index + 2 * h2d_bytes)}
 
@@ -121,7 +121,7 @@ def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, reps: int,
   q = jnp.asarray(rng.standard_normal((num_seqs, dense.config.num_attention_heads,
                                        spec.head_dim)), jnp.float32)
   k, v = pool.k[0], pool.v[0]
-  bounds = sparse.bounds[0]
+  bounds = from_storage(sparse.bounds[0], sparse.hisparse.bounds_dtype)
   blocks = sparse.hisparse_blocks
   ragged = jax.jit(ops.ragged_paged_attention)
   paged = jax.jit(ops.paged_attention)
@@ -202,7 +202,8 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
            "blocks_attended_dense": int(batch_dense.blocks_attended[0]),
            "cold_step_h2d_bytes": cold.loaded_block_layers * sparse_setup.block_bytes,
            "h2d_bytes_per_step": h2d,
-           **kv_bytes(spec, context, size.batch, size.top_k_tokens, h2d)}
+           **kv_bytes(spec, context, size.batch, size.top_k_tokens, h2d,
+                      hisparse.bounds_dtype)}
     row["fraction_of_bound"] = row["dense_over_sparse"] / row["bytes_bound"]
     rows.append(row)
     if context == max_context:
@@ -211,7 +212,8 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
   by_block_size = {
       str(bs): {str(r["context"]): kv_bytes(dataclasses.replace(spec, block_size=bs),
                                             r["context"], size.batch, size.top_k_tokens,
-                                            r["h2d_bytes_per_step"])["bytes_bound"]
+                                            r["h2d_bytes_per_step"],
+                                            hisparse.bounds_dtype)["bytes_bound"]
                 for r in rows}
       for bs in BOUND_BLOCK_SIZES}
   longest = rows[-1]

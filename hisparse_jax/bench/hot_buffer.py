@@ -143,7 +143,7 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
   # what a hit costs to read; over PCIe it costs ~HBM/PCIe bandwidth times more.
   num_blocks = math.ceil(size.context / block_size)
   fixed = size.batch * spec.num_layers * (
-      num_blocks * bounds_bytes_per_block(spec) // spec.num_layers
+      num_blocks * bounds_bytes_per_block(spec, hisparse.bounds_dtype) // spec.num_layers
       + blocks.top_k_blocks * tiered.block_bytes)
   model = {r["hit_rate"]: fixed + 2 * r["h2d_bytes_per_step"] for r in rows}
   return {

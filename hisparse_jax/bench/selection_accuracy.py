@@ -57,6 +57,7 @@ from flax import nnx
 from hisparse_jax import indexer
 from hisparse_jax.bench import common
 from hisparse_jax.hisparse_config import SELECTIONS, HiSparseBlocks, HiSparseConfig
+from kernels_pallas.block_key_bounds import round_bounds
 from models.attention import dense_causal_attention
 from models.llama import LlamaForCausalLM
 
@@ -80,10 +81,13 @@ class LayerCache:
   mass: jax.Array  # float32 [batch]: share of dense attention the last step's keys hold
 
 
-def block_bounds(k: jax.Array, kv_lens: jax.Array, block_size: int) -> jax.Array:
+def block_bounds(k: jax.Array, kv_lens: jax.Array, block_size: int,
+                 bounds_dtype: str = "float32") -> jax.Array:
   """[batch, num_blocks, 2, num_kv_heads, head_dim] min (0) / max (1) of each block's
   valid keys (position < kv_lens); blocks without a valid key get 0 (the indexer masks
-  them as invalid anyway). k: [batch, capacity, num_kv_heads, head_dim]."""
+  them as invalid anyway). k: [batch, capacity, num_kv_heads, head_dim]. `bounds_dtype`:
+  what the engine stores (HiSparseConfig.bounds_dtype), rounded outward as
+  kernels_pallas.block_key_bounds does."""
   batch, capacity, num_kv_heads, head_dim = k.shape
   blocks = k.reshape(batch, capacity // block_size, block_size, num_kv_heads, head_dim)
   pos = jnp.arange(capacity).reshape(1, -1, block_size, 1, 1)
@@ -91,11 +95,13 @@ def block_bounds(k: jax.Array, kv_lens: jax.Array, block_size: int) -> jax.Array
   k_min = jnp.where(valid, blocks, jnp.inf).min(axis=2)
   k_max = jnp.where(valid, blocks, -jnp.inf).max(axis=2)
   any_valid = valid.any(axis=2)
-  return jnp.where(any_valid[:, :, None], jnp.stack([k_min, k_max], axis=2), 0.0)
+  bounds = jnp.stack(round_bounds(k_min, k_max, bounds_dtype), axis=2)
+  return jnp.where(any_valid[:, :, None], bounds, 0).astype(bounds.dtype)
 
 
 def selection_mask(q: jax.Array, k: jax.Array, kv_lens: jax.Array,
-                   blocks: HiSparseBlocks | None, selection: str = "shared") -> jax.Array:
+                   blocks: HiSparseBlocks | None, selection: str = "shared",
+                   bounds_dtype: str = "float32") -> jax.Array:
   """bool [batch, num_kv_heads, capacity]: which cached keys each KV head's queries may
   attend (for "shared" the same row for every KV head).
 
@@ -109,7 +115,8 @@ def selection_mask(q: jax.Array, k: jax.Array, kv_lens: jax.Array,
     return jnp.broadcast_to(valid_keys[:, None, :], (batch, num_kv_heads, capacity))
   block_size = blocks.block_size
   num_blocks = capacity // block_size
-  sel = indexer.select(q, block_bounds(k, kv_lens, block_size), kv_lens, blocks, selection)
+  sel = indexer.select(q, block_bounds(k, kv_lens, block_size, bounds_dtype), kv_lens, blocks,
+                       selection)
   ids = jnp.where(sel.valid, sel.logical_ids, num_blocks)  # padding matches no block
   chosen = (ids[..., None] == jnp.arange(num_blocks)).any(axis=-2)  # [b, (h,) num_blocks]
   if selection == "shared":
@@ -174,7 +181,8 @@ def _prefill_attn(q, k, v, *, layer_idx, kv_cache, metadata, config):
 
 
 def _decode_attn(q, k, v, *, layer_idx, kv_cache: LayerCache, metadata, config,
-                 blocks: HiSparseBlocks | None, selection: str, block_size: int):
+                 blocks: HiSparseBlocks | None, selection: str, block_size: int,
+                 bounds_dtype: str = "float32"):
   """AttnFn of one decode step at position `metadata` (int32 scalar, every row): stores
   the new key/value, then attends over the selected keys."""
   del layer_idx
@@ -183,7 +191,7 @@ def _decode_attn(q, k, v, *, layer_idx, kv_cache: LayerCache, metadata, config,
   k_cache = jax.lax.dynamic_update_slice_in_dim(kv_cache.k, k.astype(kv_cache.k.dtype), pos, 1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(kv_cache.v, v.astype(kv_cache.v.dtype), pos, 1)
   kv_lens = jnp.full((q.shape[0],), pos + 1, jnp.int32)
-  mask = selection_mask(q[:, 0], k_cache, kv_lens, blocks, selection)
+  mask = selection_mask(q[:, 0], k_cache, kv_lens, blocks, selection, bounds_dtype)
   valid = jnp.arange(k_cache.shape[1])[None, :] < kv_lens[:, None]
   out, mass = masked_decode_attention(q[:, 0], k_cache, v_cache, mask, valid)
   attended, touched = block_fractions(mask, kv_lens, block_size)
@@ -201,15 +209,16 @@ def prefill(graphdef, state, ids: jax.Array, *, capacity: int) -> list[LayerCach
   return caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "blocks", "selection", "block_size"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "blocks", "selection", "block_size",
+                                             "bounds_dtype"))
 def decode_step(graphdef, state, caches: list[LayerCache], tokens: jax.Array, pos: jax.Array,
-                *, blocks: HiSparseBlocks | None, selection: str, block_size: int
-                ) -> tuple[jax.Array, list[LayerCache]]:
+                *, blocks: HiSparseBlocks | None, selection: str, block_size: int,
+                bounds_dtype: str = "float32") -> tuple[jax.Array, list[LayerCache]]:
   """Greedy next tokens int32 [batch] after tokens [batch] at position `pos`, and the
   updated caches (with the step's block fractions and attention mass per layer)."""
   model = nnx.merge(graphdef, state)
   attn = functools.partial(_decode_attn, blocks=blocks, selection=selection,
-                           block_size=block_size)
+                           block_size=block_size, bounds_dtype=bounds_dtype)
   positions = jnp.full((tokens.shape[0], 1), pos, jnp.int32)
   hidden, caches = model.hidden_states(tokens[:, None], positions, attn_fn=attn,
                                        kv_caches=caches, attn_metadata=pos)
@@ -234,6 +243,7 @@ class Mode:
   name: str
   blocks: HiSparseBlocks | None
   selection: str = "shared"
+  bounds_dtype: str = "float32"  # of the key bounds (HiSparseConfig.bounds_dtype)
 
 
 def generate(model: LlamaForCausalLM, prompt_ids: np.ndarray, modes: Sequence[Mode],
@@ -263,7 +273,8 @@ def generate(model: LlamaForCausalLM, prompt_ids: np.ndarray, modes: Sequence[Mo
     for i in range(max_new_tokens):
       tokens, mode_caches = decode_step(graphdef, state, mode_caches, tokens,
                                         jnp.int32(seq - 1 + i), blocks=m.blocks,
-                                        selection=m.selection, block_size=block_size)
+                                        selection=m.selection, block_size=block_size,
+                                        bounds_dtype=m.bounds_dtype)
       steps.append(tokens)
       fractions.append([[c.attended, c.touched] for c in mode_caches])
       if i == 0:
@@ -292,14 +303,19 @@ def checkpoint_info(path: str) -> dict:
 
 
 def make_modes(top_k_tokens: Sequence[int], sink_tokens: int, local_tokens: int,
-               block_size: int) -> list[Mode]:
-  """Dense, then every (selection, budget) pair; budgets validated by HiSparseConfig."""
+               block_size: int, selections: Sequence[str] = SELECTIONS,
+               bounds_dtypes: Sequence[str] = ("float32",)) -> list[Mode]:
+  """Dense, then every (selection, budget, bounds dtype); budgets validated by
+  HiSparseConfig. A bounds dtype other than float32 is named in the mode."""
   modes = [Mode("dense", None)]
-  for selection in SELECTIONS:
+  for selection in selections:
     for k in top_k_tokens:
-      blocks = HiSparseConfig(top_k_tokens=k, sink_tokens=sink_tokens, local_tokens=local_tokens,
-                              selection=selection).blocks(block_size)
-      modes.append(Mode(f"{selection}@{k}", blocks, selection))
+      for bounds_dtype in bounds_dtypes:
+        blocks = HiSparseConfig(top_k_tokens=k, sink_tokens=sink_tokens,
+                                local_tokens=local_tokens, selection=selection,
+                                bounds_dtype=bounds_dtype).blocks(block_size)
+        suffix = "" if bounds_dtype == "float32" else f"/{bounds_dtype}"
+        modes.append(Mode(f"{selection}@{k}{suffix}", blocks, selection, bounds_dtype))
   return modes
 
 
@@ -343,6 +359,7 @@ def evaluate(model: LlamaForCausalLM, tokenizer, context_len: int, num_prompts: 
     right = [a == p.answer for a, p in zip(answers, prompts)]
     rows.append(dict(
         mode=m.name, selection=None if m.blocks is None else m.selection,
+        bounds_dtype=None if m.blocks is None else m.bounds_dtype,
         top_k_tokens=None if m.blocks is None else m.blocks.top_k_blocks * block_size,
         top_k_blocks=None if m.blocks is None else m.blocks.top_k_blocks,
         num_right=sum(right), num_prompts=len(prompts), accuracy=sum(right) / len(prompts),
@@ -365,7 +382,7 @@ def paired(results: Sequence[Mapping]) -> list[dict]:
   for res in results:
     by_budget: dict[int, dict[str, list[bool]]] = {}
     for r in res["rows"]:
-      if r["selection"] is not None:
+      if r["selection"] is not None and r.get("bounds_dtype", "float32") == "float32":
         by_budget.setdefault(r["top_k_tokens"], {})[r["selection"]] = r["right"]
     for k, sel in sorted(by_budget.items()):
       if set(sel) == {"shared", "per_kv_head"}:
@@ -408,6 +425,9 @@ def define_flags() -> None:
       local_tokens=flags.DEFINE_integer("local_tokens", 64, "Local tokens (part of the "
                                         "budget)."),
       block_size=flags.DEFINE_integer("block_size", 16, "Tokens per KV block."),
+      selections=flags.DEFINE_list("selections", list(SELECTIONS), "Selections to run."),
+      bounds_dtypes=flags.DEFINE_list("bounds_dtypes", ["float32"], "Key-bounds dtypes to "
+                                      "run (float32, bfloat16): each a mode per budget."),
       batch_size=flags.DEFINE_integer("batch_size", 10, "Prompts decoded together."),
       out=flags.DEFINE_string("out", "results/selection_accuracy_cpu.json", "JSON output."))
 
@@ -420,7 +440,7 @@ def main(argv):
   f = {name: holder.value for name, holder in _FLAGS.items()}
   block_size = f["block_size"]
   modes = make_modes([int(k) for k in f["top_k_tokens"]], f["sink_tokens"],
-                     f["local_tokens"], block_size)
+                     f["local_tokens"], block_size, f["selections"], f["bounds_dtypes"])
   model, _, tokenizer = load_pretrained()
   start = time.perf_counter()
   results = []

@@ -46,6 +46,11 @@ flags.DEFINE_enum("answer_from", "decode", ["decode", "prefill"],
                   "from it; prefill: the answer is the first token after the whole prompt.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block (also the selection unit).")
 flags.DEFINE_string("out", "results/sparse_accuracy_cpu.json", "JSON output path.")
+flags.DEFINE_list("kv_cache_dtypes", ["auto"], "KV cache dtypes to measure (auto, int8): "
+                  "each configuration runs once per dtype.")
+flags.DEFINE_integer("agreement_tokens", 0, "When > 0: also generate this many greedy "
+                     "tokens after each whole prompt and report, per configuration, how "
+                     "many agree position by position with the first dtype's.")
 
 
 
@@ -85,14 +90,16 @@ def checkpoint_info() -> dict:
   return info
 
 
-def engine_budgets(hisparse, max_model_len: int, num_prompts: int) -> dict:
+def engine_budgets(hisparse, max_model_len: int, num_prompts: int,
+                   kv_cache_dtype: str = "auto") -> dict:
   """device_kv_gib and host_pool_gib: the device holds `--device_prompts` prompts of KV
   plus what HiSparse reserves (indexer and hot-buffer bytes); the host holds them all."""
   from hisparse_jax.capacity import hisparse_capacity  # noqa: PLC0415
   from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
   from models.loader import load_config  # noqa: PLC0415
 
-  spec = KVCacheSpec.from_model_config(load_config(None), "float32", FLAGS.block_size)
+  spec = KVCacheSpec.from_model_config(load_config(None), "float32", FLAGS.block_size,
+                                       kv_cache_dtype)
   blocks_per_prompt = -(-max_model_len // FLAGS.block_size)
   device_blocks = FLAGS.device_prompts * blocks_per_prompt + 1
   host_blocks = (num_prompts + 2) * blocks_per_prompt + 1
@@ -109,14 +116,17 @@ def engine_budgets(hisparse, max_model_len: int, num_prompts: int) -> dict:
 MAX_NUM_SEQS = 8
 
 
-def measure(prompts, hisparse) -> dict:
+def measure(prompts, hisparse, kv_cache_dtype: str = "auto") -> dict:
   from hisparse_jax.llm import LLM  # noqa: PLC0415
   from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
 
   max_model_len = FLAGS.context_len + 128
   llm = LLM(block_size=FLAGS.block_size, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=4096, hisparse=hisparse,
-            **engine_budgets(hisparse, max_model_len, len(prompts)))
+            max_num_batched_tokens=4096, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype,
+            # Teacher forcing (decode_answers) replaces a sampled token on the host before
+            # the next step: with async scheduling that step already took it on the device.
+            async_scheduling=False,
+            **engine_budgets(hisparse, max_model_len, len(prompts), kv_cache_dtype))
   start = time.perf_counter()
   if FLAGS.answer_from == "prefill":
     outputs = llm.generate([p.text for p in prompts],
@@ -127,6 +137,12 @@ def measure(prompts, hisparse) -> dict:
     answers = [answer_of(llm.engine.tokenizer.decode([t]))
                for t in decode_answers(llm.engine, prompts)]
   wall_s = time.perf_counter() - start
+  continuations = []
+  if FLAGS.agreement_tokens:
+    outputs = llm.generate([p.text for p in prompts],
+                           SamplingParams(max_tokens=FLAGS.agreement_tokens, temperature=0.0,
+                                          ignore_eos=True))
+    continuations = [list(o.outputs[0].token_ids) for o in outputs]
   right = [a == p.answer for a, p in zip(answers, prompts)]
   m = llm.metrics()
   selected = {s: m[f'hisparse_blocks_selected_total{{source="{s}"}}']
@@ -138,7 +154,7 @@ def measure(prompts, hisparse) -> dict:
               hot_buffer_hit_rate=m["hisparse_hot_buffer_hit_rate"],
               offloads=m["hisparse_offloads_total"],
               preemptions=m["hisparse_preemptions_total"],
-              answers=answers)
+              answers=answers, continuations=continuations)
 
 
 def decode_answers(engine, prompts) -> list[int]:
@@ -172,33 +188,50 @@ def main(argv):
   prompts = data.make_retrieval_prompts(FLAGS.num_prompts, FLAGS.context_len,
                                         seed=FLAGS.prompt_seed)
   lengths = [len(p.token_ids) for p in prompts]
-  rows = [("dense", None)]
+  configs = [("dense", None)]
   for k in map(int, FLAGS.top_k_tokens):
-    rows.append((f"top_k_tokens={k}", HiSparseConfig(
+    configs.append((f"top_k_tokens={k}", HiSparseConfig(
         top_k_tokens=k, sink_tokens=FLAGS.sink_tokens, local_tokens=FLAGS.local_tokens,
         sparse_threshold_tokens=FLAGS.sparse_threshold_tokens)))
+  rows = [(name if dtype == "auto" else f"{name} {dtype}", hisparse, dtype)
+          for name, hisparse in configs for dtype in FLAGS.kv_cache_dtypes]
   results = []
   dense_answers = None
-  print(f"{'config':<20} {'right':>7} {'acc':>6} {'= dense':>8} {'blocks read':>12} "
-        f"{'host loads':>10} {'offloads':>8} {'wall s':>7}")
-  for name, hisparse in rows:
-    r = measure(prompts, hisparse)
+  first_dtype = {}  # config -> the continuations of the first dtype measured
+  print(f"{'config':<26} {'right':>7} {'acc':>6} {'= dense':>8} {'blocks read':>12} "
+        f"{'host loads':>10} {'offloads':>8} {'wall s':>7}"
+        + (f" {'tokens = ' + FLAGS.kv_cache_dtypes[0]:>16}" if FLAGS.agreement_tokens else ""))
+  for name, hisparse, dtype in rows:
+    r = measure(prompts, hisparse, dtype)
     dense_answers = dense_answers if dense_answers is not None else r["answers"]
     r["same_answer_as_dense"] = sum(a == b for a, b in zip(r["answers"], dense_answers))
     r["config"] = name
+    r["kv_cache_dtype"] = dtype
+    agreement = ""
+    if FLAGS.agreement_tokens:
+      base = first_dtype.setdefault(hisparse, r["continuations"])
+      same = sum(a == b for x, y in zip(r["continuations"], base) for a, b in zip(x, y))
+      total = sum(len(x) for x in base)
+      r["tokens_same_as_first_dtype"] = same
+      r["tokens_compared"] = total
+      r["continuations_identical"] = sum(x == y for x, y in zip(r["continuations"], base))
+      prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                for x, y in zip(r["continuations"], base)]
+      r["common_prefix_tokens_mean"] = sum(prefix) / max(1, len(prefix))
+      agreement = f" {same:>7}/{total:<8} prefix {r['common_prefix_tokens_mean']:.1f}"
     r["hisparse"] = None if hisparse is None else {
         f: getattr(hisparse, f) for f in ("top_k_tokens", "hot_buffer_tokens", "sink_tokens",
                                           "local_tokens", "sparse_threshold_tokens")}
     results.append(r)
-    print(f"{name:<20} {r['num_right']:>3}/{r['num_prompts']:<3} {r['accuracy']:>6.1%} "
+    print(f"{name:<26} {r['num_right']:>3}/{r['num_prompts']:<3} {r['accuracy']:>6.1%} "
           f"{r['same_answer_as_dense']:>4}/{r['num_prompts']:<3} "
           f"{r['blocks_read']:>12,.0f} {r['hot_buffer_loads']:>10,.0f} "
-          f"{r['offloads']:>8,.0f} {r['wall_s']:>7.1f}")
+          f"{r['offloads']:>8,.0f} {r['wall_s']:>7.1f}" + agreement)
   report = dict(checkpoint=checkpoint_info(), block_size=FLAGS.block_size,
                 device_prompts=FLAGS.device_prompts, machine=machine_info(),
                 context_len=FLAGS.context_len, prompt_tokens=[min(lengths), max(lengths)],
                 prompt_seed=FLAGS.prompt_seed, max_new_tokens=MAX_NEW_TOKENS, greedy=True,
-                answer_from=FLAGS.answer_from,
+                answer_from=FLAGS.answer_from, agreement_tokens=FLAGS.agreement_tokens,
                 results=results)
   print(f"checkpoint: {json.dumps(report['checkpoint'])}")
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
+from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool, from_storage, to_storage
 from hisparse_jax.request import Request
 from hisparse_jax.runner import ModelRunner, SparseTiers
 from hisparse_jax.sampling import SamplingParams
 from hisparse_jax.scheduler import ScheduledChunk
+from kernels_pallas.block_key_bounds import round_bounds
 from models.llama import LlamaForCausalLM
 
 
@@ -47,10 +48,12 @@ def decode_chunks(contexts_len: int, tables: np.ndarray, block_size: int, vocab:
   return chunks
 
 
-@jax.jit
-def host_bounds(k_host: jax.Array) -> jax.Array:
-  """[blocks, 2, kv heads, head_dim]: min and max over each block's tokens (all full)."""
-  return jnp.stack([k_host.min(axis=1), k_host.max(axis=1)], axis=1).astype(jnp.float32)
+@functools.partial(jax.jit, static_argnames=("bounds_dtype",))
+def host_bounds(k_host: jax.Array, bounds_dtype: str = "float32") -> jax.Array:
+  """[blocks, 2, kv heads, head_dim]: min and max over each block's tokens (all full), in
+  `bounds_dtype` rounded outward as kernels_pallas.block_key_bounds stores them."""
+  k = k_host.astype(jnp.float32)
+  return jnp.stack(round_bounds(k.min(axis=1), k.max(axis=1), bounds_dtype), axis=1)
 
 
 @dataclasses.dataclass
@@ -101,8 +104,11 @@ def tiered_decode(model: LlamaForCausalLM, spec: KVCacheSpec, hisparse: HiSparse
       d.at[dst].set(jax.device_put(h, device_pool.sharding)[src])
       for d, h in zip(device_pool.arrays(), host_pool.arrays())))
   nd = device_pool.num_blocks
+  bounds_dtype = runner.hisparse.bounds_dtype
   runner.bounds = tuple(
-      b.at[nd:].set(host_bounds(jax.device_put(k, device_pool.sharding)))
+      b.at[nd:].set(to_storage(host_bounds(from_storage(jax.device_put(k, device_pool.sharding),
+                                                        spec.dtype), bounds_dtype),
+                               bounds_dtype, b.dtype))
       for b, k in zip(runner.bounds, host_pool.arrays()[:spec.num_layers]))
   runner.refresh_bounds(dst)
   rng = np.random.default_rng(seed)

@@ -225,3 +225,39 @@ def test_plan_capacity_reserving_takes_the_most_blocks_whose_reservation_fits():
   assert n == (budget - 256 * 40 - 1000) // (4096 + 512) == 86
   with pytest.raises(ValueError, match="--device_kv_gib"):  # too little for one request
     capacity.plan_capacity_reserving(SPEC, lambda d, h: 97 * 4096, **args)
+
+
+def _hisparse_device_tokens(bounds_dtype: str, host_over_device: float) -> int | None:
+  """Device tokens of a block-size-4 HiSparse plan for the default model's cache shape
+  (2 layers, 2 KV heads of 32, float32: 1 KiB a token) at a 0.01 GiB device budget and a
+  host pool `host_over_device` times that; None when the plan is refused."""
+  from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: PLC0415
+
+  spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
+                     block_size=4)
+  hisparse = HiSparseConfig.for_max_model_len(2048, 4, bounds_dtype=bounds_dtype)
+  sizes = dict(max_num_seqs=256, max_model_len=2048)
+  try:
+    plan = capacity.plan_capacity_reserving(
+        spec, lambda d, h: capacity.hisparse_capacity(
+            spec, hisparse, num_device_blocks=d, num_host_blocks=h, **sizes).reserved_bytes,
+        max_model_len=2048, device_kv_gib=0.01, host_pool_gib=0.01 * host_over_device)
+  except ValueError:
+    return None
+  # The plan fits: blocks + the bounds of every block + hot-buffer state <= the budget.
+  detail = capacity.hisparse_capacity(spec, hisparse, num_device_blocks=plan.num_device_blocks,
+                                      num_host_blocks=plan.num_host_blocks, **sizes)
+  assert detail.reserved_bytes == plan.device_reserved_bytes
+  assert (plan.num_device_blocks * spec.bytes_per_block + detail.reserved_bytes
+          <= plan.device_budget_bytes)
+  return (plan.num_device_blocks - 1) * spec.block_size
+
+
+def test_bfloat16_bounds_hold_more_device_tokens_beside_a_larger_host_pool():
+  # Float32 bounds of a 4-token float32 block are a quarter of its bytes: a host pool 4x
+  # the device budget needs the whole budget for its bounds (refused), and at 2x they
+  # take half of it. bfloat16 bounds take half as much.
+  assert _hisparse_device_tokens("float32", 4) is None
+  assert _hisparse_device_tokens("bfloat16", 4) == 2836
+  f32, bf16 = _hisparse_device_tokens("float32", 2), _hisparse_device_tokens("bfloat16", 2)
+  assert (f32, bf16) == (2552, 5164) and bf16 >= 1.6 * f32

@@ -11,6 +11,7 @@ preempted, come back offloaded and read blocks from the host pool. Steps compute
 compiles few programs (compilation is nearly all of its time).
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -39,7 +40,7 @@ import kernels_pallas
 import models
 from hisparse_jax import HiSparseConfig, cli, generate_cmd, resolver  # noqa: F401 (cli defines the flags)
 from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
+from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool, from_storage
 from hisparse_jax.runner import bounds_bytes_per_block
 from hisparse_jax.sampling import SamplingParams
 from models import data
@@ -92,7 +93,9 @@ def _assert_bounds_exact(engine):
         slots.append(block_id * bs + fill - 1)
   engine.transfer.wait()
   num_device_blocks = engine.device_pool.num_blocks
-  for layer, bounds in enumerate(engine.runner.bounds):
+  bounds_dtype = engine.config.hisparse.bounds_dtype
+  logical = [from_storage(b, bounds_dtype) for b in engine.runner.bounds]
+  for layer, bounds in enumerate(logical):
     host_bounds = np.asarray(bounds)[num_device_blocks:]  # host block j: row nd + j
     host_k = jnp.asarray(np.asarray(engine.host_pool.k[layer]))
     full = jnp.asarray(np.arange(host_k.shape[0], dtype=np.int32) * bs + bs - 1)
@@ -102,7 +105,7 @@ def _assert_bounds_exact(engine):
   padded = np.full(num_device_blocks, -1, np.int32)
   padded[:len(slots)] = slots
   ids = np.array(slots, np.int64) // bs
-  for layer, bounds in enumerate(engine.runner.bounds):
+  for layer, bounds in enumerate(logical):
     k_pages = engine.device_pool.k[layer]
     device_bounds = jnp.asarray(np.asarray(bounds)[:num_device_blocks])
     expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(device_bounds),
@@ -116,9 +119,13 @@ def reference():
   return reference_greedy(tiny_model(), PROMPTS, NUM_TOKENS)
 
 
-def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference):
-  engine = _engine(FULL)
-  assert engine.device_pool.num_blocks == 11
+@pytest.mark.parametrize(("bounds_dtype", "num_device_blocks"),
+                         [("bfloat16", 14), ("float32", 11)])
+def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, bounds_dtype,
+                                                                     num_device_blocks):
+  # bfloat16 bounds (the default) take half the device bytes of float32 ones: more blocks.
+  engine = _engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
+  assert engine.device_pool.num_blocks == num_device_blocks
   sparse_rows = _count_sparse_rows(engine)
   checked = []
   step = engine.step
@@ -233,23 +240,30 @@ def test_a_step_without_a_miss_runs_no_host_gather():
       assert '_xla_compute_type = "host"' in gather and f"tensor<{size}x4x2x8xf32>" in gather
 
 
-def test_hisparse_device_bytes_are_reserved_and_logged():
-  engine = _engine(FULL)
+@pytest.mark.parametrize(("bounds_dtype", "itemsize", "storage", "num_device_blocks"),
+                         [("float32", 4, np.float32, 11), ("bfloat16", 2, np.uint16, 14)])
+def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, storage,
+                                                       num_device_blocks):
+  engine = _engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
   spec = engine.device_pool.spec
-  spec_bytes = bounds_bytes_per_block(spec)
-  assert spec_bytes == 2 * 2 * 2 * 8 * 4  # layers x (min, max) x kv heads x head_dim x f32
+  spec_bytes = bounds_bytes_per_block(spec, bounds_dtype)
+  # layers x (min, max) x kv heads x head_dim x itemsize
+  assert spec_bytes == 2 * 2 * 2 * 8 * itemsize
+  # Half-size bounds leave room for more device blocks in the same budget.
+  assert engine.device_pool.num_blocks == num_device_blocks
   num_blocks = engine.device_pool.num_blocks + engine.host_pool.num_blocks
   assert engine.runner.indexer_bytes == num_blocks * spec_bytes
   # state rows: layers x max_num_seqs x (2 x 8 slots + 8 max blocks) int32
   assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 4 * (2 * 8 + 8) * 4
   assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
   for bounds in engine.runner.bounds:  # device blocks' rows, then host blocks'
-    assert bounds.shape == (11 + engine.host_pool.num_blocks, 2, 2, 8)
+    assert bounds.shape == (num_device_blocks + engine.host_pool.num_blocks, 2, 2, 8)
+    assert bounds.dtype == storage  # bfloat16 as its uint16 bits on CPU
     assert bounds.sharding.memory_kind == "device"
   lines = engine.capacity.log_lines(MAX_MODEL_LEN)
-  assert (f"HiSparse: indexer key bounds {num_blocks * spec_bytes:,} bytes + hot-buffer "
-          f"state {2 * 4 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per offloaded "
-          "request") in lines[0]
+  assert (f"HiSparse: indexer key bounds ({bounds_dtype}) {num_blocks * spec_bytes:,} bytes "
+          f"+ hot-buffer state {2 * 4 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per "
+          "offloaded request") in lines[0]
   running = min((engine.host_pool.num_blocks - 1) / 8, (engine.device_pool.num_blocks - 1) / 9)
   assert f"HiSparse runs {running:.2f}x at once" in lines[-1]
   dense = _engine(None)
@@ -355,6 +369,16 @@ def test_cli_flags_build_the_hisparse_config():
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"])
     with pytest.raises(ValueError, match="^--hot_buffer_tokens \\(32\\) must be >= "):
+      generate_cmd.hisparse_from_flags()
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--bounds_dtype=float32"])
+    assert generate_cmd.hisparse_from_flags().bounds_dtype == "float32"
+    assert HiSparseConfig().bounds_dtype == "bfloat16"
+  with pytest.raises(ValueError, match="HiSparseConfig.bounds_dtype must be one of"):
+    HiSparseConfig(bounds_dtype="int8")
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--bounds_dtype=float32"])
+    with pytest.raises(ValueError, match="--bounds_dtype is a HiSparse setting"):
       generate_cmd.hisparse_from_flags()
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--top_k_tokens=64"])

@@ -87,6 +87,19 @@ def test_block_bounds_cover_only_valid_keys():
   np.testing.assert_array_equal(bounds[1, 1, :, 0], [[24, 25], [30, 31]])  # keys 4..7
 
 
+def test_bfloat16_block_bounds_enclose_the_float32_ones():
+  # What the engine stores with HiSparseConfig.bounds_dtype="bfloat16": rounded outward.
+  k = jnp.asarray(np.random.default_rng(2).normal(size=(2, 16, 2, 8)), jnp.float32)
+  lens = jnp.array([13, 16], jnp.int32)
+  f32 = np.asarray(sa.block_bounds(k, lens, 4))
+  bf16 = sa.block_bounds(k, lens, 4, "bfloat16")
+  assert bf16.dtype == jnp.bfloat16
+  bf16 = np.asarray(bf16, np.float32)
+  assert (bf16[:, :, 0] <= f32[:, :, 0]).all() and (bf16[:, :, 1] >= f32[:, :, 1]).all()
+  assert (bf16 != f32).mean() > 0.9  # random float32 keys are almost never bf16 values
+  np.testing.assert_allclose(bf16, f32, rtol=2 ** -7)  # within one bf16 step
+
+
 def test_evaluate_rejects_a_non_dense_reference():
   with pytest.raises(ValueError, match="modes\\[0\\] must be dense"):
     sa.evaluate(tiny_model(), None, 64, 1, 0, [sa.Mode("shared", _blocks(3))], BLOCK, 1)

@@ -11,6 +11,7 @@ from kernels_pallas import (
   write_kv,
   write_kv_reference,
 )
+from kernels_pallas.block_key_bounds import round_bounds
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 10, 8, 2, 64
 WRITE = {"pallas": write_kv, "xla": write_kv_reference}
@@ -158,3 +159,57 @@ def test_write_kv_and_bounds_at_a_head_dim_that_is_not_a_power_of_2(rng, head_di
   for block_id, num_valid in [(3, 2), (9, 8), (1, 2)]:
     np.testing.assert_array_equal(b_np[block_id], _want_bounds(k_np, block_id, num_valid))
   np.testing.assert_array_equal(b_np[[0, 2, 4, 5, 6, 7, 8]], 7.0)
+
+
+def test_round_bounds_rounds_outward_to_the_nearest_bfloat16():
+  # Values across signs and magnitudes, exact bf16 values, subnormals and zeros.
+  scale = 10.0 ** np.repeat(np.arange(-20, 20, 10), 1024)  # 4 decades, 1,024 values each
+  special = [0.0, -0.0, 1.0, -1.0, 1.5, 3e-39, -3e-39, 1e-45, -1e-45]
+  x = np.concatenate([np.random.default_rng(0).standard_normal(4096) * scale,
+                      special]).astype(np.float32)
+  lo, hi = round_bounds(jnp.asarray(x), jnp.asarray(x), jnp.bfloat16)
+  assert lo.dtype == hi.dtype == jnp.bfloat16
+  lo64, hi64 = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+  assert (lo64 <= x).all() and (hi64 >= x).all()  # still bounds
+  near = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)  # round to nearest
+  exact = near == x
+  np.testing.assert_array_equal(lo64[exact], x[exact])  # bf16 values stay as they are
+  np.testing.assert_array_equal(hi64[exact], x[exact])
+  # Otherwise the two neighbours of x in bf16: one of them is the nearest.
+  assert ((lo64 == near) | (hi64 == near)).all()
+  assert (lo64[~exact] < hi64[~exact]).all()
+  up = np.asarray(jnp.nextafter(lo.astype(jnp.bfloat16), jnp.bfloat16(np.inf)), np.float64)
+  np.testing.assert_array_equal(up[~exact], hi64[~exact])
+  # float32 and the keys' own dtype are exact.
+  lo32, _ = round_bounds(jnp.asarray(x), jnp.asarray(x), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(lo32), x)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bfloat16_bounds_of_float32_keys_bound_them_outward_in_place(rng, impl, block_size):
+  pool = lib.make_pool(rng, NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM, jnp.float32)
+  extra = jnp.full((NUM_BLOCKS + 3, 2, NUM_KV_HEADS, HEAD_DIM), 7.0, jnp.bfloat16)
+  ptr = extra.unsafe_buffer_pointer()
+  # Block 3 full, 2 tokens of block 5, padding.
+  slots = [3 * block_size + i for i in range(block_size)] + [5 * block_size,
+                                                             5 * block_size + 1, -1]
+  out = BOUNDS[impl](extra, pool.k_pages, jnp.asarray(slots, jnp.int32))
+  assert out.dtype == jnp.bfloat16 and out.unsafe_buffer_pointer() == ptr  # in place
+  got = np.asarray(out, np.float32)
+  for block_id, num_valid in [(3, block_size), (5, 2)]:
+    want = _want_bounds(pool.k_np, block_id, num_valid)
+    assert (got[block_id, 0] <= want[0]).all() and (got[block_id, 1] >= want[1]).all()
+    lo, hi = round_bounds(jnp.asarray(want[0]), jnp.asarray(want[1]), jnp.bfloat16)
+    np.testing.assert_array_equal(got[block_id, 0], np.asarray(lo, np.float32))
+    np.testing.assert_array_equal(got[block_id, 1], np.asarray(hi, np.float32))
+    assert (got[block_id] != want).any()  # float32 keys are not all bf16 values
+  untouched = [i for i in range(NUM_BLOCKS + 3) if i not in (3, 5)]
+  np.testing.assert_array_equal(got[untouched], 7.0)
+
+
+def test_bounds_of_another_dtype_are_refused(rng):
+  pool = _pool(rng)
+  bad = jnp.zeros((NUM_BLOCKS, 2, NUM_KV_HEADS, HEAD_DIM), jnp.float16)
+  with pytest.raises(ValueError, match="bounds dtype must be float32, bfloat16"):
+    block_key_bounds(bad, pool.k_pages, jnp.zeros((1,), jnp.int32))

@@ -139,3 +139,12 @@ def test_interpret_mode_lowers_no_triton_call():
   _, *args = _cases(1, 16, 64, "float32")["paged_attention"]
   text = lower_for_cuda(functools.partial(paged_attention, interpret=True), *args).as_text()
   assert TRITON_CALL not in text
+
+
+def test_bfloat16_bounds_of_float32_keys_lower_for_cuda():
+  # The outward rounding (integer ops on the float32 bits) inside the Triton kernel.
+  _, bounds, pages, slots = _cases(4, 16, 64, "float32")["block_key_bounds"]
+  bounds = S(bounds.shape, jnp.bfloat16)
+  lowered = lower_for_cuda(functools.partial(block_key_bounds, interpret=False), bounds, pages,
+                           slots)
+  assert triton_kernels(lowered) == ["block_key_bounds"]
