@@ -33,6 +33,29 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
+// fn(i) for every i in [0, num_tasks), on XLA's intra-op pool and the calling thread. The
+// caller takes tasks too and waits only for tasks to finish, never for a pool thread to
+// start, so a busy pool cannot deadlock it; a pool thread that starts late finds no task
+// left and returns (it holds the shared state, not the caller's frame).
+template <typename F>
+void RunTasks(ffi::ThreadPool& pool, int64_t num_tasks, F fn) {
+  if (num_tasks <= 0) return;
+  auto shared = std::make_shared<Shared>();
+  auto task = std::make_shared<F>(std::move(fn));
+  auto work = [shared, task, num_tasks]() {
+    for (;;) {
+      const int64_t i = shared->next.fetch_add(1);
+      if (i >= num_tasks) return;
+      (*task)(i);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
+  work();
+  while (shared->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
+}
+
 // exp(x) for x <= 0 in plain arithmetic, so `omp simd` loops vectorize it (glibc's expf
 // is scalar without -ffast-math, which would also break the -inf / NaN handling here).
 // Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, a degree-6 polynomial for e^f, 2^n from the
@@ -157,21 +180,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* lp = kv_lens.typed_data();
   const int32_t* sp = starts.typed_data();
   float* op = out->typed_data();
-  const int64_t num_tasks = batch;
-  auto shared = std::make_shared<Shared>();
-  auto work = [=]() {
-    for (;;) {
-      const int64_t task = shared->next.fetch_add(1);
-      if (task >= num_tasks) return;
-      OneRow(task, qp, kp, vp, tp, lp, sp, op, num_kv_heads, group, head_dim, block_size,
-             width, num_blocks, scale, soft_cap);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
-  work();
-  while (shared->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
+  RunTasks(pool, batch, [=](int64_t row) {
+    OneRow(row, qp, kp, vp, tp, lp, sp, op, num_kv_heads, group, head_dim, block_size, width,
+           num_blocks, scale, soft_cap);
+  });
   return ffi::Error::Success();
 }
 
@@ -420,43 +432,31 @@ ffi::Error RaggedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return lens[x.row] - (cu[x.row + 1] - cu[x.row]) + x.first_query >
            lens[y.row] - (cu[y.row + 1] - cu[y.row]) + y.first_query;
   });
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  if (num_tasks == 0) return ffi::Error::Success();
-  auto shared = std::make_shared<Shared>();
   const float* qp = q.typed_data();
   const float* kp = k_pages.typed_data();
   const float* vp = v_pages.typed_data();
   const int32_t* tp = block_tables.typed_data();
   auto task_list = std::make_shared<std::vector<PrefillTask>>(std::move(tasks));
-  auto work = [=]() {
-    for (;;) {
-      const int64_t i = shared->next.fetch_add(1);
-      if (i >= num_tasks) return;
-      const PrefillTask& t = (*task_list)[i];
-      switch (dim) {
-        case 32:
-          OnePrefillTask<32>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
-                             block_size, width, num_blocks, scale, soft_cap, window);
-          break;
-        case 64:
-          OnePrefillTask<64>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
-                             block_size, width, num_blocks, scale, soft_cap, window);
-          break;
-        case 128:
-          OnePrefillTask<128>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
-                              block_size, width, num_blocks, scale, soft_cap, window);
-          break;
-        default:
-          OnePrefillTask<0>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
+  RunTasks(pool, static_cast<int64_t>(task_list->size()), [=](int64_t i) {
+    const PrefillTask& t = (*task_list)[i];
+    switch (dim) {
+      case 32:
+        OnePrefillTask<32>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
+                           block_size, width, num_blocks, scale, soft_cap, window);
+        break;
+      case 64:
+        OnePrefillTask<64>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
+                           block_size, width, num_blocks, scale, soft_cap, window);
+        break;
+      case 128:
+        OnePrefillTask<128>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
                             block_size, width, num_blocks, scale, soft_cap, window);
-      }
-      shared->done.fetch_add(1, std::memory_order_release);
+        break;
+      default:
+        OnePrefillTask<0>(t, qp, kp, vp, tp, lens, cu, op, num_kv_heads, group, dim,
+                          block_size, width, num_blocks, scale, soft_cap, window);
     }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
-  work();
-  while (shared->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
+  });
   return ffi::Error::Success();
 }
 
