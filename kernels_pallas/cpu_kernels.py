@@ -26,7 +26,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import warnings
 
@@ -102,7 +101,6 @@ def available() -> bool:
   except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
     warnings.warn(f"hisparse_jax: the C++ CPU kernels are not available ({e}); the jnp "
                   "attention runs instead", RuntimeWarning, stacklevel=2)
-    print(f"hisparse_jax: C++ CPU kernels not built: {e}", file=sys.stderr)
     return False
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HisparsePagedDecodeF32),
                               platform="cpu")

@@ -87,7 +87,7 @@ def test_without_a_compiler_the_jnp_path_runs():
           "with warnings.catch_warnings(record=True) as w:\n"
           "  warnings.simplefilter('always')\n"
           "  assert not cpu_kernels.available()\n"
-          "assert 'not available' in str(w[0].message), w\n"
+          "assert 'not available (no C++ compiler' in str(w[0].message), w\n"
           "q = jnp.ones((1, 2, 8)); k = jnp.ones((3, 4, 1, 8))\n"
           "out = paged_attention_xla(q, k, k, jnp.asarray([[1]]), jnp.asarray([3]))\n"
           "assert float(out.sum()) == 16.0\n")
@@ -98,7 +98,6 @@ def test_without_a_compiler_the_jnp_path_runs():
   r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
-  assert "C++ CPU kernels not built: no C++ compiler" in r.stderr
 
 
 def _ragged(rng, group, block_size, head_dim, seqs, num_kv_heads=2, num_blocks=96, pad=3):
