@@ -197,8 +197,10 @@ def test_load_64_streams_8_disconnect_no_block_leaks(server, llm):
   pool and preemption are used); 8 clients leave mid-stream. The others get LLM.generate's
   tokens, the 8 are aborted, and the pools come back to empty."""
   prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 5) for i in range(64)]
-  lengths = [64 + (i * 29) % 128 for i in range(64)]
   leave = set(range(3, 64, 8))
+  # The 8 that leave ask for 300 tokens, so none can finish before its client has gone
+  # (64-192 tokens raced the client's loop once steps got faster: 7 aborts, 1 finished).
+  lengths = [300 if i in leave else 64 + (i * 29) % 128 for i in range(64)]
   before = server.metrics()
   aborts = 'hisparse_requests_total{finish_reason="abort"}'
 
