@@ -18,6 +18,10 @@ Masked keys contribute nothing whatever the unused slots of a block hold (NaN or
 from an earlier owner included): their scores are masked, their probabilities are 0 and
 their V rows are zeroed before the product.
 
+On a CPU target where the C++ kernels are built (cpu_kernels: XLA FFI custom calls that
+read the blocks in place), decode rows and prefill rows run them instead of these loops;
+the loops stay for other targets, 8-bit or bf16 pages, and machines without a compiler.
+
 Host-known sizes keep the compiled shapes small: `prefill_plan(q_lens)` gives the static
 `(prefill_tile, num_prefill_tiles)` of a batch (0 tiles: no prefill work compiled).
 The pure-jnp references of each kernel file stay the references; tests hold this
