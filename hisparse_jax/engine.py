@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -31,7 +32,11 @@ from hisparse_jax.capacity import (
   plan_capacity_reserving,
 )
 from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVCacheSpec, check_kv_cache_dtype
+from hisparse_jax.kv_pool import (
+    KVCacheSpec,
+    check_kv_cache_dtype,
+    check_kv_cache_dtype_devices,
+)
 from hisparse_jax.metrics import MetricsRegistry
 from hisparse_jax.request import (
     CompletionOutput,
@@ -128,11 +133,11 @@ class EngineConfig:
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     check_kv_cache_dtype(self.kv_cache_dtype)
-    if self.kv_cache_dtype != "auto" and self.kernel_backend in ("pallas", "pallas_mgpu"):
+    if self.kv_cache_dtype != "auto" and self.kernel_backend == "pallas_mgpu":
       raise ValueError(
-          f"kv_cache_dtype={self.kv_cache_dtype} is read by the xla and reference attention "
-          f"only; the Pallas kernels (kernel_backend={self.kernel_backend!r}) take no scales "
-          "yet")
+          f"kv_cache_dtype={self.kv_cache_dtype} is not read by the Mosaic GPU decode kernel "
+          "(kernel_backend='pallas_mgpu'); use kernel_backend='pallas' (Triton), xla or "
+          "reference")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:
@@ -198,6 +203,8 @@ class Engine:
       unsplit = load_config(config.model) if model is None else model.config
       check_tensor_parallel(unsplit, config.tensor_parallel_size)
       self.kv_head_repeat = kv_head_repeat(unsplit, config.tensor_parallel_size)
+    check_kv_cache_dtype_devices(
+        config.kv_cache_dtype, jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
     if model is None:
       model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype,
                                                        mesh=self.mesh)
@@ -221,13 +228,6 @@ class Engine:
     if config.hisparse is not None and getattr(model_config, "sliding_window", None):
       raise ValueError("hisparse: models with sliding-window attention are not supported by "
                        "the sparse path; run without hisparse")
-    from kernels_pallas import resolve_backend  # noqa: PLC0415 (starts jax's backends)
-
-    if config.kv_cache_dtype != "auto" and resolve_backend(
-        config.kernel_backend) in ("pallas", "pallas_mgpu"):
-      raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype} is read by the xla and "
-                       "reference attention only; on this platform the engine runs the "
-                       "Pallas kernels, which take no scales yet: use --kv_cache_dtype=auto")
     spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size,
                                          config.kv_cache_dtype)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,

@@ -52,10 +52,11 @@ TAIL_CHARS = 3000
 # Step name -> (timeout in seconds, what it checks). Order is run order.
 STEPS = {
     "environment": (240, "install .[cuda,test] and describe the device"),
-    "selfcheck": (150, "compiled kernels vs their jnp references"),
+    "selfcheck": (150, "compiled kernels vs their jnp references (float and 8-bit pages)"),
     "kernel_bench": (120, "kernel GB/s and % of HBM peak"),
     "transfer": (120, "host<->device GB/s over pinned_host and % of PCIe peak"),
-    "hisparse_engine": (240, "HiSparse engine tests and Pallas-vs-xla engine tokens"),
+    "hisparse_engine": (240, "HiSparse engine tests and Pallas-vs-xla engine tokens "
+                            "(float and int8 KV)"),
     "hf_parity": (180, "engine tokens vs HF transformers"),
     "decode": (240, "HiSparse vs dense decode step time"),
 }
@@ -320,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
           "GB/s as % of PCIe peak: on the CPU device and pinned_host are one DRAM"],
                                 kernels=False),
       "hisparse_engine": lambda: runner.run("hisparse_engine", pytest + [
-          "tests/hisparse_jax/test_hisparse_engine.py", "tests/hisparse_jax/test_engine_pallas.py"],
+          "tests/hisparse_jax/test_hisparse_engine.py", "tests/hisparse_jax/test_engine_pallas.py",
+          "tests/hisparse_jax/test_kv_quant_engine.py::"
+          "test_int8_hisparse_engine_on_the_pallas_kernels_equals_xla"],
           skipped_parts=no_gpu),
       "hf_parity": lambda: hf_parity(),
       "decode": lambda: bench("decode", "decode_sparse_vs_dense", _decode_figures, []),

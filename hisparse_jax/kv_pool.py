@@ -148,6 +148,28 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
                      f"{kv_cache_dtype!r}")
 
 
+# float8_e4m3fn -> float32 conversion in the Pallas (Triton) kernels: NVIDIA sm_89 and up.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+
+
+def check_kv_cache_dtype_devices(kv_cache_dtype: str, devices) -> None:
+  """ValueError naming the kv_cache_dtype field when a device cannot read the cache in
+  its kernels: fp8_e4m3 on an NVIDIA GPU below compute capability 8.9 (Triton converts
+  float8_e4m3fn with sm_89 instructions). CPUs store fp8 as bits and convert in XLA."""
+  if kv_cache_dtype != "fp8_e4m3":
+    return
+  for device in devices:
+    cc = str(getattr(device, "compute_capability", "") or "")
+    parts = cc.split(".")
+    if device.platform != "gpu" or not all(p.isdigit() for p in parts) or len(parts) != 2:
+      continue  # CPU, TPU, ROCm ("gfx90a"): nothing to check here
+    if (int(parts[0]), int(parts[1])) < FP8_MIN_COMPUTE_CAPABILITY:
+      raise ValueError(
+          f"kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer (its "
+          f"kernels convert float8_e4m3fn with sm_89 instructions); {device.device_kind} "
+          f"has {cc}: use kv_cache_dtype=int8")
+
+
 def storage_dtype(dtype: str, platform: str) -> np.dtype:
   """The dtype a pool stores for logical `dtype` on `platform` (see module docstring)."""
   if dtype == "bfloat16" and platform == "cpu":

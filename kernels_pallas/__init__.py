@@ -20,6 +20,10 @@ XLA:CPU, tested against the references):
 * ``block_key_bounds(bounds, k_pages, slot_ids)`` -- per-block key min/max,
   ``bounds [num_blocks, 2, num_kv_heads, head_dim]`` (0 = min, 1 = max), donated.
 
+Every kernel that reads pages also takes 8-bit pages (``kernels_pallas.quant.
+QuantizedPages``: int8 or fp8_e4m3 values + a float32 scale per token and KV head),
+dequantized per loaded block.
+
 Backend choice lives in :mod:`kernels_pallas.backend` alone. The engine calls
 ``ops(backend=None)``: ``"auto"``/``None`` gives the xla backend on CPU (and TPU) and
 the Pallas kernels on GPU; ``"pallas"``/``"xla"``/``"reference"`` force one. A kernel's

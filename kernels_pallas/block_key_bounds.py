@@ -18,6 +18,9 @@ order, so those are exactly its valid tokens); other blocks are left unchanged.
 The recompute (not an incremental min/max) makes a reused block forget its
 previous owner's keys.
 
+8-bit keys (`QuantizedPages`): the bounds are those of the dequantized keys (the kernel
+loads a block's values and scales and dequantizes them as the attention does).
+
 Bounds dtype: float32, bfloat16 (half the bytes: the engine keeps the bounds of every
 host block on the device), or the keys' own dtype. Narrowing rounds outward (min toward
 -inf, max toward +inf, `round_bounds`), so ``min <= k <= max`` still holds for every
@@ -72,12 +75,16 @@ def round_bounds(k_min: jax.Array, k_max: jax.Array, dtype) -> tuple[jax.Array, 
 def _block_key_bounds_kernel(
     slot_ids_ref,  # [1] int32, -1 unless this token is its block's last write
     k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
-    bounds_in_ref,  # aliased to bounds_ref
-    bounds_ref,  # [num_blocks, 2, width] (one KV head; columns >= head_dim masked)
-    *,
+    *refs,  # (k_scales_ref [num_blocks, block_size] when `dtype` is set: 8-bit keys),
+    # bounds_in_ref (aliased to bounds_ref), bounds_ref [num_blocks, 2, width] (one KV
+    # head; columns >= head_dim masked)
     head_dim: int,  # width = head_dim padded to a power of 2
+    dtype=None,  # the keys' dtype when the pages are 8-bit (dequantized as loaded)
 ):
-  del bounds_in_ref
+  k_scales_ref = None
+  if dtype is not None:
+    k_scales_ref, *refs = refs
+  _, bounds_ref = refs  # the first is bounds_ref's input, the same buffer
   num_blocks, block_size, width = k_pages_ref.shape
   slot = slot_ids_ref[0]
 
@@ -86,6 +93,8 @@ def _block_key_bounds_kernel(
     block_id = slot // block_size
     num_valid = slot % block_size + 1
     k = common.load_columns(k_pages_ref, (block_id,), head_dim)  # [block_size, width]
+    if k_scales_ref is not None:
+      k = common.dequantize_tile(k, k_scales_ref[block_id], dtype)
     valid = lax.broadcasted_iota(jnp.int32, (block_size, width), 0) < num_valid
     k_min = jnp.where(valid, k, jnp.array(jnp.inf, k.dtype)).min(axis=0)
     k_max = jnp.where(valid, k, jnp.array(-jnp.inf, k.dtype)).max(axis=0)
@@ -106,24 +115,32 @@ def _last_write_slots(slot_ids, num_blocks: int, block_size: int):
 
 def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret):
   num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+  dtype = k_pages.dtype
+  k_pages, k_scales = common.page_arrays(k_pages)
+  scales, scales_specs = (), []
+  if k_scales is not None:
+    scales = (k_scales,)
+    scales_specs = [pl.BlockSpec((num_blocks, block_size, None), lambda t, h: (0, 0, h))]
   last_slots = _last_write_slots(slot_ids, num_blocks, block_size)
   width = common.padded_head_dim(head_dim)
   bounds_spec = pl.BlockSpec((num_blocks, 2, None, width), lambda t, h: (0, 0, h, 0))
   return pl.pallas_call(
-      functools.partial(_block_key_bounds_kernel, head_dim=head_dim),
+      functools.partial(_block_key_bounds_kernel, head_dim=head_dim,
+                        dtype=dtype if scales else None),
       grid=(slot_ids.shape[0], num_kv_heads),
       in_specs=[
           pl.BlockSpec((1,), lambda t, h: (t,)),
           pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0)),
+          *scales_specs,
           bounds_spec,
       ],
       out_specs=bounds_spec,
       out_shape=jax.ShapeDtypeStruct(bounds.shape, bounds.dtype),
-      input_output_aliases={2: 0},
+      input_output_aliases={2 + len(scales): 0},
       interpret=interpret,
       compiler_params=backend.compiler_params(interpret, num_warps=1, num_stages=1),
       name="block_key_bounds",
-  )(last_slots, k_pages, bounds)
+  )(last_slots, k_pages, *scales, bounds)
 
 
 def _check(bounds, k_pages, slot_ids):

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels_pallas.quant import QuantizedPages
+
 # A large finite negative logit: exp(MASK_VALUE - m) is exactly 0 for any real m,
 # and, unlike -inf, MASK_VALUE - MASK_VALUE is 0 rather than NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -113,6 +115,57 @@ def load_blocks(pages_ref, block_ids: jax.Array, head_dim: int) -> jax.Array:
   return plgpu.load(pages_ref.at[idx], mask=columns_below(shape, head_dim), other=0)
 
 
+# 8-bit pages (kernels_pallas.quant.QuantizedPages: int8, or fp8_e4m3 bits as uint8, with a
+# float32 scale per token and KV head). The Pallas kernels take the two arrays as separate
+# inputs: the values through the same BlockSpecs as float pages, the scales as
+# [num_blocks, block_size, num_kv_heads] (a free reshape of [..., 1]) through a BlockSpec of
+# one KV head, and dequantize the blocks they load (`load_kv_blocks`), as the xla attention
+# and the references do after their gather: (values in float32 * scale) in the pages'
+# dtype, so every path reads the same numbers.
+
+
+def page_arrays(pages) -> tuple[jax.Array, jax.Array | None]:
+  """(values, scales [num_blocks, block_size, num_kv_heads] or None) of a page array or
+  of `QuantizedPages` (fp8_e4m3 values stay uint8 bits: a masked load of a padded head_dim
+  fills its padding with integer 0, which Triton cannot cast to fp8)."""
+  if not isinstance(pages, QuantizedPages):
+    return pages, None
+  return pages.values, pages.scales.reshape(pages.scales.shape[:3])
+
+
+def dequantize_tile(values: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
+  """A loaded tile of pages in `dtype`: `values` as is when `scales` is None, else
+  values [..., width] (int8, or fp8_e4m3 bits as uint8) * scales [...] computed in
+  float32 (fp8 bits are bitcast to float8_e4m3fn and converted: sm_89+ on a GPU)."""
+  if scales is None:
+    return values
+  if values.dtype == jnp.uint8:
+    values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+  return (values.astype(jnp.float32) * scales[..., None].astype(jnp.float32)).astype(dtype)
+
+
+def load_kv_blocks(pages_ref, scales_ref, block_ids: jax.Array, head_dim: int,
+                   dtype) -> jax.Array:
+  """`load_blocks` of float pages, or of 8-bit pages (`scales_ref` [num_blocks,
+  block_size] of one KV head) dequantized to `dtype`: [len(block_ids), block_size,
+  width]."""
+  values = load_blocks(pages_ref, block_ids, head_dim)
+  return dequantize_tile(values, None if scales_ref is None else scales_ref[block_ids], dtype)
+
+
+def check_quantized_pair(k_pages, v_pages) -> None:
+  """Both pages 8-bit (QuantizedPages) or neither, with scales of the values' shape."""
+  quantized = isinstance(k_pages, QuantizedPages), isinstance(v_pages, QuantizedPages)
+  if quantized[0] != quantized[1]:
+    raise ValueError("k_pages and v_pages must both be 8-bit (QuantizedPages) or both "
+                     f"float pages, got {type(k_pages).__name__} and "
+                     f"{type(v_pages).__name__}")
+  for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if quantized[0] and pages.scales.shape != (*pages.values.shape[:3], 1):
+      raise ValueError(f"{name} scales must be [num_blocks, block_size, num_kv_heads, 1] = "
+                       f"{(*pages.values.shape[:3], 1)}, got {pages.scales.shape}")
+
+
 def check_pages(k_pages: jax.Array, v_pages: jax.Array, *,
                 float_only: bool = True) -> tuple[int, int, int, int]:
   """Checks the paged KV pair; returns (num_blocks, block_size, num_kv_heads, head_dim).
@@ -120,6 +173,7 @@ def check_pages(k_pages: jax.Array, v_pages: jax.Array, *,
   `float_only=False` (pure data moves) also admits storage dtypes such as uint16, the
   bitcast form of bfloat16 that CPU pools use to avoid XLA:CPU's bf16 scatter.
   """
+  check_quantized_pair(k_pages, v_pages)
   if k_pages.ndim != 4:
     raise ValueError(
         "k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], got shape "

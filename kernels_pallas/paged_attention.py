@@ -37,17 +37,20 @@ def _paged_attention_kernel(
     q_ref,  # [block_h, width]; width = head_dim padded to a power of 2, zeros past head_dim
     k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
     v_pages_ref,  # [num_blocks, block_size, width] (one KV head)
-    block_tables_ref,  # [blocks_per_split]
-    lengths_ref,  # [1]
-    o_ref,  # [block_h, width] f32, unnormalised
-    m_ref,  # [block_h] f32, running max
-    l_ref,  # [block_h] f32, running sum
-    *,
+    *refs,  # (k_scales_ref, v_scales_ref: [num_blocks, block_size] when `quantized`),
+    # block_tables_ref [blocks_per_split], lengths_ref [1], then the outputs: o_ref
+    # [block_h, width] f32 unnormalised, m_ref [block_h] f32 running max, l_ref [block_h]
+    # f32 running sum
+    quantized: bool,
     sm_scale: float,
     soft_cap: float | None,
     blocks_per_step: int,
     head_dim: int,
 ):
+  k_scales_ref = v_scales_ref = None
+  if quantized:
+    k_scales_ref, v_scales_ref, *refs = refs
+  block_tables_ref, lengths_ref, o_ref, m_ref, l_ref = refs
   split_id = pl.program_id(2)
   block_h, width = q_ref.shape
   block_size = k_pages_ref.shape[1]
@@ -64,8 +67,9 @@ def _paged_attention_kernel(
     m_prev, l_prev, acc_prev = carry
     local_block = step * blocks_per_step
     block_ids = block_tables_ref[pl.ds(local_block, blocks_per_step)]
-    k = common.load_blocks(k_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
-    v = common.load_blocks(v_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
+    k = common.load_kv_blocks(k_pages_ref, k_scales_ref, block_ids, head_dim, q.dtype)
+    v = common.load_kv_blocks(v_pages_ref, v_scales_ref, block_ids, head_dim, q.dtype)
+    k, v = k.reshape(tokens_per_step, width), v.reshape(tokens_per_step, width)
     s = jnp.dot(q, k.T, precision=lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32) * sm_scale  # [block_h, tokens_per_step]
     if soft_cap is not None:
@@ -99,6 +103,8 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
   """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim]."""
   batch, num_q_heads, head_dim = q.shape
   num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+  (k_pages, k_scales), (v_pages, v_scales) = map(common.page_arrays, (k_pages, v_pages))
+  quantized = k_scales is not None
   group = num_q_heads // num_kv_heads
   max_blocks = block_tables.shape[1]
   head_splits = common.cdiv(group, block_h)
@@ -112,14 +118,19 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, head_splits * block_h - group), (0, width - head_dim)))
   q4 = q4.reshape(batch, heads, block_h, width)
 
-  kernel = functools.partial(_paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
-                             blocks_per_step=blocks_per_step, head_dim=head_dim)
+  kernel = functools.partial(_paged_attention_kernel, quantized=quantized, sm_scale=sm_scale,
+                             soft_cap=soft_cap, blocks_per_step=blocks_per_step,
+                             head_dim=head_dim)
   if head_splits == 1:
     pages_spec = pl.BlockSpec((num_blocks, block_size, None, width),
                               lambda b, h, s: (0, 0, h, 0))
+    scales_spec = pl.BlockSpec((num_blocks, block_size, None), lambda b, h, s: (0, 0, h))
   else:
     pages_spec = pl.BlockSpec((num_blocks, block_size, None, width),
                               lambda b, h, s: (0, 0, h // head_splits, 0))
+    scales_spec = pl.BlockSpec((num_blocks, block_size, None),
+                               lambda b, h, s: (0, 0, h // head_splits))
+  scales, scales_specs = ((k_scales, v_scales), [scales_spec] * 2) if quantized else ((), [])
   part_shape = (num_splits, batch, heads, block_h)
   o, m, l = pl.pallas_call(
       kernel,
@@ -128,6 +139,7 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
           pl.BlockSpec((None, None, block_h, width), lambda b, h, s: (b, h, 0, 0)),
           pages_spec,
           pages_spec,
+          *scales_specs,
           pl.BlockSpec((None, None, blocks_per_split), lambda b, h, s: (b, s, 0)),
           pl.BlockSpec((1,), lambda b, h, s: (b,)),
       ],
@@ -144,7 +156,7 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
       interpret=interpret,
       compiler_params=backend.compiler_params(interpret),
       name="paged_attention",
-  )(q4, k_pages, v_pages, tables, kv_lens)
+  )(q4, k_pages, v_pages, *scales, tables, kv_lens)
 
   # Log-sum-exp combine of the splits. Empty splits carry m = MASK_VALUE, l = 0.
   m_all = m.max(axis=0)  # [batch, heads, block_h]
@@ -193,7 +205,9 @@ def paged_attention(
 
   Args:
     q: [batch, num_q_heads, head_dim]; num_q_heads a multiple of num_kv_heads.
-    k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim].
+    k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], or both
+      `QuantizedPages` (8-bit values + a float32 scale per token and KV head; the kernel
+      dequantizes the blocks it loads to q's dtype).
     block_tables: int32 [batch, max_blocks_per_seq], blocks in attention order,
       padded with 0; all listed blocks but the last counted one are full.
     kv_lens: int32 [batch], tokens attended (0 gives a zero output).

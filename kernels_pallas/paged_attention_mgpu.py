@@ -17,13 +17,14 @@ the warpgroup runs the online softmax on the previous step's blocks.
 
 Limits, refused with a ``ValueError`` naming the size (what WGMMA and the 128-byte
 swizzled SMEM tiles need): dtype bfloat16 or float16 (no float32: WGMMA would round it
-to tf32); query heads per KV head at most 64 (the WGMMA row tile; rows past the group
-are padding); ``block_size`` a multiple of 8 (one TMA copy per block lands on whole
-8-row SMEM tiles) that divides ``tokens_per_step``; ``head_dim`` a multiple of 32;
-``tokens_per_step`` a multiple of 64 up to 256; the step's buffers within the 227 KiB of
-SMEM (2 * (64 + 4 * tokens_per_step) * head_dim + 128 * tokens_per_step bytes, checked
-by Mosaic GPU's lowering: head_dim 256 fits 64 keys per step, not 128). So the HiSparse
-default block size 4 and float32 pools are refused here: use the Triton kernel for those.
+to tf32; no 8-bit pages, which the Triton kernel reads); query heads per KV head at most
+64 (the WGMMA row tile; rows past the group are padding); ``block_size`` a multiple of 8
+(one TMA copy per block lands on whole 8-row SMEM tiles) that divides
+``tokens_per_step``; ``head_dim`` a multiple of 32; ``tokens_per_step`` a multiple of 64
+up to 256; the step's buffers within the 227 KiB of SMEM (2 * (64 + 4 * tokens_per_step)
+* head_dim + 128 * tokens_per_step bytes, checked by Mosaic GPU's lowering: head_dim 256
+fits 64 keys per step, not 128). So the HiSparse default block size 4 and float32 pools
+are refused here: use the Triton kernel for those.
 
 Masked keys (past ``kv_len`` in the last step) get weight 0, but their V rows still
 enter the WGMMA as 0 * v: the pools must hold finite values there (the engine's do: its pools
@@ -43,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import common
 from kernels_pallas.paged_attention import _check
+from kernels_pallas.quant import QuantizedPages
 
 # WGMMA's row tile: one warpgroup multiplies 64 rows at a time.
 WGMMA_ROWS = 64
@@ -160,6 +162,11 @@ def _check_mgpu_sizes(q, k_pages, tokens_per_step: int) -> int:
   """Refuses what WGMMA/TMA cannot take, naming the size; returns blocks_per_step."""
   _, block_size, num_kv_heads, head_dim = k_pages.shape
   group = q.shape[1] // num_kv_heads
+  if isinstance(k_pages, QuantizedPages):
+    raise ValueError(
+        "the Mosaic GPU paged attention takes no 8-bit KV pages (kv_cache_dtype int8 or "
+        "fp8_e4m3: WGMMA would need them dequantized into shared memory first); use the "
+        "Triton kernel (backend 'pallas'), which dequantizes the blocks it loads")
   if k_pages.dtype not in SUPPORTED_DTYPES:
     raise ValueError(
         f"the Mosaic GPU paged attention takes bfloat16 or float16 KV, got {k_pages.dtype} "

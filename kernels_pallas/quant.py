@@ -22,7 +22,11 @@ Reads: `QuantizedPages` pairs the two arrays and behaves, for the attention code
 only gathers whole blocks (`pages[block_ids]`), like a float page array: the gather reads
 int8 blocks and their scales and multiplies them, so only the blocks read are
 dequantized (the xla attention, the jnp references and block_key_bounds' reference take
-it as their pages). The Pallas kernels take no scales yet.
+it as their pages). The Pallas kernels (Triton) take it too: they load the 8-bit blocks
+and their scales through the block table (one byte per value from HBM) and dequantize
+each loaded tile in registers, the same (values in float32 * scale) in the model dtype
+(kernels_pallas.common.load_kv_blocks); fp8 converts with sm_89+ instructions. The Mosaic
+GPU decode kernel refuses 8-bit pages.
 """
 
 from __future__ import annotations

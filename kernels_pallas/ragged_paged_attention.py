@@ -47,9 +47,9 @@ def _ragged_kernel(
     q_ref,  # [block_q * block_h, width], row = token * block_h + head; width: see below
     k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
     v_pages_ref,  # [num_blocks, block_size, width] (one KV head)
-    block_tables_ref,  # [max_blocks_padded]
-    o_ref,  # [block_q * block_h, width]
-    *,
+    *refs,  # (k_scales_ref, v_scales_ref: [num_blocks, block_size] when `quantized`),
+    # block_tables_ref [max_blocks_padded], o_ref [block_q * block_h, width]
+    quantized: bool,
     block_h: int,
     sm_scale: float,
     soft_cap: float | None,
@@ -57,6 +57,10 @@ def _ragged_kernel(
     blocks_per_step: int,
     head_dim: int,  # width = head_dim padded to a power of 2; q is 0 past head_dim
 ):
+  k_scales_ref = v_scales_ref = None
+  if quantized:
+    k_scales_ref, v_scales_ref, *refs = refs
+  block_tables_ref, o_ref = refs
   rows, width = q_ref.shape
   block_q = rows // block_h
   block_size = k_pages_ref.shape[1]
@@ -79,8 +83,9 @@ def _ragged_kernel(
     m_prev, l_prev, acc_prev = carry
     local_block = start_block + step * blocks_per_step
     block_ids = block_tables_ref[pl.ds(local_block, blocks_per_step)]
-    k = common.load_blocks(k_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
-    v = common.load_blocks(v_pages_ref, block_ids, head_dim).reshape(tokens_per_step, width)
+    k = common.load_kv_blocks(k_pages_ref, k_scales_ref, block_ids, head_dim, q.dtype)
+    v = common.load_kv_blocks(v_pages_ref, v_scales_ref, block_ids, head_dim, q.dtype)
+    k, v = k.reshape(tokens_per_step, width), v.reshape(tokens_per_step, width)
     s = jnp.dot(q, k.T, precision=lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32) * sm_scale  # [rows, tokens_per_step]
     if soft_cap is not None:
@@ -136,6 +141,8 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_sc
   """Builds tiles, grid and BlockSpecs; returns [total_q_tokens, num_q_heads, head_dim]."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+  (k_pages, k_scales), (v_pages, v_scales) = map(common.page_arrays, (k_pages, v_pages))
+  quantized = k_scales is not None
   batch = kv_lens.shape[0]
   group = num_q_heads // num_kv_heads
   num_tiles = common.cdiv(num_tokens, block_q) + batch
@@ -150,10 +157,13 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_sc
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, block_h - group), (0, width - head_dim)))
   q_tiles = qg[src].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, width)
 
-  kernel = functools.partial(_ragged_kernel, block_h=block_h, sm_scale=sm_scale,
-                             soft_cap=soft_cap, sliding_window=sliding_window,
-                             blocks_per_step=blocks_per_step, head_dim=head_dim)
+  kernel = functools.partial(_ragged_kernel, quantized=quantized, block_h=block_h,
+                             sm_scale=sm_scale, soft_cap=soft_cap,
+                             sliding_window=sliding_window, blocks_per_step=blocks_per_step,
+                             head_dim=head_dim)
   pages_spec = pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0))
+  scales_spec = pl.BlockSpec((num_blocks, block_size, None), lambda t, h: (0, 0, h))
+  scales, scales_specs = ((k_scales, v_scales), [scales_spec] * 2) if quantized else ((), [])
   tile_spec = pl.BlockSpec((None, None, rows, width), lambda t, h: (t, h, 0, 0))
   o = pl.pallas_call(
       kernel,
@@ -163,6 +173,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_sc
           tile_spec,
           pages_spec,
           pages_spec,
+          *scales_specs,
           pl.BlockSpec((None, tables.shape[1]), lambda t, h: (t, 0)),
       ],
       out_specs=tile_spec,
@@ -170,7 +181,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_sc
       interpret=interpret,
       compiler_params=backend.compiler_params(interpret),
       name="ragged_paged_attention",
-  )(meta, q_tiles, k_pages, v_pages, tables)
+  )(meta, q_tiles, k_pages, v_pages, *scales, tables)
 
   o = o.reshape(num_tiles, num_kv_heads, block_q, block_h, width).transpose(0, 2, 1, 3, 4)
   o = o.reshape(num_tiles * block_q, num_kv_heads, block_h, width)[token_row, :, :group, :head_dim]
@@ -219,7 +230,8 @@ def ragged_paged_attention(
   Args:
     q: [total_q_tokens, num_q_heads, head_dim], sequences concatenated in order.
     k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], already
-      holding the new tokens (write_kv first).
+      holding the new tokens (write_kv first); or both `QuantizedPages` (8-bit values and
+      their scales, dequantized as the kernel loads each block).
     block_tables: int32 [batch, max_blocks_per_seq], padded with 0.
     kv_lens: int32 [batch], KV tokens of each sequence, new ones included
       (kv_lens[b] >= q_len[b]).

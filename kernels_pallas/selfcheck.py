@@ -3,7 +3,9 @@
 ``python -m kernels_pallas.selfcheck`` compiles each kernel for the current platform
 (Triton on GPU; interpret mode on CPU, where the pytest suite is the real check) and
 compares it with the jitted reference over a pairwise grid of GQA ratio, block size,
-head_dim and dtype. It prints one line per case and exits 1 on any mismatch. This is
+head_dim and dtype, and over 8-bit pages (int8 and fp8_e4m3 alternating over the grid;
+fp8 skipped on GPUs below compute capability 8.9) against the references over the same
+pages dequantized. It prints one line per case and exits 1 on any mismatch. This is
 the GPU verification the CPU-only test suite cannot do (tests/conftest.py pins CPU).
 """
 
@@ -18,6 +20,7 @@ import numpy as np
 from kernels_pallas import backend
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from kernels_pallas.quant import QuantizedPages, quantize
 from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -88,22 +91,66 @@ def check_write_and_bounds(rng, block_size, head_dim, dtype_name) -> list[tuple[
           ("block_key_bounds", _err(got_b, want_b))]
 
 
+def _fp8_convertible() -> bool:
+  """Whether this device's kernels can convert float8_e4m3fn (CPU; NVIDIA sm_89+)."""
+  device = jax.devices()[0]
+  cc = str(getattr(device, "compute_capability", "") or "")
+  if device.platform != "gpu" or not cc.replace(".", "").isdigit():
+    return True
+  major, minor = (int(x) for x in cc.split("."))
+  return (major, minor) >= (8, 9)
+
+
+def check_8bit(rng, ratio, block_size, head_dim, dtype_name, kind) -> list[tuple[str, float]]:
+  """The attention kernels and the bounds over 8-bit pages (`kind`: int8 / fp8_e4m3)
+  against the references over the same pages dequantized first."""
+  dtype = jnp.dtype(dtype_name)
+  num_kv_heads = 2 if ratio < 8 else 1
+  k_f, v_f = _pool(rng, block_size, num_kv_heads, head_dim, jnp.float32)
+  k_q, v_q = (QuantizedPages(*quantize(x, kind), dtype=dtype) for x in (k_f, v_f))
+  k_d, v_d = k_q.dequantize(), v_q.dequantize()
+  bs, long = block_size, MAX_BLOCKS * block_size
+  kv_lens = jnp.asarray([0, 1, bs + 1, 5 * bs + 3, long], jnp.int32)
+  tables = _tables(rng, kv_lens.shape[0])
+  q = jnp.asarray(rng.standard_normal((5, ratio * num_kv_heads, head_dim)), dtype)
+  out = [(f"paged {kind}", _err(paged_attention(q, k_q, v_q, tables, kv_lens),
+                                paged_attention_reference(q, k_d, v_d, tables, kv_lens)))]
+  seqs = [(1, 1), (3, bs + 1), (bs + 5, 5 * bs + 3), (40, long)]
+  q_lens, lens = zip(*seqs)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+  rq = jnp.asarray(rng.standard_normal((int(cu[-1]), ratio * num_kv_heads, head_dim)), dtype)
+  rargs = (_tables(rng, len(seqs)), jnp.asarray(lens, jnp.int32), cu)
+  out.append((f"ragged {kind}", _err(ragged_paged_attention(rq, k_q, v_q, *rargs),
+                                     ragged_paged_attention_reference(rq, k_d, v_d, *rargs))))
+  slots = jnp.asarray(rng.choice(NUM_BLOCKS * block_size, 40, replace=False).astype(np.int32))
+  bounds = jnp.zeros((NUM_BLOCKS, 2, num_kv_heads, head_dim), jnp.float32)
+  out.append((f"block_key_bounds {kind}",
+              _err(block_key_bounds(bounds.copy(), k_q, slots),
+                   block_key_bounds_reference(bounds.copy(), k_d, slots))))
+  return out
+
+
 def main() -> int:
   rng = np.random.default_rng(0)
   mode = "interpret" if backend.resolve_interpret(None) else "compiled"
   print(f"platform={backend.platform()} device={jax.devices()[0].device_kind} pallas={mode} "
         f"jax={jax.__version__}")
   failures = 0
-  for ratio, block_size, head_dim, dtype in GRID:
+  fp8 = _fp8_convertible()
+  for i, (ratio, block_size, head_dim, dtype) in enumerate(GRID):
     rows = check_attention(rng, ratio, block_size, head_dim, dtype)
     rows += check_write_and_bounds(rng, block_size, head_dim, dtype)
+    kind = "int8" if i % 2 or not fp8 else "fp8_e4m3"  # both kinds over the grid
+    rows += check_8bit(rng, ratio, block_size, head_dim, dtype, kind)
     for name, err in rows:
       # write_kv and block_key_bounds move bytes: they must match exactly.
-      tol = 0.0 if name in ("write_kv", "block_key_bounds") else TOL[dtype]
+      tol = 0.0 if name.startswith(("write_kv", "block_key_bounds")) else TOL[dtype]
       ok = err <= tol
       failures += not ok
       print(f"{'PASS' if ok else 'FAIL'} ratio={ratio} bs={block_size} d={head_dim} {dtype:<8} "
             f"{name:<45} max_abs_err={err:.2e} (tol {tol:g})")
+  if not fp8:
+    print("SKIP fp8_e4m3: this GPU converts no float8_e4m3fn (compute capability < 8.9)")
   print(f"{failures} failure(s)")
   return 1 if failures else 0
 

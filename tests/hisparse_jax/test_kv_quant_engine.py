@@ -21,7 +21,7 @@ from engine_fixtures import (
 
 from hisparse_jax import HiSparseConfig, capacity, cli, generate_cmd  # noqa: F401 (flags)
 from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.kv_pool import KVCacheSpec, KVPool
+from hisparse_jax.kv_pool import KVCacheSpec, KVPool, check_kv_cache_dtype_devices
 from hisparse_jax.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
@@ -172,9 +172,52 @@ def test_bad_kv_cache_dtype_is_refused_naming_the_field():
                      match="^kv_cache_dtype must be auto, int8 or fp8_e4m3, got 'int4'"):
     EngineConfig(kv_cache_dtype="int4")
   for name in ("int8", "fp8_e4m3"):
-    with pytest.raises(ValueError, match=f"^kv_cache_dtype={name} .*Pallas kernels .* no "
-                                         "scales"):
-      EngineConfig(kv_cache_dtype=name, kernel_backend="pallas")
+    EngineConfig(kv_cache_dtype=name, kernel_backend="pallas")  # the Triton kernels read it
+    with pytest.raises(ValueError, match=f"^kv_cache_dtype={name} is not read by the Mosaic "
+                                         "GPU decode kernel .*kernel_backend='pallas'"):
+      EngineConfig(kv_cache_dtype=name, kernel_backend="pallas_mgpu")
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--kv_cache_dtype=int8"])
     assert generate_cmd.engine_kwargs_from_flags()["kv_cache_dtype"] == "int8"
+
+
+class _Device:
+  """What check_kv_cache_dtype_devices reads of a jax device."""
+
+  def __init__(self, platform, compute_capability=None, device_kind="NVIDIA A100-SXM4-80GB"):
+    self.platform, self.device_kind = platform, device_kind
+    if compute_capability is not None:
+      self.compute_capability = compute_capability
+
+
+def test_fp8_is_refused_on_a_gpu_that_cannot_convert_it_naming_the_field():
+  # Triton converts float8_e4m3fn with sm_89 instructions: an A100 (8.0) cannot read an
+  # fp8 cache, an L4 (8.9) or H100/H200 (9.0) can; int8 and CPUs need nothing.
+  with pytest.raises(ValueError, match=r"^kv_cache_dtype=fp8_e4m3 needs a GPU of compute "
+                                       r"capability 8.9 or newer .*A100.* has 8.0: use "
+                                       "kv_cache_dtype=int8"):
+    check_kv_cache_dtype_devices("fp8_e4m3", [_Device("gpu", "9.0"), _Device("gpu", "8.0")])
+  for devices in ([_Device("gpu", "8.9")], [_Device("gpu", "9.0")], [_Device("cpu")],
+                  [_Device("gpu", "gfx90a")]):
+    check_kv_cache_dtype_devices("fp8_e4m3", devices)
+  check_kv_cache_dtype_devices("int8", [_Device("gpu", "7.0")])
+  check_kv_cache_dtype_devices("auto", [_Device("gpu", "7.0")])
+
+
+def test_int8_hisparse_engine_on_the_pallas_kernels_equals_xla():
+  # The Pallas kernels (interpret mode here; Triton on a GPU) read the 8-bit values and
+  # their scales: write_kv of both, bounds over the dequantized keys, ragged prefill, sparse
+  # decode over blocks loaded from the host pool. Same tokens as the xla backend.
+  full = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
+                        sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
+  tokens = {}
+  for backend in ("pallas", "xla"):
+    engine = _engine(20, hisparse=full, kernel_backend=backend)
+    assert engine.runner.ops.backend == backend
+    add_all(engine, SIX_PROMPTS, GREEDY)
+    tokens[backend] = _tokens(run(engine))
+    m = engine.metrics()
+    assert m["hisparse_hot_buffer_loads_total"] > 0
+    assert m['hisparse_blocks_selected_total{source="host"}'] > 0
+    assert_all_blocks_free(engine)
+  assert tokens["pallas"] == tokens["xla"]

@@ -123,3 +123,22 @@ def test_the_swap_programs_lower_for_cuda(model):
     assert kinds["pinned_host"] >= 2 * NUM_LAYERS and kinds["device"] >= 2 * NUM_LAYERS
     assert _attrs(text, "_xla_compute_type")["host"] > 0  # indexing on the host side
     assert _attrs(text, "_xla_buffer_placement")[dst] > 0, (src, dst)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_the_8bit_hisparse_step_lowers_for_cuda_with_values_and_scales(model, kv_cache_dtype):
+  # An 8-bit cache on the GPU target: every layer's pool is 4 arrays (K, V and their
+  # scales), all 4 in pinned_host, the Triton kernels read the 8-bit values with their
+  # scales (write_kv runs twice a layer: values, then scales as pages of head_dim 1).
+  engine = _engine(model, hisparse=SMALL, kv_cache_dtype=kv_cache_dtype)
+  batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
+  sparse = next(b for b in batches if b.metadata.sparse_rows.any())
+  text = engine.runner.lower(sparse, platform="cuda").as_text()
+  assert _kernels(text) == ["block_key_bounds", "paged_attention", "ragged_paged_attention",
+                            "write_kv", "write_kv"]  # the values' and the scales' shapes
+  assert _attrs(text, "mhlo.memory_kind")["pinned_host"] == 4 * NUM_LAYERS
+  assert _attrs(text, "_xla_compute_type")["host"] > 0
+  # The pallas calls take the 8-bit values (i8 / ui8 tensors) and float32 scales.
+  storage = "i8" if kv_cache_dtype == "int8" else "ui8"
+  assert re.search(rf"tensor<\d+x{BLOCK_SIZE}x\d+x32x{storage}>", text)
+  assert re.search(rf"tensor<\d+x{BLOCK_SIZE}x\d+x1xf32>", text)

@@ -1,6 +1,6 @@
-"""int8 KV pages: the quantization round trip, and every attention path that reads
-`QuantizedPages` (the xla backend and the references) against the same attention over
-pages dequantized first."""
+"""8-bit KV pages: the quantization round trip, and every attention path that reads
+`QuantizedPages` (the Pallas kernels in interpret mode, the xla backend and the
+references) against the same attention over pages dequantized first."""
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +9,15 @@ import numpy as np
 import pytest
 
 from kernels_pallas import (
+    block_key_bounds,
     block_key_bounds_reference,
+    paged_attention,
     paged_attention_reference,
     paged_attention_xla,
+    ragged_paged_attention,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
+    write_kv,
     write_kv_reference,
 )
 from kernels_pallas.quant import (
@@ -27,6 +31,9 @@ from kernels_pallas.quant import (
 )
 
 NUM_BLOCKS = 24
+# (kind, block_size, group) where the Pallas kernels (interpret mode: slow) run too: a
+# pairwise cover of the grid below (every pair of values meets once).
+PALLAS_CASES = {("int8", 4, 1), ("int8", 16, 4), ("fp8_e4m3", 4, 4), ("fp8_e4m3", 16, 1)}
 
 
 def test_quantize_round_trip_is_within_half_a_step():
@@ -85,19 +92,21 @@ def test_attention_over_8bit_pages_equals_attention_over_dequantized_pages(rng, 
   tables = lib.make_tables(rng, kv_lens, block_size, -(-64 // block_size) + 1, NUM_BLOCKS)
   tables, lens = jnp.asarray(tables), jnp.asarray(kv_lens)
   q = jnp.asarray(rng.standard_normal((4, num_kv_heads * group, head_dim)), jnp.float32)
-  for fn in (paged_attention_xla, paged_attention_reference):
+  pallas = (kind, block_size, group) in PALLAS_CASES
+  want = np.asarray(paged_attention_reference(q, k_f, v_f, tables, lens))
+  for fn in (paged_attention,) * pallas + (paged_attention_xla, paged_attention_reference):
     got = np.asarray(fn(q, k_q, v_q, tables, lens))
-    want = np.asarray(paged_attention_reference(q, k_f, v_f, tables, lens))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
   # Ragged: a prefill chunk of 5, a decode row, a chunk of 9, a decode row.
   q_lens = np.array([5, 1, 9, 1], np.int32)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
   qr = jnp.asarray(rng.standard_normal((int(q_lens.sum()), num_kv_heads * group, head_dim)),
                    jnp.float32)
   want = np.asarray(ragged_paged_attention_reference(qr, k_f, v_f, tables, lens, cu))
-  for fn in (ragged_paged_attention_xla, ragged_paged_attention_reference):
+  for fn in (ragged_paged_attention,) * pallas + (ragged_paged_attention_xla,
+                                                  ragged_paged_attention_reference):
     got = np.asarray(fn(qr, k_q, v_q, tables, lens, cu))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
 
 
 def test_int8_pages_read_as_the_model_dtype():
@@ -140,3 +149,81 @@ def test_write_kv_moves_values_and_scales_and_bounds_read_dequantized_keys(rng):
   np.testing.assert_array_equal(b[2, 1], want[:4].max(axis=0))
   np.testing.assert_array_equal(b[5, 0], want[4])
   assert jax.tree_util.tree_leaves(pages)[0] is k_vals  # a pytree of its two arrays
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_pallas_kernels_dequantize_8bit_pages_of_padded_head_dim_in_the_model_dtype(kind):
+  # head_dim 40 is tiled at 64 (masked columns), the model dtype is bfloat16: the kernels
+  # dequantize as the references' gather does ((values * scale) in bfloat16), GQA 4; pages
+  # past every listed range hold NaN scales, which no kernel may read into its output.
+  rng = np.random.default_rng(4)
+  num_kv_heads, head_dim, block_size = 2, 40, 16
+  k_q, v_q = _quantized_pool(rng, block_size, num_kv_heads, head_dim, jnp.bfloat16, kind)
+  k_q = QuantizedPages(k_q.values, k_q.scales.at[20:].set(jnp.nan), jnp.bfloat16)
+  v_q = QuantizedPages(v_q.values, v_q.scales.at[20:].set(jnp.nan), jnp.bfloat16)
+  k_f, v_f = k_q.dequantize(), v_q.dequantize()
+  tables = jnp.asarray([[3, 7, 1, 20], [5, 2, 21, 0]], jnp.int32)  # 20, 21 past the lens
+  lens = jnp.asarray([41, 27], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((2, num_kv_heads * 4, head_dim)), jnp.bfloat16)
+  got = paged_attention(q, k_q, v_q, tables, lens)
+  want = paged_attention_reference(q, k_f, v_f, tables, lens)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  cu = jnp.asarray([0, 3, 4], jnp.int32)  # a chunk of 3, a decode row
+  qr = jnp.asarray(rng.standard_normal((4, num_kv_heads * 4, head_dim)), jnp.bfloat16)
+  got = ragged_paged_attention(qr, k_q, v_q, tables, lens, cu)
+  want = ragged_paged_attention_reference(qr, k_f, v_f, tables, lens, cu)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_pallas_write_kv_and_block_key_bounds_take_8bit_pages(rng, kind):
+  # The engine's write of an 8-bit cache through the Pallas kernels: values and scales
+  # (pages of head_dim 1) by write_kv, then the bounds over the dequantized keys, equal
+  # to the references' (bounds in bfloat16: rounded outward alike).
+  shape = (NUM_BLOCKS, 4, 2, 40)
+  values_dtype = jnp.int8 if kind == "int8" else jnp.uint8
+  pages = [jnp.zeros(shape, values_dtype) for _ in range(2)]
+  scales = [jnp.zeros(shape[:3] + (1,), jnp.float32) for _ in range(2)]
+  new = jnp.asarray(rng.standard_normal((6, 2, 40)), jnp.float32)
+  slots = jnp.asarray([8, 9, 10, 11, 20, -1], jnp.int32)  # block 2 full, block 5 1 token
+  (kq, ks), (vq, vs) = quantize(new, kind), quantize(-new, kind)
+  out = {}
+  for name, wkv, bkb in (("pallas", write_kv, block_key_bounds),
+                         ("reference", write_kv_reference, block_key_bounds_reference)):
+    k_vals, v_vals = wkv(*(jnp.copy(p) for p in pages), kq, vq, slots)
+    k_sc, v_sc = wkv(*(jnp.copy(s) for s in scales), ks, vs, slots)
+    bounds = bkb(jnp.zeros((NUM_BLOCKS, 2, 2, 40), jnp.bfloat16), QuantizedPages(k_vals, k_sc),
+                 slots)
+    out[name] = [np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
+                 for x in (k_vals, v_vals, k_sc, v_sc, bounds)]
+  for got, want in zip(out["pallas"], out["reference"], strict=True):
+    np.testing.assert_array_equal(got, want)
+  keys = np.asarray(dequantize(kq, ks))
+  b = out["pallas"][4]
+  assert (b[2, 0] <= keys[:4].min(axis=0)).all() and (b[2, 1] >= keys[:4].max(axis=0)).all()
+  assert (b[5, 0] <= keys[4]).all() and (b[5, 1] >= keys[4]).all() and b[4].max() == 0
+
+
+def test_kernels_refuse_a_mixed_pair_and_bad_scales():
+  k_q, v_q = _quantized_pool(np.random.default_rng(5), 4, 2, 32)
+  q = jnp.zeros((1, 2, 32), jnp.float32)
+  tables, lens = jnp.asarray([[1]], jnp.int32), jnp.asarray([3], jnp.int32)
+  with pytest.raises(ValueError, match="both be 8-bit"):
+    paged_attention(q, k_q, v_q.dequantize(), tables, lens)
+  bad = QuantizedPages(k_q.values, k_q.scales[..., :1, :])
+  with pytest.raises(ValueError, match=r"k_pages scales must be .*\(24, 4, 2, 1\)"):
+    ragged_paged_attention(q, bad, v_q, tables, lens, jnp.asarray([0, 1], jnp.int32))
+
+
+def test_the_mosaic_gpu_decode_kernel_refuses_8bit_pages_naming_the_triton_kernel():
+  from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu  # noqa: PLC0415
+
+  k_q, v_q = _quantized_pool(np.random.default_rng(6), 8, 2, 64, jnp.bfloat16)
+  q = jnp.zeros((1, 4, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"no 8-bit KV pages .*backend 'pallas'"):
+    paged_attention_mgpu(q, k_q, v_q, jnp.asarray([[1]], jnp.int32),
+                         jnp.asarray([3], jnp.int32))

@@ -24,6 +24,7 @@ from kernels_testlib import PAIRWISE_GRID
 import kernels_pallas
 from kernels_pallas.block_key_bounds import block_key_bounds
 from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.quant import QuantizedPages
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from kernels_pallas.write_kv import write_kv
 
@@ -148,3 +149,36 @@ def test_bfloat16_bounds_of_float32_keys_lower_for_cuda():
   lowered = lower_for_cuda(functools.partial(block_key_bounds, interpret=False), bounds, pages,
                            slots)
   assert triton_kernels(lowered) == ["block_key_bounds"]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("group", "block_size", "head_dim", "dtype"),
+                         [(4, 16, 80, "bfloat16"), (1, 4, 32, "float32"),
+                          (8, 64, 128, "bfloat16")])
+def test_8bit_pages_lower_for_cuda_read_as_bytes_and_converted_in_registers(
+    kind, group, block_size, head_dim, dtype):
+  # The kernels take 8-bit pages (QuantizedPages: int8 or fp8_e4m3 bits as uint8, float32
+  # scales): the Triton IR loads the pages as i8 (one byte per value from HBM) and converts
+  # each loaded tile in registers (int8: sitofp; fp8: a bitcast to f8E4M3FN, then
+  # fp_to_fp, which Triton emits for sm_89+), once per page load.
+  values_dtype = jnp.int8 if kind == "int8" else jnp.uint8
+  shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim)
+  pages = QuantizedPages(S(shape, values_dtype), S(shape[:3] + (1,), jnp.float32), dtype)
+  cases = _cases(group, block_size, head_dim, dtype)
+  page_loads = {"paged_attention": 2, "ragged_paged_attention": 2, "block_key_bounds": 1}
+  for name, loads in page_loads.items():
+    kernel, *args = cases[name]
+    args = [pages if isinstance(a, S) and a.shape == shape else a for a in args]
+    lowered = lower_for_cuda(functools.partial(kernel, interpret=False), *args)
+    assert triton_kernels(lowered) == [name]
+    asm = triton_module_asm(lowered)
+    signature = re.search(r"tt\.func public @\w+\((.*)\)", asm)[1]
+    assert signature.count("!tt.ptr<i8>") == loads, signature  # the values, as bytes
+    if kind == "int8":
+      assert len(re.findall(r"arith\.sitofp %\w+ : tensor<[\dx]+xi8>", asm)) == loads
+      assert "f8E4M3FN" not in asm
+    else:
+      assert len(re.findall(r"tt\.bitcast %\w+ : tensor<[\dx]+xi8> -> tensor<[\dx]+xf8E4M3FN>",
+                            asm)) == loads
+      assert len(re.findall(r"tt\.fp_to_fp %\w+ : tensor<[\dx]+xf8E4M3FN> -> "
+                            r"tensor<[\dx]+xf32>", asm)) == loads
