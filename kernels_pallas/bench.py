@@ -5,7 +5,8 @@ writes JSON naming the machine. On CPU the Pallas column is **interpret mode** (
 correctness tool, expected to be far slower) and the XLA column is the jitted pure-jnp
 reference, which is what the engine uses on CPU. On a GPU the Pallas column is the
 compiled Triton kernel, and each row also reports achieved bandwidth (bytes the kernel
-must move / median time) as a fraction of the device's HBM peak.
+must move / median time) as a fraction of the device's HBM peak. The two attention kernels
+also run over an int8 cache (rows "... int8"), bytes counted at 8 bits + scales.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from kernels_pallas import backend
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from kernels_pallas.quant import QuantizedPages, quantize
 from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -44,6 +46,7 @@ HBM_PEAK_BYTES_PER_S = {
     "NVIDIA A100": 1.555e12,
     "NVIDIA L4": 0.3e12,
 }
+SCALE_BYTES = 4  # the float32 scale per token and KV head of an 8-bit cache
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,20 @@ def _cases(size: Size, rng: np.random.Generator):
          int(2 * kv_lens.sum() * token_bytes + 2 * rq.size * item),
          lambda: ragged_paged_attention(*rargs), lambda: ragged_paged_attention_reference(*rargs))
 
+  # The same two calls over an int8 cache (QuantizedPages: int8 values + a float32 scale per
+  # token and KV head): bytes = the 8-bit values and scales of the attended tokens.
+  k8, v8 = (QuantizedPages(*quantize(p, "int8"), dtype=dtype) for p in (k_pages, v_pages))
+  token_bytes_8 = size.num_kv_heads * (size.head_dim + SCALE_BYTES)
+  args8 = (q, k8, v8, *args[3:])
+  yield ("paged_attention int8", "as paged_attention, int8 KV",
+         int(2 * decode_kv_lens.sum() * token_bytes_8 + 2 * q.size * item),
+         lambda: paged_attention(*args8), lambda: paged_attention_reference(*args8))
+  rargs8 = (rq, k8, v8, *rargs[3:])
+  yield ("ragged_paged_attention int8", "as ragged_paged_attention, int8 KV",
+         int(2 * kv_lens.sum() * token_bytes_8 + 2 * rq.size * item),
+         lambda: ragged_paged_attention(*rargs8),
+         lambda: ragged_paged_attention_reference(*rargs8))
+
   # write_kv / block_key_bounds donate their inputs: each call consumes the previous
   # call's output (in place), so no copy of the pool is timed.
   num_new = size.batch * 8
@@ -211,10 +228,10 @@ def run(size_name: str | None = None, reps: int = 5, seed: int = 0) -> dict:
 
 
 def format_table(result: dict) -> str:
-  lines = [f"{'kernel':<24}{'impl':<18}{'median ms':>11}{'min ms':>10}{'GB/s':>9}{'HBM %':>8}"]
+  lines = [f"{'kernel':<29}{'impl':<18}{'median ms':>11}{'min ms':>10}{'GB/s':>9}{'HBM %':>8}"]
   for r in result["rows"]:
     frac = "-" if r["hbm_fraction"] is None else f"{100 * r['hbm_fraction']:.1f}"
-    lines.append(f"{r['kernel']:<24}{r['impl']:<18}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}"
+    lines.append(f"{r['kernel']:<29}{r['impl']:<18}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}"
                  f"{r['gb_per_s']:>9.2f}{frac:>8}")
   m = result["machine"]
   lines.append(f"machine: {m['platform']} / {m['device_kind']} / {m['cpu_model']} "

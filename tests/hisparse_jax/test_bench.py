@@ -205,8 +205,18 @@ def test_serve_load_fields(smoke):
 def test_kernel_fields(smoke):
   k = smoke[0]["suites"]["kernel"]
   assert set(k["summary"]) == {"paged_attention", "ragged_paged_attention", "write_kv",
-                               "block_key_bounds"}
+                               "block_key_bounds", "paged_attention int8",
+                               "ragged_paged_attention int8"}
   assert all(_positive(v["pallas_over_reference"]) for v in k["summary"].values())
+  assert _positive(k["summary"]["paged_attention int8"]["pallas_over_float_cache"])
+  rows = {(r["kernel"], r["impl"]): r for r in k["rows"]}
+  # KV bytes of int8 values + a float32 scale per token and head: (d + 4) / (4 d) of the
+  # float32 cache's; q and the output (float32) count alike in both.
+  c = k["config"]
+  qo = 2 * c["batch"] * c["num_q_heads"] * c["head_dim"] * 4
+  f32, i8 = (rows[(n, "xla-reference")]["bytes_moved"] - qo
+             for n in ("paged_attention", "paged_attention int8"))
+  assert i8 / f32 == pytest.approx((c["head_dim"] + 4) / (4 * c["head_dim"]))
 
 
 def test_plot_is_a_png(smoke):
