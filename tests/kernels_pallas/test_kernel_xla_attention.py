@@ -1,7 +1,11 @@
 """The xla backend's attention (what the engine runs on CPU) against the references.
 
-Its decode rows run the C++ kernel (cpu_kernels) where it is built and the jnp loop
-elsewhere: the `decode_path` fixture runs each test on both.
+Its decode rows and prefill rows run the C++ kernels (cpu_kernels) on float32 pages where
+they are built, and the jnp loops elsewhere: the `decode_path` fixture runs the tests on
+both ("jnp": as if no kernel were built). bfloat16 pages take the jnp loops on either
+path, so the grids' bfloat16 rows run once ("any": as the backend runs here), their
+float32 rows on both paths (the jnp path on a subset, JNP_GRID), and the backends other
+than xla once (the path is the xla backend's).
 
 Also: masked KV never contributes, whatever an unused slot holds (NaN or inf), in every
 attention path: the Pallas kernels (interpret mode), the references and the xla backend.
@@ -28,16 +32,41 @@ from kernels_pallas.xla_attention import decode_rows_bucket, prefill_plan, ragge
 NUM_BLOCKS = 96
 
 
+# float32 rows of the pairwise grid that still hold every GQA ratio, block size and
+# head_dim with float32 (the bfloat16 rows run the jnp path as "any", see above).
+JNP_GRID = tuple(r for r in lib.PAIRWISE_GRID
+                 if r in ((1, 8, 64, "float32"), (4, 32, 128, "float32"),
+                          (8, 16, 128, "float32")))
+GRID_PATHS = ([("any" if r[3] == "bfloat16" else "cpp", *r) for r in lib.PAIRWISE_GRID]
+              + [("jnp", *r) for r in JNP_GRID])
+
+
 @pytest.fixture(params=["cpp", "jnp"])
 def decode_path(request, monkeypatch):
-  """The xla backend's decode rows through the C++ kernel, or the jnp loop."""
+  """The xla backend's decode rows through the C++ kernel, or the jnp loop ("any":
+  whichever the backend takes here; for operands the C++ kernels do not take, and for
+  the backends other than xla).
+
+  The choice is made when a call is traced: a "jnp" test starts and ends with no
+  compiled program (so another one never meets a jnp trace, and keeps the reference
+  programs of the tests before it)."""
   if request.param == "cpp" and not cpu_kernels.available():
     pytest.skip("the C++ CPU kernels are not built here (no C++ compiler)")
   if request.param == "jnp":
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-  jax.clear_caches()  # the choice is made when a call is traced
+    jax.clear_caches()
   yield request.param
-  jax.clear_caches()
+  if request.param == "jnp":
+    jax.clear_caches()
+
+
+def test_grid_paths_cover_both_paths_on_every_value():
+  assert len(JNP_GRID) == 3
+  for i, values in enumerate(lib.GRID_VALUES[:3]):
+    assert {r[i] for r in JNP_GRID} == set(values)  # float32 through the jnp loop
+  # Every grid row runs once outside "jnp"; with bfloat16 that is the jnp loop too.
+  assert sorted(r[1:] for r in GRID_PATHS if r[0] != "jnp") == sorted(lib.PAIRWISE_GRID)
+  assert {r[0] for r in GRID_PATHS if r[4] == "bfloat16"} == {"any"}
 
 
 def _batch(rng, ratio, block_size, head_dim, dtype, seqs, pad_rows=3, num_blocks=NUM_BLOCKS):
@@ -61,7 +90,8 @@ def _mixed(block_size):
           (1, bs), (bs + 5, 5 * bs + 3)]
 
 
-@pytest.mark.parametrize("ratio,block_size,head_dim,dtype", lib.PAIRWISE_GRID)
+@pytest.mark.parametrize("decode_path,ratio,block_size,head_dim,dtype", GRID_PATHS,
+                         indirect=["decode_path"])
 def test_ragged_xla_matches_reference_on_grid(rng, decode_path, ratio, block_size, head_dim, dtype):
   _, args = _batch(rng, ratio, block_size, head_dim, dtype, _mixed(block_size))
   q_lens = np.diff(np.asarray(args[5]))
@@ -99,7 +129,8 @@ def test_ragged_xla_equals_naive_attention_per_sequence(rng):
     assert lib.max_abs_err(out[rows], want) <= 1e-5
 
 
-@pytest.mark.parametrize("ratio,block_size,head_dim,dtype", lib.PAIRWISE_GRID)
+@pytest.mark.parametrize("decode_path,ratio,block_size,head_dim,dtype", GRID_PATHS,
+                         indirect=["decode_path"])
 def test_paged_xla_matches_reference_on_grid(rng, decode_path, ratio, block_size, head_dim, dtype):
   lengths = lib.grid_lengths(block_size) + [17 * block_size + 1]
   num_kv_heads = 2 if ratio < 8 else 1
@@ -145,9 +176,11 @@ RAGGED = {"pallas": ragged_paged_attention, "reference": ragged_paged_attention_
           "xla": ragged_paged_attention_xla}
 PAGED = {"pallas": paged_attention, "reference": paged_attention_reference,
          "xla": paged_attention_xla}
+# The decode path is the xla backend's: the others run once.
+BACKEND_PATHS = [("pallas", "any"), ("reference", "any"), ("xla", "cpp"), ("xla", "jnp")]
 
 
-@pytest.mark.parametrize("backend", ["pallas", "reference", "xla"])
+@pytest.mark.parametrize("backend,decode_path", BACKEND_PATHS, indirect=["decode_path"])
 def test_masked_kv_never_contributes_ragged(rng, backend, decode_path):
   bs = 8
   seqs = [(1, 13), (5, 5), (3, 2 * bs + 1), (1, bs)]
@@ -160,7 +193,7 @@ def test_masked_kv_never_contributes_ragged(rng, backend, decode_path):
   np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
 
 
-@pytest.mark.parametrize("backend", ["pallas", "reference", "xla"])
+@pytest.mark.parametrize("backend,decode_path", BACKEND_PATHS, indirect=["decode_path"])
 def test_masked_kv_never_contributes_paged(rng, backend, decode_path):
   bs = 8
   lengths = [13, 1, 2 * bs + 1, 0]
