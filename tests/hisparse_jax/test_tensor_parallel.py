@@ -5,12 +5,14 @@ checkpoint (8 query / 2 KV heads); the capacity lines per device add up to the t
 and equal the bytes of the live shards.
 
 The suite's process has one device (tests/conftest.py), so each case runs in a process
-of its own (tp_worker.py, ~30-60 s each: compiles dominate).
+of its own (tp_worker.py, ~30-60 s each: compiles dominate), two at a time (XLA compiles a
+program on one core: two processes keep both cores busy).
 
 Margins: float32 row-parallel o_proj / down_proj sums reorder reductions; greedy tokens
 still agree exactly on these prompts (asserted as is, not with a tolerance).
 """
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -26,8 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CASES = ("default_dense", "default_hisparse", "gqa_dense", "gqa_hisparse")
 
 
-@functools.cache
-def _results(case: str, checkpoint_dir: str) -> dict:
+def _run_worker(case: str, checkpoint_dir: str) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("XLA_FLAGS", None)  # the worker sets 4 devices
   proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_worker.py"), case,
@@ -42,9 +43,38 @@ def checkpoint_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("gqa_checkpoint"))
 
 
+@pytest.fixture(scope="module")
+def loopback_dir(tmp_path_factory):
+  """The loopback tests' prompts file (and their single-process runs' metrics)."""
+  sys.path.insert(0, ROOT)
+  from models import data  # noqa: PLC0415
+
+  path = tmp_path_factory.mktemp("loopback")
+  (path / "prompts.jsonl").write_text(
+      "".join(json.dumps({"prompt_token_ids": list(p.token_ids)}) + "\n"
+              for p in data.make_retrieval_prompts(6, 250, seed=3)))
+  return path
+
+
+@pytest.fixture(scope="module")
+def all_results(checkpoint_dir, loopback_dir):
+  """Every case's worker and the loopback tests' single-process runs, two processes at a
+  time, the longest first (the gqa cases share the checkpoint: the first to start writes
+  it, under a lock)."""
+  jobs = {case: functools.partial(_run_worker, case, checkpoint_dir)
+          for case in ("gqa_hisparse", "default_hisparse")}
+  jobs.update({("single", mode): functools.partial(_single_process, mode, loopback_dir)
+               for mode in sorted(MODES, reverse=True)})
+  jobs.update({case: functools.partial(_run_worker, case, checkpoint_dir)
+               for case in ("gqa_dense", "default_dense")})
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    futures = {key: pool.submit(job) for key, job in jobs.items()}
+    return {key: future.result() for key, future in futures.items()}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_tokens_identical_to_one_device(case, checkpoint_dir):
-  results = _results(case, checkpoint_dir)
+def test_tokens_identical_to_one_device(case, all_results):
+  results = all_results[case]
   reference = results[1]["tokens"]
   assert len(reference) == 6 and all(len(t) == 16 for t in reference)
   for tp in (2, 4):
@@ -60,8 +90,8 @@ def test_tokens_identical_to_one_device(case, checkpoint_dir):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_capacity_lines_per_device_equal_live_shards(case, checkpoint_dir):
-  results = _results(case, checkpoint_dir)
+def test_capacity_lines_per_device_equal_live_shards(case, all_results):
+  results = all_results[case]
   one = results[1]["capacity"]
   assert one["per_device"] == [] and one["devices"] == ["cpu:0"]
   assert not any("device=" in line for line in one["lines"])
@@ -166,21 +196,24 @@ def _answers(stdout: str) -> list[str]:
   return [line for line in stdout.splitlines() if re.match(r"^\[\d+\] ", line)]
 
 
+def _single_process(mode: str, loopback_dir) -> subprocess.CompletedProcess:
+  """The loopback test's reference: `generate` in one process of 1 device."""
+  flags, one, _ = MODES[mode]
+  return _cli(*GENERATE, f"--prompts_file={loopback_dir / 'prompts.jsonl'}", *flags, *one,
+              f"--metrics_json={loopback_dir / f'single_{mode}.json'}", devices=1)
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_two_processes_on_loopback_give_the_single_process_tokens(mode, tmp_path):
+def test_two_processes_on_loopback_give_the_single_process_tokens(mode, all_results,
+                                                                  loopback_dir, tmp_path):
   """Multi-host on one machine: 2 processes x 2 CPU devices, one mesh of 4 (KV heads
   repeated), collectives through jax's CPU backend (gloo); every process runs the same
   scheduler, process 0 prints. Both are started and stopped here, within a bound.
-  HiSparse: offloads and host loads, the same counts as one process."""
-  sys.path.insert(0, ROOT)
-  from models import data  # noqa: PLC0415
-
-  prompts = tmp_path / "prompts.jsonl"
-  prompts.write_text("".join(json.dumps({"prompt_token_ids": list(p.token_ids)}) + "\n"
-                             for p in data.make_retrieval_prompts(6, 250, seed=3)))
-  flags, one, two = MODES[mode]
-  common = (*GENERATE, f"--prompts_file={prompts}", *flags)
-  single = _cli(*common, *one, f"--metrics_json={tmp_path / 'single.json'}", devices=1)
+  HiSparse: offloads and host loads, the same counts as one process. (The single
+  process ran beside the workers, in all_results.)"""
+  flags, _, two = MODES[mode]
+  common = (*GENERATE, f"--prompts_file={loopback_dir / 'prompts.jsonl'}", *flags)
+  single = all_results[("single", mode)]
   assert single.returncode == 0, single.stderr[-2000:]
   expected = _answers(single.stdout)
   assert len(expected) == 6
@@ -206,8 +239,9 @@ def test_two_processes_on_loopback_give_the_single_process_tokens(mode, tmp_path
   # Process 1 computes the same steps and writes no result (gloo's own C++ lines
   # about connected ranks go to the fd of both).
   assert _answers(outs[1][0]) == []
-  metrics = [json.loads((tmp_path / name).read_text())
-             for name in ("single.json", "p0.json", "p1.json")]
+  metrics = [json.loads(path.read_text())
+             for path in (loopback_dir / f"single_{mode}.json", tmp_path / "p0.json",
+                          tmp_path / "p1.json")]
   for key in ("hisparse_hot_buffer_loads_total", "hisparse_offloads_total",
               "hisparse_generation_tokens_total"):
     assert metrics[0].get(key) == metrics[1].get(key) == metrics[2].get(key), key

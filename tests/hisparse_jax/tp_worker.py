@@ -8,6 +8,7 @@ CASE: default_dense | default_hisparse | gqa_dense | gqa_hisparse. tests/conftes
 the suite's own process on one device, so test_tensor_parallel.py runs this.
 """
 
+import fcntl
 import json
 import os
 import sys
@@ -111,6 +112,10 @@ if __name__ == "__main__":
   case, checkpoint = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
   if not case.startswith("gqa"):
     checkpoint = None  # the default model
-  elif not os.path.isfile(os.path.join(checkpoint, "config.json")):
-    save_random_checkpoint(checkpoint, seed=GQA_SEED, config=gqa_config())
+  else:
+    # test_tensor_parallel.py runs two cases at once: one writes the checkpoint.
+    with open(os.path.join(checkpoint, ".lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        save_random_checkpoint(checkpoint, seed=GQA_SEED, config=gqa_config())
   print(json.dumps(run(case, checkpoint)))
