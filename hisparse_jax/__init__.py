@@ -21,22 +21,22 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "hisparse_jax.llm",
-    "Engine": "hisparse_jax.engine",
-    "EngineConfig": "hisparse_jax.engine",
-    "HiSparseConfig": "hisparse_jax.hisparse_config",
-    "SamplingParams": "hisparse_jax.sampling",
-    "RequestOutputKind": "hisparse_jax.sampling",
-    "RequestOutput": "hisparse_jax.request",
-    "CompletionOutput": "hisparse_jax.request",
-    "Logprob": "hisparse_jax.request",
-    "RequestMetrics": "hisparse_jax.request",
-    "CapacityReport": "hisparse_jax.capacity",
-    "plan_capacity": "hisparse_jax.capacity",
-    "KVCacheSpec": "hisparse_jax.kv_pool",
-    "KVPool": "hisparse_jax.kv_pool",
-    "TransferEngine": "hisparse_jax.transfer",
-    "MetricsRegistry": "hisparse_jax.metrics",
+    "LLM": "hisparse_jax.entrypoints.llm",
+    "Engine": "hisparse_jax.engine.engine",
+    "EngineConfig": "hisparse_jax.engine.engine",
+    "HiSparseConfig": "hisparse_jax.sparse.config",
+    "SamplingParams": "hisparse_jax.engine.sampling",
+    "RequestOutputKind": "hisparse_jax.engine.sampling",
+    "RequestOutput": "hisparse_jax.engine.request",
+    "CompletionOutput": "hisparse_jax.engine.request",
+    "Logprob": "hisparse_jax.engine.request",
+    "RequestMetrics": "hisparse_jax.engine.request",
+    "CapacityReport": "hisparse_jax.kv_cache.capacity",
+    "plan_capacity": "hisparse_jax.kv_cache.capacity",
+    "KVCacheSpec": "hisparse_jax.kv_cache.kv_pool",
+    "KVPool": "hisparse_jax.kv_cache.kv_pool",
+    "TransferEngine": "hisparse_jax.kv_cache.transfer",
+    "MetricsRegistry": "hisparse_jax.observability.metrics",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -1,4 +1,4 @@
-from hisparse_jax.cli import run
+from hisparse_jax.entrypoints.cli.main import run
 
 if __name__ == "__main__":
   run()

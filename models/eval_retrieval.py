@@ -109,7 +109,7 @@ _JSON_OUT: flags.FlagHolder
 
 def define_flags() -> None:
   """Defines this script's absl flags (only when run as a script: importing the module
-  must not clash with the flags of other entry points, e.g. hisparse_jax.cli)."""
+  must not clash with the flags of other entry points, e.g. hisparse_jax.entrypoints.cli.main)."""
   global _MODEL, _LENGTHS, _NUM_QUERIES, _SEED, _DTYPE, _JSON_OUT
   _MODEL = flags.DEFINE_string("model", "hisparse-tiny", "Preset name or checkpoint directory.")
   _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Context lengths (tokens).")

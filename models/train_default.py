@@ -43,7 +43,7 @@ _INIT_SEED: flags.FlagHolder
 
 def define_flags() -> None:
   """Defines this script's absl flags (only when run as a script: importing the module
-  must not clash with the flags of other entry points, e.g. hisparse_jax.cli)."""
+  must not clash with the flags of other entry points, e.g. hisparse_jax.entrypoints.cli.main)."""
   global _OUT, _SEED, _INIT_SEED, _TIME_BUDGET_S, _SMOKE, _LOG_EVERY, _INIT_FROM, _START_PHASE
   _OUT = flags.DEFINE_string("out", "models/hisparse_tiny", "Output checkpoint directory.")
   _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic corpus.")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from hisparse_jax import demo_cmd
+from hisparse_jax.entrypoints.cli import demo as demo_cmd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,7 +22,8 @@ import sys
 import pytest
 from absl import flags
 
-from hisparse_jax import bench_cmd, cli
+from hisparse_jax.entrypoints.cli import bench as bench_cmd
+from hisparse_jax.entrypoints.cli import main as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
@@ -33,9 +34,10 @@ SMALLER = {
     "demo": ("--demo_num_prompts=2", "--demo_context_len=100"),
 }
 PARSE_ONLY = {
-    "serve": "serves until SIGTERM; tests/test_serve.py runs it",
+    "serve": "serves until SIGTERM; tests/hisparse_jax/entrypoints/test_serve.py runs it",
     "bench": "the suites take minutes and engine_vs_vllm needs `make peers` (vLLM's CPU "
-             "build); tests/hisparse_jax/test_bench.py runs every suite at --bench_size=smoke",
+             "build); tests/hisparse_jax/bench/test_bench.py runs every suite at "
+             "--bench_size=smoke",
 }
 
 

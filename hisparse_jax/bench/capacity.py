@@ -27,10 +27,10 @@ import time
 import numpy as np
 
 from hisparse_jax.bench import common
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVCacheSpec
-from hisparse_jax.sampling import RequestOutputKind, SamplingParams
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
+from hisparse_jax.sparse.config import HiSparseConfig
 
 GIB = 2**30
 

@@ -38,11 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hisparse_jax import indexer
 from hisparse_jax.bench import common, tiered
-from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import DEVICE, KVCacheSpec, KVPool, from_storage
-from hisparse_jax.runner import ModelRunner, bounds_bytes_per_block
+from hisparse_jax.engine.runner import ModelRunner, bounds_bytes_per_block
+from hisparse_jax.kv_cache.kv_pool import DEVICE, KVCacheSpec, KVPool, from_storage
+from hisparse_jax.sparse import indexer
+from hisparse_jax.sparse.config import HiSparseConfig
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 

@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax.bench import common
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.sampling import SamplingParams
 from models import data
 from models.attention import dense_causal_attention
 

@@ -16,9 +16,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from hisparse_jax import indexer, resolver  # noqa: E402
-from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: E402
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool  # noqa: E402
+from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool  # noqa: E402
+from hisparse_jax.sparse import (
+  indexer,
+  resolver,  # noqa: E402
+)
+from hisparse_jax.sparse.config import HiSparseConfig  # noqa: E402
 
 BATCH, CONTEXT, BS, TOP_K = 8, 65536, 16, 1024
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 64

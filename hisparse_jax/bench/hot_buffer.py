@@ -33,15 +33,15 @@ import time
 import jax
 import numpy as np
 
-from hisparse_jax import resolver
 from hisparse_jax.bench import common
 from hisparse_jax.bench import tiered as tiered_setup
 from hisparse_jax.bench.decode import Size as ModelSize
 from hisparse_jax.bench.decode import model_config
-from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import KVCacheSpec
-from hisparse_jax.runner import COUNT_FIELDS, bounds_bytes_per_block
-from hisparse_jax.transfer import hop_free
+from hisparse_jax.engine.runner import COUNT_FIELDS, bounds_bytes_per_block
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
+from hisparse_jax.kv_cache.transfer import hop_free
+from hisparse_jax.sparse import resolver
+from hisparse_jax.sparse.config import HiSparseConfig
 from models.llama import LlamaForCausalLM
 
 

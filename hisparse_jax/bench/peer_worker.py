@@ -58,8 +58,8 @@ def _drive(add, step, has_unfinished, prompts, max_tokens):
 
 
 def _hisparse(args):
-  from hisparse_jax.engine import Engine, EngineConfig
-  from hisparse_jax.sampling import RequestOutputKind, SamplingParams
+  from hisparse_jax.engine.engine import Engine, EngineConfig
+  from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
 
   engine = Engine(EngineConfig(model=args.model, dtype="float32",
                                max_model_len=args.max_model_len, enable_prefix_caching=False))

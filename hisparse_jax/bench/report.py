@@ -1,7 +1,7 @@
 """The README "Results" tables, made from one `hisparse-jax bench` JSON file.
 
 ``python -m hisparse_jax.bench.report results/bench_cpu.json`` prints the Markdown the
-README carries; tests/hisparse_jax/test_bench.py checks that the README holds exactly
+README carries; tests/hisparse_jax/bench/test_bench.py checks that the README holds exactly
 this text for the committed JSON, so the README cannot drift from the recorded run.
 """
 

@@ -45,8 +45,8 @@ import jax
 import numpy as np
 
 from hisparse_jax.bench import common
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ the expected word (as `hisparse_jax.bench.sparse_accuracy`).
 What one sparse decode step does (every layer, every row):
 
   key bounds of each cache block over its valid keys (min/max per KV head, post-RoPE,
-  what kernels_pallas.block_key_bounds keeps) -> hisparse_jax.indexer.select (sink and
+  what kernels_pallas.block_key_bounds keeps) -> hisparse_jax.sparse.indexer.select (sink and
   local blocks forced, the rest by score, `top_k_blocks` in all) -> attention over the
   keys of the selected blocks only; "per_kv_head": the query heads of a KV group see
   only that KV head's blocks.
@@ -54,9 +54,9 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from hisparse_jax import indexer
 from hisparse_jax.bench import common
-from hisparse_jax.hisparse_config import SELECTIONS, HiSparseBlocks, HiSparseConfig
+from hisparse_jax.sparse import indexer
+from hisparse_jax.sparse.config import SELECTIONS, HiSparseBlocks, HiSparseConfig
 from kernels_pallas.block_key_bounds import round_bounds
 from models.attention import dense_causal_attention
 from models.llama import LlamaForCausalLM

@@ -94,8 +94,8 @@ def engine_budgets(hisparse, max_model_len: int, num_prompts: int,
                    kv_cache_dtype: str = "auto") -> dict:
   """device_kv_gib and host_pool_gib: the device holds `--device_prompts` prompts of KV
   plus what HiSparse reserves (indexer and hot-buffer bytes); the host holds them all."""
-  from hisparse_jax.capacity import hisparse_capacity  # noqa: PLC0415
-  from hisparse_jax.kv_pool import KVCacheSpec  # noqa: PLC0415
+  from hisparse_jax.kv_cache.capacity import hisparse_capacity  # noqa: PLC0415
+  from hisparse_jax.kv_cache.kv_pool import KVCacheSpec  # noqa: PLC0415
   from models.loader import load_config  # noqa: PLC0415
 
   spec = KVCacheSpec.from_model_config(load_config(None), "float32", FLAGS.block_size,
@@ -117,8 +117,8 @@ MAX_NUM_SEQS = 8
 
 
 def measure(prompts, hisparse, kv_cache_dtype: str = "auto") -> dict:
-  from hisparse_jax.llm import LLM  # noqa: PLC0415
-  from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
+  from hisparse_jax.engine.sampling import SamplingParams  # noqa: PLC0415
+  from hisparse_jax.entrypoints.llm import LLM  # noqa: PLC0415
 
   max_model_len = FLAGS.context_len + 128
   llm = LLM(block_size=FLAGS.block_size, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
@@ -160,7 +160,7 @@ def measure(prompts, hisparse, kv_cache_dtype: str = "auto") -> dict:
 def decode_answers(engine, prompts) -> list[int]:
   """The answer token of each prompt, sampled from a decode step that computes the
   prompt's last token (module docstring)."""
-  from hisparse_jax.sampling import SamplingParams  # noqa: PLC0415
+  from hisparse_jax.engine.sampling import SamplingParams  # noqa: PLC0415
 
   params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
   ids = [engine.add_request(prompt_token_ids=p.token_ids[:-1], sampling_params=params)
@@ -182,7 +182,7 @@ def decode_answers(engine, prompts) -> list[int]:
 
 def main(argv):
   del argv
-  from hisparse_jax.hisparse_config import HiSparseConfig  # noqa: PLC0415
+  from hisparse_jax.sparse.config import HiSparseConfig  # noqa: PLC0415
   from models import data  # noqa: PLC0415
 
   prompts = data.make_retrieval_prompts(FLAGS.num_prompts, FLAGS.context_len,

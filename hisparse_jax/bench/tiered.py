@@ -12,12 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.hisparse_config import HiSparseConfig
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool, from_storage, to_storage
-from hisparse_jax.request import Request
-from hisparse_jax.runner import ModelRunner, SparseTiers
-from hisparse_jax.sampling import SamplingParams
-from hisparse_jax.scheduler import ScheduledChunk
+from hisparse_jax.engine.request import Request
+from hisparse_jax.engine.runner import ModelRunner, SparseTiers
+from hisparse_jax.engine.sampling import SamplingParams
+from hisparse_jax.engine.scheduler import ScheduledChunk
+from hisparse_jax.kv_cache.kv_pool import (
+  DEVICE,
+  PINNED_HOST,
+  KVCacheSpec,
+  KVPool,
+  from_storage,
+  to_storage,
+)
+from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas.block_key_bounds import round_bounds
 from models.llama import LlamaForCausalLM
 

@@ -25,8 +25,8 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.bench import common
-from hisparse_jax.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
-from hisparse_jax.transfer import TransferEngine, copy_block_loop
+from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
+from hisparse_jax.kv_cache.transfer import TransferEngine, copy_block_loop
 
 # Host <-> device peak of one direction (bytes/s) by device_kind prefix: PCIe 5.0 x16
 # for Hopper, 4.0 x16 for A100 / L4 (vendor datasheets).

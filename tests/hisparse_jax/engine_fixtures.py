@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.kv_pool import KVCacheSpec
-from hisparse_jax.request import RequestOutput
-from hisparse_jax.sampling import SamplingParams
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.request import RequestOutput
+from hisparse_jax.engine.sampling import SamplingParams
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 

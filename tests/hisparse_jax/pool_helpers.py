@@ -9,7 +9,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
-from hisparse_jax.kv_pool import DEVICE, KVPool
+from hisparse_jax.kv_cache.kv_pool import DEVICE, KVPool
 
 
 def read_blocks(pool: KVPool, layer: int, block_ids) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,304 @@
+"""The jitted step: one forward pass over a ragged batch, KV written into the device pool.
+
+    chunks (host)  --build_batch-->  StepBatch (numpy, padded to buckets)
+        |                                  |
+        |        execute: ONE jitted call  v
+        |   embed -> per layer: qkv -> write_kv(slots) -> attend(block tables) -> mlp
+        |   -> logits of each sequence's last token -> sample
+        v
+    sampled token ids (the step's only device -> host sync)
+
+The runner is assembled from one module per concern:
+
+    runner.py            ModelRunner: the device state between steps (pages, key bounds,
+                         hot-buffer state), dispatch / collect of a step, block copies
+    step_batch.py        batch building: StepBatch, StepMetadata, SamplerExtras,
+                         SparseTiers; BatchBuilderMixin.build_batch (host, per step)
+    step_program.py      the jitted step (forward + sampling) and the copy / refresh
+                         programs
+    sparse_attention.py  attention inside the step: dense rows, and the HiSparse sparse
+                         rows (select -> resolve -> load -> attend)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kernels_pallas
+from hisparse_jax.distributed import parallel
+from hisparse_jax.engine.step_batch import (  # noqa: F401 (re-exported)
+  BatchBuilderMixin,
+  SamplerExtras,
+  SparseTiers,
+  StepBatch,
+  StepMetadata,
+  needs_extras,
+)
+from hisparse_jax.engine.step_program import copy_program, refresh_program, step_program
+from hisparse_jax.engine.step_shapes import StepCompiler
+from hisparse_jax.kv_cache.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
+from hisparse_jax.kv_cache.kv_pool import KVPool, device_full_fn, storage_dtype
+from hisparse_jax.kv_cache.transfer import bucket_size
+from hisparse_jax.sparse import resolver
+from hisparse_jax.sparse.attention import COUNT_FIELDS  # noqa: F401 (re-exported)
+from hisparse_jax.sparse.config import HiSparseConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHandle:
+  """A dispatched step: its results stay on the device until `ModelRunner.collect`."""
+
+  tokens: jax.Array  # int32 [max_num_seqs]: sampled token of each row (rows past num_seqs: 0)
+  counts: jax.Array  # int32 [layers, rows, 5] (HiSparse), else [0]
+  loaded: jax.Array  # int32 [layers]: blocks the in-step host loads moved (HiSparse)
+  num_seqs: int
+  sparse: bool  # whether `counts` and `loaded` are read back
+  # (sampled logprob [rows], its rank, top ids [rows, N], top logprobs), or () if none.
+  logprobs: tuple = ()
+  prompt_logprobs: tuple = ()  # the same four per prompt-logprob row, or () if none
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What a step hands back to the host (`ModelRunner.collect`)."""
+
+  tokens: np.ndarray  # int32 [num_seqs] sampled tokens
+  counts: np.ndarray | None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS), HiSparse only
+  loaded: np.ndarray | None  # int32 [layers]: blocks the step's host loads moved, HiSparse
+  # (sampled logprob [num_seqs], rank, top ids [num_seqs, N], top logprobs) or None.
+  logprobs: tuple[np.ndarray, ...] | None = None
+  prompt_logprobs: tuple[np.ndarray, ...] | None = None  # per StepBatch.prompt_spans row
+
+  @property
+  def loaded_block_layers(self) -> int:
+    """Blocks x layers the step's host loads moved (0 without HiSparse)."""
+    return 0 if self.loaded is None else int(self.loaded.sum())
+
+
+class ModelRunner(BatchBuilderMixin):
+  """Owns the jitted step and the device pool's arrays between steps.
+
+  Invariants: the device pool's arrays (and the key bounds, with HiSparse) are only
+  replaced by arrays the jitted step, `copy_blocks` or `refresh_bounds` returned
+  (donated, updated in place); after every step, the bounds of each block a running
+  sequence holds equal `block_key_bounds_reference` over its valid tokens.
+  """
+
+  def __init__(self, model: nnx.Module, device_pool: KVPool, *, max_model_len: int,
+               max_num_seqs: int, max_num_batched_tokens: int,
+               kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
+               host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = (),
+               compile_in_background: bool = False,
+               kv_head_repeat: int = 1):
+    """kv_head_repeat: tensor parallel with fewer KV heads than devices, the copies of
+    each KV head the (repeated) model holds (models.sharding.kv_head_repeat)."""
+    self.config = model.config
+    self.vocab_size = model.config.vocab_size
+    self.eos_token_ids = tuple(eos_token_ids)  # stop tokens min_tokens holds back
+    self.kv_head_repeat = kv_head_repeat
+    self.pool = device_pool
+    self.block_size = device_pool.spec.block_size
+    self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+    self.max_num_seqs = max_num_seqs
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.kernel_backend = kernel_backend
+    self.ops = kernels_pallas.ops(kernel_backend)
+    self.hisparse = hisparse
+    self.hisparse_blocks = hisparse.blocks(self.block_size) if hisparse is not None else None
+    # Per-layer key bounds of every device block: [num_blocks, 2, num_kv_heads, head_dim].
+    # Per-layer key bounds of every device block (rows [0, num_blocks)) and, with
+    # HiSparse, of every host block (rows num_blocks + host id): [rows, 2, heads, dim].
+    self.bounds: tuple[jax.Array, ...] = ()
+    # HiSparse: key bounds by host block id (for blocks whose device copy was dropped),
+    # and the hot-buffer state, one row per offloaded sequence (rows = max_num_seqs).
+    self.host_pool = host_pool
+    self.hot_state: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    self.num_hot_rows = max_num_seqs
+    self.step_clock = 0
+    self.last_counts: np.ndarray | None = None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS)
+    if hisparse is not None:
+      if host_pool is None:
+        raise ValueError("hisparse needs the host pool (host_pool=...)")
+      spec = device_pool.spec
+      # Blocks written to the host pool keep their key bounds on the device, so a
+      # dropped block can still be scored.
+      bounds_shape = (device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
+                      spec.head_dim)
+      # bfloat16 bounds are stored as uint16 on CPU, as the pools' bf16 (kv_pool).
+      bounds_storage = storage_dtype(hisparse.bounds_dtype, device_pool.device.platform)
+      self.bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
+                          for _ in range(spec.num_layers))
+      rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
+      self.hot_state = (
+          device_full_fn((*rows, slots), jnp.int32, -1, device_pool.replicated)(),
+          device_full_fn((*rows, slots), jnp.int32, resolver.NEVER, device_pool.replicated)(),
+          device_full_fn((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
+                         device_pool.replicated)())
+    self._graphdef, self.params = nnx.split(model)
+    self._step = self._step_for(self.ops, one_memory=None)
+    self._copy = copy_program()
+    self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size,
+                                    hisparse.bounds_dtype if hisparse else "float32")
+    # (tokens, sequences, block-table width, greedy only) of every step run so far.
+    self.shapes_compiled: set[tuple[int, int, int, bool]] = set()
+    # compile_in_background: new step shapes run padded to a compiled covering shape
+    # while their own program compiles in a thread (step_shapes.py); None: jit's cache.
+    self.compiler = (StepCompiler(self._step, {"num_token_rows": max_num_seqs},
+                                  self.ops.hints_cover, self.num_hot_rows)
+                     if compile_in_background else None)
+    # The previous-step tokens of a step that reads none (its token_src is all -1).
+    self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
+                                     device_pool.replicated)
+
+  def _step_for(self, ops: kernels_pallas.KernelOps, one_memory: bool | None):
+    """The jitted step program over `ops` (`one_memory`: how HiSparse loads cross, see
+    resolver.load_blocks; None: as this process's devices do)."""
+    hisparse = self.hisparse
+    return step_program(
+        self._graphdef, ops, self.pool.spec.dtype, self.pool.storage_dtype,
+        self.hisparse_blocks, hisparse.selection if hisparse is not None else None,
+        hisparse.thrash_window_steps if hisparse is not None else 0,
+        self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
+        one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
+        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
+
+  @property
+  def reserved_bytes(self) -> int:
+    """Device bytes the runner holds besides the pool (key bounds by device and by host
+    block, hot-buffer state), over all devices (tensor parallel: the state is replicated,
+    every copy counts)."""
+    return sum(parallel.live_bytes(self.reserved_arrays()).values())
+
+  def reserved_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays of `reserved_bytes` (their shards: the capacity lines per device)."""
+    return (*self.bounds, *(self.hot_state or ()))
+
+  @property
+  def indexer_bytes(self) -> int:
+    """Device bytes of the indexer's key bounds (by device block and by host block)."""
+    return sum(int(b.nbytes) for b in self.bounds)
+
+  # --- Device side ---------------------------------------------------------------
+
+  def dispatch(self, batch: StepBatch, prev_tokens: jax.Array | None = None) -> StepHandle:
+    """Starts the step on the device and returns at once (JAX dispatches asynchronously).
+
+    `prev_tokens`: the previous step's `StepHandle.tokens`, where the batch's `token_src`
+    rows read their input token (None: no such row). A batch of greedy requests only
+    runs a program without the random draws (argmax): the threefry draws cost as much
+    compile time as the whole tiny forward.
+    """
+    greedy_only = not np.any(batch.temperature > 0)
+    if prev_tokens is None:
+      if np.any(batch.token_src >= 0):
+        raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
+      prev_tokens = self._no_tokens
+    if self.compiler is None:
+      step = functools.partial(self._step, greedy_only=greedy_only,
+                               num_token_rows=self.max_num_seqs)
+    else:
+      step, batch = self.compiler.program(
+          batch, greedy_only, lambda b: self._step_args(b, prev_tokens))
+    self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
+                              batch.metadata.block_tables.shape[1], greedy_only))
+    (tokens, arrays, self.bounds, self.hot_state, (counts, loaded),
+     (logprobs, prompt)) = step(*self._step_args(batch, prev_tokens))
+    self.pool.set_arrays(arrays)
+    if self.hisparse is not None:
+      self.step_clock += 1
+    return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
+                      logprobs, prompt)
+
+  def _step_args(self, batch: StepBatch, prev_tokens: jax.Array) -> tuple:
+    host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
+    return (self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
+            batch.input_ids, batch.token_src, prev_tokens, batch.positions, batch.metadata,
+            batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
+            batch.counters, batch.extras)
+
+  def lower(self, batch: StepBatch, *, platform: str = "cuda",
+            kernel_backend: str | None = None) -> jax.stages.Lowered:
+    """The step program of `batch`, lowered for `platform` ("cuda", "rocm", "cpu" or
+    "tpu") from whatever machine this is, without running it: what a GPU would compile,
+    checked from a CPU-only host (tests/hisparse_jax/engine/test_lowering_cuda.py). The
+    kernels are those of `kernel_backend` (None: the runner's) resolved for that
+    platform ("auto" gives the compiled Pallas kernels on a GPU), and HiSparse loads
+    cross between separate device and host memories unless the platform is CPU."""
+    target = kernels_pallas.backend.target_platform(platform)
+    backend = self.kernel_backend if kernel_backend is None else kernel_backend
+    ops = kernels_pallas.ops(backend, platform=target)
+    step = self._step_for(ops, one_memory=target == "cpu")
+    # The dense call's static sizes are the target kernels' own (build_batch gave this
+    # runner's).
+    meta = batch.metadata
+    q_lens = np.diff(np.asarray(meta.cu_q_lens)[:batch.num_seqs + 1])
+    sparse = np.asarray(meta.sparse_rows)[:batch.num_seqs]
+    hints = tuple(sorted(ops.ragged_hints(q_lens[~sparse].tolist()).items()))
+    batch = dataclasses.replace(batch, metadata=dataclasses.replace(meta, ragged_hints=hints))
+    greedy_only = not np.any(batch.temperature > 0)
+    return step.trace(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
+                      num_token_rows=self.max_num_seqs).lower(lowering_platforms=(platform,))
+
+  def collect(self, handle: StepHandle) -> StepResult:
+    """Waits for a dispatched step and reads back what the host needs of it (the step's
+    only device-to-host reads)."""
+    tokens = np.asarray(handle.tokens)[:handle.num_seqs]
+    counts, loaded = None, None
+    if handle.sparse:
+      counts = np.asarray(handle.counts)[:, :handle.num_seqs]
+      loaded = np.asarray(handle.loaded)
+    self.last_counts = counts
+    logprobs = None
+    if handle.logprobs:
+      logprobs = tuple(np.asarray(a)[:handle.num_seqs] for a in handle.logprobs)
+    prompt = tuple(np.asarray(a) for a in handle.prompt_logprobs) or None
+    return StepResult(tokens, counts, loaded, logprobs, prompt)
+
+  def execute(self, batch: StepBatch) -> np.ndarray:
+    """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
+    return self.collect(self.dispatch(batch)).tokens
+
+  def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
+    """The bounds rows of `host_ids` := those of `device_ids`, every layer (blocks
+    written to the host pool keep their key bounds on the device for the indexer)."""
+    if not self.bounds or len(device_ids) == 0:
+      return
+    n = bucket_size(len(device_ids), 4)
+    src = np.zeros(n, np.int32)
+    dst = np.full(n, self.bounds[0].shape[0], np.int32)  # padding: out of range, dropped
+    src[:len(device_ids)] = device_ids
+    dst[:len(device_ids)] = self.pool.num_blocks + np.asarray(host_ids)
+    self.bounds = self._copy(self.bounds, src, dst)
+
+  def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+    """Copy-on-write: device block src -> dst, every layer, one jitted call."""
+    if not copies:
+      return
+    n = bucket_size(len(copies), 4)
+    src = np.zeros(n, np.int32)
+    # Padding: out of range of every array (the bounds have the host blocks' rows too).
+    dst = np.full(n, max([self.pool.num_blocks] + [b.shape[0] for b in self.bounds]),
+                  np.int32)
+    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+    num_pool_arrays = len(self.pool.arrays())
+    arrays = self._copy((*self.pool.arrays(), *self.bounds), src, dst)
+    self.pool.set_arrays(arrays[:num_pool_arrays])
+    self.bounds = arrays[num_pool_arrays:]
+
+  def refresh_bounds(self, device_ids: np.ndarray) -> None:
+    """Recomputes the key bounds of whole blocks whose pages changed outside the step
+    (swapped in from the host pool). A partly filled block gets the bound of all its
+    slots here; the step that writes its next token (the one right after a swap-in)
+    recomputes it over its valid tokens."""
+    if not self.bounds or len(device_ids) == 0:
+      return
+    slots = np.full(bucket_size(len(device_ids), 4), -1, np.int32)
+    slots[:len(device_ids)] = np.asarray(device_ids) * self.block_size + self.block_size - 1
+    self.bounds = self._refresh(self.bounds, self.pool.k, self.pool.k_scale, slots)

@@ -1,0 +1,283 @@
+"""Batch building: the scheduled chunks of a step as padded host arrays (StepBatch).
+
+Every scheduled token of every sequence is one row of a flat token axis (batch 1 for
+the model, `seq` = all tokens); `cu_q_lens` cuts it into sequences. Shapes are padded
+to power-of-two buckets (tokens, sequences, block-table width) so a run compiles a
+bounded number of programs (each in two variants: with the random draws, and argmax
+only for all-greedy batches), shared by every engine over the same model structure and
+pool dtype (`step_program.step_program`); padded tokens have slot -1 (never written) and belong to
+no sequence, padded sequences have length 0.
+
+`BatchBuilderMixin.build_batch` is ModelRunner's per-step host work: one loop over the
+chunks filling numpy arrays, O(batch) (a chunk's tokens are copied as slices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from hisparse_jax.engine.scheduler import ScheduledChunk
+from hisparse_jax.kv_cache.transfer import bucket_size
+from kernels_pallas.xla_attention import decode_rows_bucket
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """Per-step attention inputs (all int32)."""
+
+  slot_ids: jax.Array  # [num_tokens]; -1 = padding, not written
+  block_tables: jax.Array  # [num_seqs, max_blocks]; padded with the null block 0
+  kv_lens: jax.Array  # [num_seqs]: tokens in the cache after this step
+  cu_q_lens: jax.Array  # [num_seqs + 1]
+  sparse_rows: jax.Array  # bool [num_seqs]: decode rows that attend over selected blocks
+  # HiSparse tiers (None without HiSparse):
+  host_tables: jax.Array | None = None  # [num_seqs, max_blocks] host copy ids, 0 = none
+  hot_slots: jax.Array | None = None  # [num_seqs, num_slots] hot-buffer device blocks
+  hot_rows: jax.Array | None = None  # [num_seqs] hot-state row; >= rows: none
+  hot_reset: jax.Array | None = None  # bool [num_seqs]: start the row empty
+  step: jax.Array | None = None  # int32 scalar: decode-step clock of the hot buffers
+  # Static sizes of the dense attention call (KernelOps.ragged_hints of the rows' query
+  # lengths), as sorted (name, value) pairs: part of the compiled program's key.
+  ragged_hints: tuple[tuple[str, int], ...] = dataclasses.field(
+      default=(), metadata={"static": True})
+  # HiSparse: rows the sparse path computes (a multiple of 8 holding the sparse rows; 0:
+  # no sparse path in the program).
+  num_sparse_rows: int = dataclasses.field(default=0, metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerExtras:
+  """Per-row sampling inputs beyond temperature / top-p / top-k, built only for a batch
+  where some request asks for them (otherwise the step takes None and compiles none of
+  it). Token-id arrays are padded with ids >= vocab (ignored)."""
+
+  min_p: jax.Array  # float32 [num_seqs] (0: off)
+  presence: jax.Array  # float32 [num_seqs] (0: off)
+  frequency: jax.Array  # float32 [num_seqs] (0: off)
+  repetition: jax.Array  # float32 [num_seqs] (1: off)
+  prompt_ids: jax.Array  # int32 [num_seqs, P]: prompt tokens (repetition penalty; P may be 0)
+  output_ids: jax.Array  # int32 [num_seqs, L]: output tokens known on the host
+  stop_ids: jax.Array  # int32 [num_seqs, S]: EOS + stop_token_ids (min_tokens)
+  below_min: jax.Array  # bool [num_seqs]: rows that may not sample a stop token yet
+  penalties: bool = dataclasses.field(default=False, metadata={"static": True})
+  use_min_p: bool = dataclasses.field(default=False, metadata={"static": True})
+  min_tokens: bool = dataclasses.field(default=False, metadata={"static": True})
+  num_logprobs: int = dataclasses.field(default=0, metadata={"static": True})  # 0: none
+  # SamplingParams.prompt_logprobs: the logprob of `prompt_targets[j]` (the next prompt
+  # token) after the token at step row `prompt_rows[j]`, and the top
+  # `num_prompt_logprobs` there (-1: none computed; rows past the real ones: padding).
+  prompt_rows: jax.Array | None = None  # int32 [R]
+  prompt_targets: jax.Array | None = None  # int32 [R]
+  num_prompt_logprobs: int = dataclasses.field(default=-1, metadata={"static": True})
+
+
+def needs_extras(sp) -> bool:
+  """Whether a request's SamplingParams need `SamplerExtras` in its steps."""
+  return (sp.has_penalties or sp.min_p > 0 or sp.min_tokens > 0
+          or sp.logprobs is not None or sp.prompt_logprobs is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseTiers:
+  """Where each chunk's blocks live (host numpy arrays, one row per chunk)."""
+
+  host_tables: np.ndarray  # int32 [n, width]: host copy of each logical block, 0 = none
+  hot_slots: np.ndarray  # int32 [n, num_slots]: hot-buffer device blocks, 0 = none
+  hot_rows: np.ndarray  # int32 [n]: row of the runner's hot-buffer state; -1 = none
+  hot_reset: np.ndarray  # bool [n]: the row's state starts empty this step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+  """Host-side arrays of one step, already padded."""
+
+  input_ids: np.ndarray  # int32 [num_tokens]
+  # int32 [num_tokens]: row of the previous step's sampled tokens that is this token (a
+  # decode of a token still in flight), -1 = input_ids holds it.
+  token_src: np.ndarray
+  positions: np.ndarray  # int32 [num_tokens]
+  metadata: StepMetadata  # numpy leaves
+  logits_indices: np.ndarray  # int32 [num_seqs]: row of each sequence's last token
+  temperature: np.ndarray  # float32 [num_seqs]
+  top_p: np.ndarray  # float32 [num_seqs]
+  top_k: np.ndarray  # int32 [num_seqs]
+  seeds: np.ndarray  # uint32 [num_seqs]
+  counters: np.ndarray  # int32 [num_seqs]: draws the request made before
+  num_seqs: int  # real sequences (rows past it are padding)
+  extras: SamplerExtras | None = None  # numpy leaves; None: no request needs them
+  # int32 [num_seqs] (real rows only): blocks each row's attention reads, the selected
+  # ones for sparse rows (min(top_k_blocks, valid blocks), the indexer's invariant).
+  blocks_attended: np.ndarray | None = None
+  # SamplingParams.prompt_logprobs: (chunk index, first row in the step's prompt-logprob
+  # arrays, rows) of each chunk whose prompt positions get them.
+  prompt_spans: tuple[tuple[int, int, int], ...] = ()
+
+
+class BatchBuilderMixin:
+  """`build_batch` of ModelRunner (it reads the runner's sizes, `ops`, `hisparse`,
+  `hisparse_blocks`, `num_hot_rows`, `step_clock`, `vocab_size`, `eos_token_ids`)."""
+
+  def build_batch(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
+                  tiers: SparseTiers | None = None) -> StepBatch:
+    """Flattens the scheduled chunks into padded step arrays.
+
+    `block_tables` [len(chunks), width] are the device tables of the chunks' requests
+    (0 for blocks an offloaded sequence dropped); `tiers` says where HiSparse blocks
+    live (None: every block device-resident, no hot buffer).
+    """
+    num_tokens = sum(c.num_tokens for c in chunks)
+    t_pad = bucket_size(num_tokens, 16, self.max_num_batched_tokens)
+    b_pad = bucket_size(len(chunks), 4, self.max_num_seqs)
+    w_pad = bucket_size(block_tables.shape[1], 4, self.max_blocks_per_seq)
+    input_ids = np.zeros(t_pad, np.int32)
+    token_src = np.full(t_pad, -1, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_ids = np.full(t_pad, -1, np.int32)
+    tables = np.zeros((b_pad, w_pad), np.int32)
+    tables[:len(chunks), :block_tables.shape[1]] = block_tables
+    kv_lens = np.zeros(b_pad, np.int32)
+    cu_q_lens = np.full(b_pad + 1, num_tokens, np.int32)
+    logits_indices = np.zeros(b_pad, np.int32)
+    temperature = np.zeros(b_pad, np.float32)
+    top_p = np.ones(b_pad, np.float32)
+    top_k = np.zeros(b_pad, np.int32)
+    seeds = np.zeros(b_pad, np.uint32)
+    counters = np.zeros(b_pad, np.int32)
+    sparse_rows = np.zeros(b_pad, bool)
+    blocks_attended = np.zeros(len(chunks), np.int32)
+    offset = 0
+    for i, chunk in enumerate(chunks):
+      request, n = chunk.request, chunk.num_tokens
+      sp = request.sampling_params
+      temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
+      seeds[i] = request.seed
+      counters[i] = len(request.output_token_ids) + request.num_inflight
+      if n == 0:  # samples from the logits of the chunk before it (n > 1), attends nothing
+        if chunk.logits_of is None or i == 0 or chunk.logits_of not in (
+            chunks[i - 1].request, chunks[i - 1].logits_of):
+          raise ValueError("a chunk without tokens must follow the chunk it samples from")
+        cu_q_lens[i] = offset
+        logits_indices[i] = logits_indices[i - 1]
+        continue
+      if request.num_inflight and chunk.start + n == request.num_tokens:
+        # A decode of the token the previous step is still sampling: read it there.
+        token_src[offset] = request.inflight_row
+      else:
+        input_ids[offset:offset + n] = request.token_slice(chunk.start, chunk.start + n)
+      positions[offset:offset + n] = np.arange(chunk.start, chunk.start + n)
+      slot_ids[offset:offset + n] = chunk.slot_ids
+      cu_q_lens[i] = offset
+      kv_lens[i] = chunk.start + n
+      logits_indices[i] = offset + n - 1
+      num_blocks = -(-kv_lens[i] // self.block_size)
+      # A sparse row decodes one token past the prefill (an output token); prefill
+      # chunks, even of one token (after a prefix-cache hit), stay dense, so a prompt's
+      # KV does not depend on how much of it the prefix cache held.
+      sparse_rows[i] = (self.hisparse is not None and n == 1
+                        and chunk.start >= request.prefill_len
+                        and self.hisparse.is_sparse(int(kv_lens[i])))
+      blocks_attended[i] = (min(num_blocks, self.hisparse_blocks.top_k_blocks)
+                            if sparse_rows[i] else num_blocks)
+      offset += n
+    cu_q_lens[len(chunks)] = offset
+    hisparse_meta = {}
+    if self.hisparse is not None:
+      n, slots = len(chunks), self.hisparse_blocks.hot_buffer_blocks
+      host_tables = np.zeros((b_pad, w_pad), np.int32)
+      hot_slots = np.zeros((b_pad, slots), np.int32)
+      hot_rows = np.full(b_pad, self.num_hot_rows, np.int32)
+      hot_reset = np.zeros(b_pad, bool)
+      if tiers is not None:
+        host_tables[:n, :tiers.host_tables.shape[1]] = tiers.host_tables
+        hot_slots[:n, :tiers.hot_slots.shape[1]] = tiers.hot_slots
+        hot_rows[:n] = np.where(tiers.hot_rows >= 0, tiers.hot_rows, self.num_hot_rows)
+        hot_reset[:n] = tiers.hot_reset
+      hisparse_meta = dict(host_tables=host_tables, hot_slots=hot_slots, hot_rows=hot_rows,
+                           hot_reset=hot_reset, step=np.int32(self.step_clock))
+    # Sparse rows are not in the dense call (kv_len 0 there), so their query counts not.
+    dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows) if not sparse]
+    hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
+    meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
+                        ragged_hints=hints,
+                        num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())))
+    extras, spans = None, ()
+    if any(needs_extras(c.request.sampling_params) for c in chunks):
+      extras, spans = self._sampler_extras(chunks, b_pad, cu_q_lens)
+    return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
+                     top_k, seeds, counters, len(chunks), extras, blocks_attended, spans)
+
+  def _sampler_extras(self, chunks: Sequence[ScheduledChunk], b_pad: int,
+                      cu_q_lens: np.ndarray) -> tuple[SamplerExtras, tuple]:
+    """The batch's `SamplerExtras` and prompt-logprob spans (host work O(prompt +
+    output) of the rows that use penalties or prompt logprobs; O(batch) otherwise)."""
+    vocab = self.vocab_size
+    params = [c.request.sampling_params for c in chunks]
+    min_p = np.zeros(b_pad, np.float32)
+    presence = np.zeros(b_pad, np.float32)
+    frequency = np.zeros(b_pad, np.float32)
+    repetition = np.ones(b_pad, np.float32)
+    below_min = np.zeros(b_pad, bool)
+    penalized = [i for i, sp in enumerate(params) if sp.has_penalties]
+    repeated = [i for i in penalized if params[i].repetition_penalty != 1.0]
+    limited = [i for i, sp in enumerate(params) if sp.min_tokens > 0]
+    p_len = bucket_size(max(len(chunks[i].request.prompt_token_ids) for i in repeated), 16) \
+        if repeated else 0
+    o_len = bucket_size(max(len(chunks[i].request.output_token_ids) for i in penalized), 8) \
+        if penalized else 0
+    stops = {i: sorted(set(params[i].stop_token_ids)
+                       | (set() if params[i].ignore_eos else set(self.eos_token_ids)))
+             for i in limited}
+    s_len = bucket_size(max(len(v) for v in stops.values()), 4) if limited else 0
+    prompt_ids = np.full((b_pad, p_len), vocab, np.int32)
+    output_ids = np.full((b_pad, o_len), vocab, np.int32)
+    stop_ids = np.full((b_pad, s_len), vocab, np.int32)
+    for i, (chunk, sp) in enumerate(zip(chunks, params)):
+      request = chunk.request
+      min_p[i] = sp.min_p
+      presence[i], frequency[i] = sp.presence_penalty, sp.frequency_penalty
+      repetition[i] = sp.repetition_penalty
+      below_min[i] = len(request.output_token_ids) + request.num_inflight < sp.min_tokens
+    for i in repeated:
+      prompt = chunks[i].request.prompt_token_ids
+      prompt_ids[i, :len(prompt)] = prompt
+    for i in penalized:
+      output = chunks[i].request.output_token_ids
+      output_ids[i, :len(output)] = output
+    for i, ids in stops.items():
+      stop_ids[i, :len(ids)] = ids
+    num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
+    # Prompt logprobs: after each prompt token of this step but the prompt's last, the
+    # next prompt token (once per request: not again when it is recomputed).
+    spans, rows, targets, num_top = [], [], [], -1
+    for i, (chunk, sp) in enumerate(zip(chunks, params)):
+      request = chunk.request
+      if sp.prompt_logprobs is None or len(request.prompt_logprobs) >= len(
+          request.prompt_token_ids):
+        continue
+      end = min(chunk.start + chunk.num_tokens, len(request.prompt_token_ids) - 1)
+      if end <= chunk.start:
+        continue
+      spans.append((i, len(rows), end - chunk.start))
+      rows.extend(range(cu_q_lens[i], cu_q_lens[i] + end - chunk.start))
+      targets.extend(request.prompt_token_ids[chunk.start + 1:end + 1])
+      num_top = max(num_top, sp.prompt_logprobs)
+    prompt_rows = prompt_targets = None
+    if spans:
+      prompt_rows = np.zeros(bucket_size(len(rows), 16), np.int32)
+      prompt_targets = np.zeros_like(prompt_rows)
+      prompt_rows[:len(rows)], prompt_targets[:len(rows)] = rows, targets
+      num_top = min(bucket_size(max(num_top, 1), 1), vocab)
+    extras = SamplerExtras(
+        min_p, presence, frequency, repetition, prompt_ids, output_ids, stop_ids, below_min,
+        penalties=bool(penalized), use_min_p=any(sp.min_p > 0 for sp in params),
+        min_tokens=bool(limited),
+        num_logprobs=0 if num_logprobs < 0 else min(bucket_size(max(num_logprobs, 1), 1), vocab),
+        prompt_rows=prompt_rows, prompt_targets=prompt_targets,
+        num_prompt_logprobs=num_top if spans else -1)
+    return extras, tuple(spans)

@@ -1,0 +1,199 @@
+"""The step program: ONE jitted call per step (forward + sampling), and the small
+jitted programs that change the runner's device state between steps.
+
+    step_program(...)   input ids (in-flight tokens from the previous step's output)
+                        -> embed -> per layer: qkv -> sparse_attention.attend (write_kv,
+                        key bounds, dense / sparse attention) -> mlp
+                        -> logits of each sequence's last token -> (SamplerExtras:
+                        min_tokens mask, penalties) -> sample -> (logprobs)
+    refresh_program     key bounds of blocks swapped in from the host pool
+    copy_program        copy-on-write block copies (pages and key bounds)
+
+Each is cached per model structure / kernel backend / dtype (`functools.cache`), so
+engines of a process share compiled programs; the pages, key bounds and hot-buffer
+state are donated (updated in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import kernels_pallas
+from hisparse_jax.distributed.parallel import KV_HEADS, kv_sharding
+from hisparse_jax.engine.sampling import (
+  apply_penalties,
+  greedy,
+  mask_tokens,
+  sample,
+  token_logprobs,
+)
+from hisparse_jax.engine.step_batch import SamplerExtras, StepMetadata
+from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
+from hisparse_jax.kv_cache.transfer import hop_free
+from hisparse_jax.sparse.attention import SparseStatic, attend
+from hisparse_jax.sparse.config import HiSparseBlocks
+from kernels_pallas.quant import QuantizedPages
+
+
+@functools.cache  # one jitted program per model structure, shared by engines of a process
+def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage_dtype,
+                 blocks: HiSparseBlocks | None = None, selection: str | None = None,
+                 thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
+                 one_memory: bool | None = None, bounds_dtype: str = "float32", *,
+                 mesh=None, kv_head_repeat: int = 1):
+  sparse = None
+  if blocks is not None:
+    sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
+                          host_sharding, one_memory, bounds_dtype=bounds_dtype)
+    if mesh is not None:  # tensor parallel: under shard_map, see sharded_attend
+      if not (hop_free(device_sharding) if one_memory is None else one_memory):
+        raise ValueError(
+            "--tensor_parallel_size > 1 with --hisparse: the in-step host loads under "
+            "tensor parallelism are built only where device and host memory are one (CPU) "
+            "so far")
+      sparse = dataclasses.replace(sparse, device_sharding=None, one_memory=True,
+                                   axis_name=KV_HEADS[2], kv_head_repeat=kv_head_repeat)
+  attn_fn = functools.partial(attend, ops, jnp.dtype(kv_dtype), jnp.dtype(storage_dtype),
+                              sparse)
+  if mesh is not None:
+    attn_fn = functools.partial(sharded_attend, attn_fn, mesh, sparse is not None)
+  forward = functools.partial(_forward, graphdef, attn_fn)
+  return jax.jit(forward, donate_argnums=(1, 2, 3),
+                 static_argnames=("greedy_only", "num_token_rows"))
+
+
+@functools.cache
+def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: int,
+                    bounds_dtype: str = "float32"):
+  del block_size  # part of the cache key only (slots encode it)
+
+  def refresh(bounds, k_arrays, k_scales, slots):
+    # k_scales: an int8 cache's key scales per layer (empty otherwise).
+    keys = (tuple(QuantizedPages(k, s, kv_dtype) for k, s in zip(k_arrays, k_scales))
+            if k_scales else tuple(from_storage(k, jnp.dtype(kv_dtype)) for k in k_arrays))
+    return tuple(
+        to_storage(ops.block_key_bounds(from_storage(b, bounds_dtype), k, slots),
+                   bounds_dtype, b.dtype)
+        for b, k in zip(bounds, keys))
+
+  return jax.jit(refresh, donate_argnums=(0,))
+
+
+@functools.cache
+def copy_program():
+  return jax.jit(_copy_blocks, donate_argnums=(0,))
+
+
+def sharded_attend(attn_fn, mesh, sparse: bool, q, k, v, *, layer_idx, kv_cache,
+                   metadata: StepMetadata, config):
+  """`attn_fn` under `shard_map` over the mesh's KV-head axis (tensor parallelism): each
+  device attends with its own query / KV heads over its shard of the pages (and key
+  bounds, host pages); block tables and every other step input are the same on all.
+  Nothing crosses devices here except HiSparse's shared selection (one all-gather of
+  the block scores per layer, in indexer.select), so the rows' selection, resolution,
+  hot-buffer state and counts come out equal on every device (replicated outputs).
+  q [1, tokens, heads, head_dim], k / v [1, tokens, kv_heads, head_dim]."""
+  heads = P(None, None, KV_HEADS[2], None)  # pages, int8 scales and key bounds alike
+  if sparse:
+    cache = dict(kv_cache)
+    n = len(cache["pages"])  # (k, v) or (k, v, k scales, v scales)
+    if metadata.num_sparse_rows:
+      # One memory (CPU): the host loads read the host pages as device-kind arrays (a
+      # memory-kind move needs a sharding, which shard_map's body has not).
+      device = kv_sharding(mesh, "device")
+      cache["host"] = tuple(jax.device_put(a, device) for a in cache["host"])
+    in_cache = dict(pages=(heads,) * n, bounds=heads, host=(heads,) * n, state=P())
+    out_cache = dict(pages=(heads,) * n, bounds=heads, state=P(), counts=P(), loaded=P())
+  else:
+    cache = tuple(kv_cache)
+    in_cache = out_cache = (heads,) * len(cache)
+
+  def body(q, k, v, cache, metadata):
+    return attn_fn(q, k, v, layer_idx=layer_idx, kv_cache=cache, metadata=metadata,
+                   config=config)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, in_cache, P()),
+                       out_specs=(heads, out_cache), check_vma=False)(
+                           q, k, v, cache, metadata)
+
+
+def _copy_blocks(arrays, src, dst):
+  return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
+
+
+def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
+             input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
+             logits_indices, temperature, top_p, top_k, seeds, counters,
+             extras: SamplerExtras | None, *, greedy_only: bool, num_token_rows: int):
+  model = nnx.merge(graphdef, params)
+  # Tokens still in flight on the host come from the previous step's output.
+  input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
+  # The pool's arrays are grouped by kind (k..., v..., and an int8 cache's k_scale...,
+  # v_scale...); a layer's pages are its array of each kind (KVPool.arrays).
+  num_layers = model.config.num_hidden_layers
+  num_kinds = len(kv_arrays) // num_layers
+
+  def layer_arrays(arrays, i):
+    return tuple(arrays[j * num_layers + i] for j in range(num_kinds))
+
+  if bounds:  # HiSparse: each layer's cache is a dict (see attend)
+    kv_caches = [dict(pages=layer_arrays(kv_arrays, i), bounds=bounds[i],
+                      host=layer_arrays(host_arrays, i),
+                      state=tuple(a[i] for a in hot_state))
+                 for i in range(num_layers)]
+  else:
+    kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
+  hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
+                                          kv_caches=kv_caches, attn_metadata=metadata)
+  logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
+  raw_logits = logits
+  if extras is not None:
+    logits = _process_logits(logits.astype(jnp.float32), extras, input_ids[logits_indices],
+                             token_src[logits_indices] >= 0)
+  if greedy_only:
+    tokens = greedy(logits)
+  else:
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    tokens = sample(logits, temperature, top_p, top_k, keys,
+                    extras.min_p if extras is not None and extras.use_min_p else None)
+  logprobs = ()
+  if extras is not None and extras.num_logprobs:
+    logprobs = token_logprobs(raw_logits, tokens, extras.num_logprobs)
+  prompt_logprobs = ()
+  if extras is not None and extras.num_prompt_logprobs >= 0:
+    prompt_logprobs = token_logprobs(model.compute_logits(hidden[0, extras.prompt_rows]),
+                                     extras.prompt_targets, extras.num_prompt_logprobs)
+  logprobs = (logprobs, prompt_logprobs)
+  # One shape for every step (the next step reads it as prev_tokens).
+  tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+  if bounds:
+    new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
+    new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))
+    counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
+    loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
+    return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,
+            (counts, loaded), logprobs)
+  new_arrays = tuple(c[j] for j in range(num_kinds) for c in kv_caches)
+  return tokens, new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
+                                             jnp.zeros((0,), jnp.int32)), logprobs
+
+
+def _process_logits(logits, extras: SamplerExtras, last_input, inflight):
+  """min_tokens' stop-token mask, then the penalties (vLLM's order). A row's last input
+  token is its newest output token when that token was still in flight on the host
+  (`inflight`): the host's output_ids lack it, the step adds it."""
+  if extras.min_tokens:
+    logits = mask_tokens(logits, extras.stop_ids, extras.below_min)
+  if extras.penalties:
+    vocab = logits.shape[-1]
+    newest = jnp.where(inflight, last_input, vocab)[:, None]
+    output_ids = jnp.concatenate([extras.output_ids, newest], axis=1)
+    logits = apply_penalties(logits, extras.prompt_ids, output_ids, extras.presence,
+                             extras.frequency, extras.repetition)
+  return logits

@@ -1,0 +1,123 @@
+"""`hisparse-jax bench`: the benchmark suites, each a table on stdout and a JSON section.
+
+Usage::
+
+  hisparse-jax bench [--suite=NAME|all] [--out=FILE.json] [--bench_size=full|smoke]
+      [--bench_plot=FILE.png] [--block_size=16 (decode_sparse_vs_dense)]
+
+Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
+`format_table(dict) -> str`):
+
+  transfer                TransferEngine h2d / d2h vs a numpy copy of the same bytes
+  decode_sparse_vs_dense  engine decode step, HiSparse top-k vs dense, 4k-64k context
+  capacity_concurrency    requests at once and tokens/s at one device budget
+  engine_vs_hf            greedy batch generation vs transformers and a plain JAX loop
+  engine_vs_vllm          tokens/s vs vLLM's CPU build (its venv: `make peers`), 3 workloads
+  scheduler_overhead      host microseconds per decode step per sequence
+  kernel                  Pallas kernels vs their jnp references (kernels_pallas.bench)
+
+Every ratio is measured side by side in one run (the contenders interleaved); the JSON
+names the machine (CPU, cores, accelerator, jax version, load average at the start and
+the end). The JSON file is rewritten after each suite, so an interrupted `all` run
+keeps the suites it finished.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+
+# suite name -> module under hisparse_jax.bench; `all` runs them in this order.
+SUITES = {
+    "kernel": "kernel",
+    "transfer": "transfer",
+    "decode_sparse_vs_dense": "decode",
+    "hisparse_hot_buffer": "hot_buffer",
+    "capacity_concurrency": "capacity",
+    "engine_vs_hf": "engine_vs_hf",
+    "engine_vs_vllm": "engine_vs_vllm",
+    "scheduler_overhead": "scheduler_overhead",
+    "serve_load": "serve_load",
+}
+
+
+def suite_names(suite: str) -> list[str]:
+  """The suites `--suite` names, in run order; ValueError naming the flag otherwise."""
+  if suite == "all":
+    return list(SUITES)
+  if suite not in SUITES:
+    raise ValueError(f"--suite: unknown suite {suite!r}; choose all or one of: "
+                     f"{', '.join(SUITES)}")
+  return [suite]
+
+
+def run_suites(names: list[str], size_name: str, block_size: int, out: str | None = None,
+               plot_path: str | None = None, command: str | None = None) -> dict:
+  """Runs the suites in turn, printing each table; returns (and writes) the JSON.
+
+  `command`: the command line that ran them, recorded in the JSON.
+  """
+  from hisparse_jax.bench import common  # imports jax: on use
+
+  result = {"command": command,
+            "size": size_name, "machine": common.machine(), "seconds": {},
+            "cpu_seconds": {}, "suites": {}}
+  start = time.perf_counter()
+  for name in names:
+    module = importlib.import_module(f"hisparse_jax.bench.{SUITES[name]}")
+    print(f"== {name} ==", flush=True)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    kwargs = {"block_size": block_size} if name == "decode_sparse_vs_dense" else {}
+    suite_result = module.run(size_name, **kwargs)
+    result["seconds"][name] = time.perf_counter() - t0
+    # CPU time of this process (all threads): what the suite cost, whatever the load.
+    result["cpu_seconds"][name] = time.process_time() - cpu0
+    result["suites"][name] = suite_result
+    print(module.format_table(suite_result), flush=True)
+    print(f"({name}: {result['seconds'][name]:.1f} s, {result['cpu_seconds'][name]:.1f} s "
+          "CPU)\n", flush=True)
+    if name == "decode_sparse_vs_dense" and plot_path:
+      _makedirs_for(plot_path)
+      module.plot(suite_result, plot_path)
+      print(f"wrote {plot_path}")
+    result["seconds"]["total"] = time.perf_counter() - start
+    result["load_avg_end_1_5_15"] = list(os.getloadavg())
+    if out:
+      _write_json(result, out)
+  if out:
+    print(f"wrote {out} ({result['seconds']['total']:.1f} s in all)")
+  return result
+
+
+def _makedirs_for(path: str) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+
+def _write_json(result: dict, path: str) -> None:
+  _makedirs_for(path)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+  del argv  # all input comes from the flags of hisparse_jax.entrypoints.cli.main
+  names = suite_names(FLAGS.suite)
+  if FLAGS.bench_plot and "decode_sparse_vs_dense" not in names:
+    raise ValueError("--bench_plot: the plot comes from the decode_sparse_vs_dense suite, "
+                     f"which --suite={FLAGS.suite} does not run")
+  # --block_size sizes the HiSparse suite (decode_sparse_vs_dense); unset, HiSparse's
+  # default block size.
+  block_size = FLAGS.block_size if FLAGS.block_size is not None else 16
+  run_suites(names, FLAGS.bench_size, block_size, FLAGS.out, FLAGS.bench_plot,
+             command=" ".join(["hisparse-jax", *sys.argv[1:]]))
+  return 0

@@ -1,0 +1,93 @@
+"""`hisparse-jax capacity`: load a model, allocate the KV pools, log their capacity.
+
+Usage::
+
+  hisparse-jax capacity [--model=DIR] [--dtype=float32] [--block_size=N]
+      [--device_kv_gib=G] [--host_pool_gib=G] [--max_model_len=N]
+      [--hisparse [--top_k_tokens=N --hot_buffer_tokens=N ...] --max_num_seqs=N]
+
+Prints on stdout (the command's output) one capacity line per memory kind and the total,
+the lines `hisparse_jax.kv_cache.capacity.CapacityReport.log` writes at model load, then
+exits 0. With --hisparse, the device line details the indexer and hot-buffer bytes and the
+total line says how many long requests HiSparse runs at once. Bad flag values (a budget
+too small for one request of `--max_model_len`, a host pool above 95% of the available
+RAM) exit 2 with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from hisparse_jax.entrypoints.cli.generate import block_size_from_flags, hisparse_from_flags
+from hisparse_jax.kv_cache.capacity import (
+  CapacityReport,
+  hisparse_capacity,
+  plan_capacity,
+  plan_capacity_reserving,
+)
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, check_kv_cache_dtype
+
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> int:
+  del argv  # all input comes from the shared flags of hisparse_jax.entrypoints.cli.main
+  try:  # before the model loads
+    check_kv_cache_dtype(FLAGS.kv_cache_dtype)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
+  from models.loader import checkpoint_dtype, load_pretrained  # noqa: PLC0415 (heavy)
+
+  if FLAGS.tensor_parallel_size != 1:  # over a mesh: the engine's own pools and lines
+    return _tensor_parallel()
+  dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
+  _, config, _ = load_pretrained(FLAGS.model, dtype=dtype)
+  max_positions = getattr(config, "max_position_embeddings", None)
+  if max_positions is not None and FLAGS.max_model_len > max_positions:
+    raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
+                     f"max_position_embeddings={max_positions}")
+  spec = KVCacheSpec.from_model_config(config, dtype, block_size_from_flags(),
+                                       FLAGS.kv_cache_dtype)
+  plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
+                   device_kv_gib=FLAGS.device_kv_gib)
+  plan = plan_capacity(spec, **plan_args)
+  hisparse = hisparse_from_flags()
+  if hisparse is None:
+    pools = plan.allocate()
+    _print(CapacityReport.from_pools(pools, plan.device_reserved_bytes))
+    return 0
+  # As the engine does: the indexer and hot-buffer bytes come out of the device budget.
+  sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len)
+  pools = plan_capacity_reserving(
+      spec, lambda d, h: hisparse_capacity(spec, hisparse, num_device_blocks=d,
+                                           num_host_blocks=h, **sizes).reserved_bytes,
+      **plan_args).allocate()
+  detail = hisparse_capacity(spec, hisparse, num_device_blocks=pools[0].num_blocks,
+                             num_host_blocks=pools[1].num_blocks, **sizes)
+  _print(CapacityReport.from_pools(pools, detail.reserved_bytes, detail))
+  return 0
+
+
+def _tensor_parallel() -> int:
+  """The capacity lines of an engine over --tensor_parallel_size devices (weights loaded
+  into their shards; the lines per device come from the live shards)."""
+  from hisparse_jax.engine.engine import Engine, EngineConfig  # noqa: PLC0415 (heavy)
+
+  # Only the flags this command reads (its --help groups).
+  kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+                device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
+                max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+                hisparse=hisparse_from_flags(),
+                tensor_parallel_size=FLAGS.tensor_parallel_size)
+  try:
+    config = EngineConfig(**kwargs)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from None
+  engine = Engine(config)
+  _print(engine.capacity)
+  return 0
+
+
+def _print(report: CapacityReport) -> None:
+  for line in report.log_lines(FLAGS.max_model_len):
+    print(line, flush=True)

@@ -1,0 +1,188 @@
+"""`hisparse-jax demo` (what `make demo` runs): long retrieval prompts, tiered KV cache.
+
+Usage::
+
+  hisparse-jax demo [--demo_num_prompts=8] [--demo_context_len=1026] [--demo_seed=4242]
+      [any generate flag: --device_kv_gib, --max_new_tokens, --max_num_seqs, ...]
+
+Builds `--demo_num_prompts` key-value retrieval prompts of the embedded default model
+(`models.data.make_retrieval_prompts`, a seed the trainer and the evaluator never use)
+and runs them through `generate_cmd.run`, the path of `hisparse-jax generate`, with
+HiSparse on (`DEMO_HISPARSE`; `--nohisparse` for the dense path) and a device KV pool
+that holds only `DEVICE_POOL_PROMPTS` prompts: to admit the others, the scheduler
+offloads decoding requests (their full KV written through to the host pool, only a hot
+buffer and their newest block left on the device), and their selected blocks are loaded
+from the host pool into the hot buffers inside the step; when that is not enough, it
+preempts by swap-out to the host pool. It prints the setup, each
+answer RIGHT/WRONG (the first line of the output against the expected value), the
+"N/M right" count, the metrics summary, whether the host pool was used and an example
+prompt to try with `generate`; the
+capacity lines go to stderr (absl). A flag given explicitly overrides the demo's
+choice for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from absl import flags, logging
+
+from hisparse_jax.entrypoints.cli import generate as generate_cmd
+
+FLAGS = flags.FLAGS
+GIB = 2**30
+# The device pool holds the prompts of this many requests plus one block each: the
+# scheduler admits them (it keeps one spare block per running request), and once they
+# decode past their spare block they no longer fit, so the newest are preempted by
+# swap-out to the host pool and come back later.
+DEVICE_POOL_PROMPTS = 3
+# Output tokens per request (at least): the answer line, and more, so that every request
+# needs two new blocks while it decodes (the answer is the first line of the output).
+DEMO_MAX_NEW_TOKENS = 24
+DEMO_MAX_NUM_SEQS = 8
+# HiSparse settings of the demo (a flag given explicitly overrides each): half of the
+# ~1k-token context per step, the hot buffer as large as the top-k (so an offload frees
+# about half of a request's blocks), sequences past 256 tokens decode sparsely.
+DEMO_HISPARSE = dict(top_k_tokens=512, hot_buffer_tokens=512, sink_tokens=16,
+                     local_tokens=64, sparse_threshold_tokens=256)
+
+
+def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_prompts: int,
+                  max_new_tokens: int | None = None,
+                  reserved_bytes=lambda device_blocks, host_blocks, max_model_len: 0
+                  ) -> dict[str, float | int]:
+  """The engine sizes of the demo: max_new_tokens (None: chosen here), max_model_len,
+  device and host budgets (GiB).
+
+  The device pool gets DEVICE_POOL_PROMPTS * (prompt blocks + 1) usable blocks; a
+  request needs prompt blocks + >= 2 while it decodes (DEMO_MAX_NEW_TOKENS), so the
+  requests admitted together outgrow the pool. `reserved_bytes(device blocks, host
+  blocks, max_model_len)`: the device bytes HiSparse needs besides the pool, added to the
+  budget.
+  """
+  prompt_blocks = math.ceil(prompt_len / block_size)
+  # The K/V of output token t (1-based) sits at position prompt_len + t - 1; two blocks
+  # past the prompt's are reached at t = (prompt_blocks + 1) * block_size - prompt_len + 1,
+  # written in the step that samples the next token.
+  two_new_blocks = (prompt_blocks + 1) * block_size - prompt_len + 2
+  if max_new_tokens is None:
+    max_new_tokens = max(DEMO_MAX_NEW_TOKENS, two_new_blocks)
+  max_model_len = block_size * math.ceil((prompt_len + max_new_tokens) / block_size)
+  blocks_per_request = max_model_len // block_size
+  bytes_per_block = bytes_per_token * block_size
+  # +1: the null block; +0.5: so that int(gib * GIB) never rounds a block away.
+  device_blocks = max(DEVICE_POOL_PROMPTS * (prompt_blocks + 1), blocks_per_request) + 1.5
+  host_blocks = 2 * num_prompts * blocks_per_request + 1.5
+  reserved = reserved_bytes(int(device_blocks), int(host_blocks), max_model_len)
+  return dict(max_new_tokens=max_new_tokens, max_model_len=max_model_len,
+              device_kv_gib=(device_blocks * bytes_per_block + reserved) / GIB,
+              host_pool_gib=host_blocks * bytes_per_block / GIB,
+              max_num_seqs=DEMO_MAX_NUM_SEQS)
+
+
+def main(argv: list[str]) -> int:
+  del argv
+  import models  # noqa: PLC0415
+  from hisparse_jax.kv_cache.capacity import (  # noqa: PLC0415 (imports jax)
+    hisparse_capacity,
+    plan_capacity_reserving,
+  )
+  from hisparse_jax.kv_cache.kv_pool import KVCacheSpec  # noqa: PLC0415
+  from models.data import make_retrieval_prompts  # noqa: PLC0415
+  from models.loader import checkpoint_dtype, load_config  # noqa: PLC0415
+  from models.tokenizer import Tokenizer  # noqa: PLC0415
+
+  if FLAGS.demo_num_prompts < 1:
+    raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
+  generate_cmd.check_output_flags()
+  if logging.get_verbosity() < logging.INFO:
+    logging.set_verbosity(logging.INFO)  # capacity lines and status lines
+  try:
+    prompts = make_retrieval_prompts(FLAGS.demo_num_prompts, FLAGS.demo_context_len,
+                                     seed=FLAGS.demo_seed)
+  except ValueError as e:
+    raise ValueError(f"--demo_context_len={FLAGS.demo_context_len}: {e}") from None
+  tokenizer = Tokenizer.from_dir(FLAGS.model or models.DEFAULT_MODEL_DIR)
+  if tokenizer.encode(prompts[0].text) != list(prompts[0].token_ids):
+    raise ValueError("--model: the demo's retrieval prompts need a tokenizer with the default "
+                     "model's vocabulary (models.data.VOCAB)")
+  prompt_len = max(len(p.token_ids) for p in prompts)
+  use_hisparse = FLAGS.hisparse or not FLAGS["hisparse"].present  # on unless --nohisparse
+  if use_hisparse:
+    FLAGS.hisparse = True
+    for name, value in DEMO_HISPARSE.items():
+      if not FLAGS[name].present:
+        FLAGS[name].value = value
+  dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
+  spec = KVCacheSpec.from_model_config(load_config(FLAGS.model), dtype,
+                                       generate_cmd.block_size_from_flags())
+  hisparse = generate_cmd.hisparse_from_flags()
+  max_num_seqs = FLAGS.max_num_seqs if FLAGS["max_num_seqs"].present else DEMO_MAX_NUM_SEQS
+
+  def reserved_bytes(device_blocks: int, host_blocks: int, max_model_len: int) -> int:
+    if hisparse is None:
+      return 0
+    if FLAGS["max_model_len"].present:
+      max_model_len = FLAGS.max_model_len
+    return hisparse_capacity(spec, hisparse, num_device_blocks=device_blocks,
+                             num_host_blocks=host_blocks, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len).reserved_bytes
+
+  chosen = demo_settings(prompt_len, spec.bytes_per_token, spec.block_size, len(prompts),
+                         FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else None,
+                         reserved_bytes)
+  llm_kwargs = generate_cmd.engine_kwargs_from_flags()
+  for name in ("max_model_len", "device_kv_gib", "host_pool_gib", "max_num_seqs"):
+    if not FLAGS[name].present:
+      llm_kwargs[name] = chosen[name]
+  sampling_params = generate_cmd.sampling_from_flags()
+  if not FLAGS["max_new_tokens"].present:
+    sampling_params = dataclasses.replace(sampling_params, max_tokens=chosen["max_new_tokens"])
+  # The device pool the engine will plan (after HiSparse's bytes, as it reserves them).
+  plan = plan_capacity_reserving(
+      spec, lambda d, h: reserved_bytes(d, h, llm_kwargs["max_model_len"]),
+      max_model_len=llm_kwargs["max_model_len"], host_pool_gib=llm_kwargs["host_pool_gib"],
+      device_kv_gib=llm_kwargs["device_kv_gib"])
+  device_tokens = (plan.num_device_blocks - 1) * spec.block_size
+  how = ("so decoding requests are offloaded to the host pool (HiSparse top-k "
+         f"{hisparse.top_k_tokens} tokens, hot buffer {hisparse.hot_buffer_tokens} tokens) "
+         "and swapped out when that is not enough" if hisparse is not None
+         else "so requests are swapped out to the host pool and back")
+  print(f"demo: {len(prompts)} key-value retrieval prompts of {prompt_len:,} tokens "
+        f"(seed {FLAGS.demo_seed}), {sampling_params.max_tokens} output tokens each, up to "
+        f"{llm_kwargs['max_num_seqs']} at once; device KV pool {device_tokens:,} tokens "
+        f"({device_tokens / prompt_len:.1f} prompts), {how}", flush=True)
+  specs = [generate_cmd.PromptSpec(source=f"demo prompt {i}", prompt=p.text, expected=p.answer)
+           for i, p in enumerate(prompts)]
+  result = generate_cmd.run(specs, llm_kwargs, sampling_params,
+                            log_every_steps=FLAGS.log_every_steps,
+                            metrics_json=FLAGS.metrics_json,
+                            prometheus_port=FLAGS.prometheus_port)
+  m = result.metrics
+  preemptions = m.get("hisparse_preemptions_total", 0.0)
+  offloads = m.get("hisparse_offloads_total", 0.0)
+  loads = m.get("hisparse_hot_buffer_loads_total", 0.0)
+  host_blocks = m.get('hisparse_blocks_selected_total{source="host"}', 0.0)
+  hot_blocks = m.get('hisparse_blocks_selected_total{source="hot"}', 0.0)
+  hit = (f"{100.0 * hot_blocks / (hot_blocks + host_blocks):.1f}%"
+         if hot_blocks + host_blocks else "-")
+  h2d, d2h = (m.get(f'hisparse_transfer_bytes_total{{direction="{d}"}}', 0.0) / 2**20
+              for d in ("h2d", "d2h"))
+  used = "used" if host_blocks > 0 else "NOT used"
+  print(f"host pool {used}: {offloads:.0f} offloads, {loads:,.0f} block-layers loaded from "
+        f"the host pool into hot buffers, {preemptions:.0f} preemptions by swap-out, "
+        f"{host_blocks:,.0f} blocks read from the host pool in all; hot-buffer hit ratio "
+        f"{hit} ({hot_blocks:,.0f} hot / {hot_blocks + host_blocks:,.0f} offloaded blocks "
+        f"selected); moved host -> device {h2d:.2f} MiB, device -> host {d2h:.2f} MiB; "
+        f"{result.num_right}/{result.num_expected} answers right", flush=True)
+  print(example_line(), flush=True)
+  return 0
+
+
+def example_line() -> str:
+  """A prompt to try next: the default model knows only its own words."""
+  return (f"try a prompt of your own: hisparse-jax generate "
+          f"{generate_cmd.example_prompt_flag()}; the default model answers 'key: value' "
+          "lines and a '? key:' query, in words of its vocabulary (models/data.py), and "
+          "reads other words as <unk>")

@@ -1,0 +1,334 @@
+"""The `hisparse-jax` command line: a thin absl layer over the library.
+
+Usage: ``hisparse-jax COMMAND [--flag=value ...]`` (or ``python -m hisparse_jax``).
+Each command lives in its own module and exposes ``main(argv)``; this file only
+defines the shared flags and dispatches. Bad input (a ValueError from the command)
+exits with status 2 and one line naming the flag or field; `--verbosity=1` or higher
+prints the traceback before that line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging as std_logging
+import os
+import sys
+import traceback
+
+from absl import app, flags, logging
+
+# command name -> (module, one-line help). Modules are imported lazily so that
+# `--help` and flag errors stay fast.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def register(name: str, module: str, help_text: str) -> None:
+  COMMANDS[name] = (module, help_text)
+
+
+register("capacity", "hisparse_jax.entrypoints.cli.capacity",
+         "Load the model, allocate the KV pools, print the KV capacity of each memory kind.")
+register("generate", "hisparse_jax.entrypoints.cli.generate",
+         "Generate for --prompt / --prompts_file prompts; mark expected answers RIGHT/WRONG.")
+register("demo", "hisparse_jax.entrypoints.cli.demo",
+         "Long retrieval prompts on the default model with a small device KV budget.")
+register("serve", "hisparse_jax.entrypoints.cli.serve",
+         "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics).")
+register("bench", "hisparse_jax.entrypoints.cli.bench",
+         "Benchmark suites (--suite=NAME|all): side-by-side ratios, table + --out JSON.")
+
+
+FLAGS = flags.FLAGS
+
+# Model and memory flags shared by every command.
+flags.DEFINE_string(
+    "model", None,
+    "Path of a Hugging Face-format checkpoint directory (config.json, model.safetensors, "
+    "tokenizer.json). Default: the embedded hisparse-tiny model.")
+flags.DEFINE_enum("dtype", "float32", ["auto", "float32", "bfloat16"],
+                  "Dtype of the weights and of the KV cache; auto: the checkpoint's "
+                  "torch_dtype (float16 checkpoints load as bfloat16).")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
+                  "What the KV cache stores (both tiers): auto = the model's dtype; int8 / "
+                  "fp8_e4m3 = 8-bit values + a float32 scale per token and KV head (3.56x "
+                  "the float32 tokens at head_dim 32), dequantized where attention reads "
+                  "them (xla / reference attention: CPU; not the Pallas kernels yet).")
+flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
+                     "CPU, 16 on accelerators and with --hisparse.")
+flags.DEFINE_float(
+    "device_kv_gib", None,
+    "Device (accelerator) KV budget in GiB. Default: a fraction of free device memory "
+    "where memory_stats() exists, else 0.25 GiB.")
+flags.DEFINE_float("host_pool_gib", 1.0,
+                   "Pinned-host KV pool in GiB (refused above 95% of available RAM).")
+flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output) in tokens.")
+flags.DEFINE_integer(
+    "tensor_parallel_size", 1,
+    "Devices of one jax Mesh the engine runs over: attention / KV heads and the MLP split, "
+    "KV pools split by KV head, capacity lines per device. On CPU, make the devices first: "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+flags.DEFINE_string(
+    "coordinator_address", None,
+    "Multi-host: HOST:PORT of process 0 (jax.distributed); every process runs the same "
+    "command with its --process_id; the mesh spans all processes' devices and only process "
+    "0 writes results.")
+flags.DEFINE_integer("num_processes", 1, "Multi-host: processes in all (with "
+                     "--coordinator_address).")
+flags.DEFINE_integer("process_id", 0, "Multi-host: this process, in [0, --num_processes).")
+flags.DEFINE_float("coordinator_timeout_s", 60.0, "Multi-host: seconds to wait for the "
+                   "coordinator and the other processes.")
+
+# Engine, sampling and output flags (generate, demo).
+flags.DEFINE_multi_string("prompt", [], "A prompt (text); repeat the flag for more prompts. "
+                          "The escapes \\n (newline), \\t (tab) and \\\\ (a backslash) are "
+                          "decoded: --prompt='bafu: bapo\\n? bafu:' is two lines.")
+flags.DEFINE_string(
+    "prompts_file", None,
+    'JSONL file of prompts, one JSON object a line: {"prompt": "..."} or '
+    '{"prompt_token_ids": [...]}, with an optional "expected" answer (compared with the first '
+    'line of the output) and an optional "max_tokens".')
+# The defaults are EngineConfig's (tests/hisparse_jax/entrypoints/test_cli.py checks they
+# agree; not imported here so that `--help` does not load jax).
+flags.DEFINE_integer("max_num_seqs", 256, "Most requests running in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 2048,
+                     "Most tokens (prefill chunks + decodes) computed in one step.")
+flags.DEFINE_bool("async_scheduling", True, "Plan and dispatch each step while the previous "
+                  "one runs on the device (tokens come back one step later).")
+flags.DEFINE_bool("compile_in_background", None,
+                  "Run a batch whose step shape is not compiled yet padded to a compiled "
+                  "shape that covers it while its own program compiles in a background "
+                  "thread (no compile stall). Default: on for serve (batches follow "
+                  "arrival times anyway), off for generate and demo (bit-reproducible).")
+flags.DEFINE_integer("max_new_tokens", 16,
+                     "Tokens to generate per prompt (a prompts_file line's max_tokens wins).")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: keep the smallest set of tokens with this "
+                   "much probability mass, in (0, 1].")
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 disables it.")
+flags.DEFINE_multi_string("stop", [], "A stop string: the output ends where its text first "
+                          "contains it (left out of the text); repeat the flag for more.")
+flags.DEFINE_integer("logprobs", None, "Print each generated token's log-probability and the "
+                     "N most likely tokens at its position (0: the token's own only).")
+flags.DEFINE_integer("n", 1, "Completions per prompt, each on its own line [prompt.k]; they "
+                     "share the prompt's KV blocks (one prefill) and differ by their draws "
+                     "(--temperature > 0: vLLM refuses n > 1 when greedy).")
+flags.DEFINE_integer("seed", 0, "Seed of the engine: each request's sampling seed is drawn "
+                     "from it, so a run is reproducible.")
+flags.DEFINE_string("metrics_json", None, "Write the engine metrics (a flat JSON object) here.")
+flags.DEFINE_integer("prometheus_port", None,
+                     "Serve the metrics for Prometheus on 127.0.0.1:PORT while running.")
+flags.DEFINE_integer("log_every_steps", 100,
+                     "Log a status line (requests, KV usage, hit rates, transfer GB/s, "
+                     "tokens/s) every this many engine steps; 0 disables it.")
+# HiSparse (top-k sparse decoding) flags: generate, demo.
+flags.DEFINE_bool("hisparse", False,
+                  "Top-k sparse decoding: decode steps of sequences longer than "
+                  "--sparse_threshold_tokens attend only to the KV blocks the indexer selects.")
+flags.DEFINE_integer("top_k_tokens", None, "HiSparse: tokens (in whole blocks) each sparse "
+                     "decode step attends to, sink and local blocks included. Default: a "
+                     "quarter of --max_model_len in whole blocks (512 at 2,048; at least 4 "
+                     "blocks, at most 2,048 tokens).")
+flags.DEFINE_integer("hot_buffer_tokens", None, "HiSparse: device hot-buffer tokens per sparse "
+                     "sequence (>= --top_k_tokens). Default: 2 x --top_k_tokens.")
+flags.DEFINE_integer("sink_tokens", None, "HiSparse: first tokens always attended (part of the "
+                     "top-k budget). Default: min(64, --top_k_tokens / 8).")
+flags.DEFINE_integer("local_tokens", None, "HiSparse: newest tokens always attended (part of "
+                     "the top-k budget; at least the newest block). Default: min(256, "
+                     "--top_k_tokens / 4).")
+flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
+                     "tokens decode densely. Default: --hot_buffer_tokens.")
+flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
+                  "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
+                  "device and host block (bfloat16: half the bytes of float32, rounded "
+                  "outward so scores stay upper bounds). Default: bfloat16.")
+flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
+flags.DEFINE_integer("demo_context_len", 1026,
+                     "demo: tokens each retrieval prompt fills (at most; whole lines). 1026 is "
+                     "the shortest prompt >= 1024 tokens, the context hisparse-tiny was trained "
+                     "on.")
+flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the retrieval prompts (the trainer "
+                     "and models.eval_retrieval use other seeds).")
+# bench (hisparse_jax.entrypoints.cli.bench); the decode suite also reads --block_size.
+flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_vs_dense, "
+                    "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel) or all.")
+flags.DEFINE_string("out", None, "bench: write the JSON result here.")
+flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
+                  "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
+flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
+                    "against context here (when the decode_sparse_vs_dense suite runs).")
+
+
+# serve (hisparse_jax.entrypoints.cli.serve); it also takes the engine flags of generate.
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
+flags.DEFINE_integer("port", 8000, "serve: the TCP port (0: a free one, logged).")
+flags.DEFINE_string("api_key", None, "serve: when set, /v1/* requests need "
+                    "'Authorization: Bearer KEY' (401 otherwise).")
+flags.DEFINE_string("served_model_name", None, "serve: the model name clients send "
+                    "(default: the --model directory's name, or hisparse-tiny).")
+flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running requests "
+                   "get to finish before they are aborted.")
+
+
+# The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`; a flag of
+# this file given to a command that does not read it is refused (absl's flags are global).
+_MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "host_pool_gib",
+          "max_model_len")
+_ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
+           "compile_in_background", "seed")
+_HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
+             "sparse_threshold_tokens", "bounds_dtype")
+_OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
+_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
+_PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",
+             "coordinator_timeout_s")
+COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
+                 ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
+    "generate": (("prompts", ("prompt", "prompts_file")),
+                 ("sampling", _SAMPLING),
+                 ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
+                 ("parallel", _PARALLEL), ("output", _OUTPUT)),
+    "demo": (("demo", ("demo_num_prompts", "demo_context_len", "demo_seed")),
+             ("sampling", _SAMPLING), ("model and memory", _MODEL), ("engine", _ENGINE),
+             ("HiSparse", _HISPARSE), ("parallel", _PARALLEL), ("output", _OUTPUT)),
+    "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
+    "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
+              ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
+              ("parallel", ("tensor_parallel_size",))),  # (one process: requests reach one host)
+}
+HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
+
+
+def help_text(command: str | None = None) -> str:
+  """`hisparse-jax --help`: the commands; `hisparse-jax COMMAND --help`: that command's
+  flags by group, each with its default and help."""
+  if command not in COMMANDS:
+    return (_usage() + "\n\n`hisparse-jax COMMAND --help` lists a command's flags; "
+            "`--helpfull` lists every flag (absl's included).")
+  lines = [f"usage: hisparse-jax {command} [--flags]", "", COMMANDS[command][1]]
+  for group, names in COMMAND_FLAGS.get(command, ()):
+    lines += ["", f"{group}:"]
+    for name in names:
+      flag = FLAGS[name]
+      default = flag.default
+      shown = ("none" if default is None else str(default).lower()
+               if isinstance(default, bool) else str(default))
+      lines.append(f"  --{'[no]' if isinstance(default, bool) else ''}{name} "
+                   f"(default: {shown})")
+      lines.append(f"      {flag.help.split(';' + chr(10))[0]}")  # (not absl's list note)
+  return "\n".join(lines)
+
+
+class UsageError(ValueError):
+  """Bad input from the command line; reported as one line, exit status 2."""
+
+
+def _usage() -> str:
+  lines = ["usage: hisparse-jax COMMAND [--flags]", "commands:"]
+  for name, (_, help_text) in sorted(COMMANDS.items()):
+    lines.append(f"  {name:<10} {help_text}")
+  return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> int:
+  if len(argv) < 2:
+    print(_usage(), file=sys.stderr)
+    return 2
+  name, rest = argv[1], argv[2:]
+  if name not in COMMANDS:
+    print(f"hisparse-jax: unknown command {name!r}; choose one of: "
+          f"{', '.join(sorted(COMMANDS))}", file=sys.stderr)
+    return 2
+  if rest:
+    print(f"hisparse-jax {name}: unexpected argument {rest[0]!r}", file=sys.stderr)
+    return 2
+  unread = unread_flags(name)
+  if unread:
+    print(f"hisparse-jax {name}: error: {', '.join('--' + f for f in unread)} "
+          f"{'is not a flag' if len(unread) == 1 else 'are not flags'} of {name} (ignored "
+          f"there); `hisparse-jax {name} --help` lists its flags", file=sys.stderr)
+    return 2
+  module = importlib.import_module(COMMANDS[name][0])
+  try:
+    _join_processes(name)
+    return int(module.main(argv[1:]) or 0)
+  except ValueError as e:  # bad input: one line, exit 2; the traceback only when verbose
+    if logging.get_verbosity() >= logging.DEBUG:
+      traceback.print_exc()
+    print(f"hisparse-jax {name}: error: {error_line(e)}", file=sys.stderr)
+    return 2
+
+
+def command_flags(command: str) -> set[str]:
+  """The flags of this file that `command` reads."""
+  return {n for _, names in COMMAND_FLAGS.get(command, ()) for n in names}
+
+
+def unread_flags(command: str) -> list[str]:
+  """Flags of this file given on the command line that `command` does not read (absl's
+  own flags, --verbosity and the like, are every command's)."""
+  ours = [f.name for f in FLAGS.get_flags_for_module(sys.modules[__name__])]
+  return sorted(n for n in ours if FLAGS[n].present and n not in command_flags(command))
+
+
+def _join_processes(command: str) -> None:
+  """Multi-host (--coordinator_address or --num_processes > 1): joins the other
+  processes before any command touches jax; processes other than 0 run silently (they
+  compute the same steps; process 0 writes the results)."""
+  if FLAGS.coordinator_address is None and FLAGS.num_processes == 1:
+    return
+  from hisparse_jax.distributed import parallel  # noqa: PLC0415 (imports jax)
+
+  if FLAGS.coordinator_address is None:
+    raise ValueError(f"--num_processes={FLAGS.num_processes} needs --coordinator_address")
+  if command in ("serve", "bench"):  # every process must see the same requests
+    raise ValueError(f"--coordinator_address: {command} runs on one process (requests reach "
+                     "one host); generate, demo and capacity run on several")
+  parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                  FLAGS.process_id, FLAGS.coordinator_timeout_s)
+  if FLAGS.process_id != 0:
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+
+
+def error_line(error: ValueError) -> str:
+  """The one line a bad-input error is reported as. A checkpoint the loader refuses is
+  the --model flag's fault (its message names the file and tensor)."""
+  loader = sys.modules.get("models.loader")  # not loaded: the error cannot come from it
+  message = " ".join(str(error).split())
+  if loader is not None and isinstance(error, loader.CheckpointError):
+    return f"--model: {message}"
+  return message
+
+
+def helpfull_text() -> str:
+  """`--helpfull`: the commands, then every flag by module, the project's first."""
+  modules = FLAGS.flags_by_module_dict()
+  ours = sorted(m for m in modules if m.split(".")[0] in ("hisparse_jax", "kernels_pallas",
+                                                          "models", "configs"))
+  others = sorted(set(modules) - set(ours))
+  return "\n\n".join([_usage()] + [FLAGS.module_help(m) for m in ours + others])
+
+
+def run() -> None:
+  """Console-script entry point."""
+  if "--helpfull" in sys.argv[1:]:  # absl's own --helpfull exits 1, its flags first
+    print(helpfull_text())
+    sys.exit(0)
+  if any(a in HELP_FLAGS for a in sys.argv[1:]):  # help on stdout, exit 0
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    print(help_text(command))
+    sys.exit(0)
+
+  def main(argv):
+    sys.exit(_main(argv))
+  # jax logs at INFO that it found no TPU library on every start: not this tool's news.
+  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+  app.run(main, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f"hisparse-jax: error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,486 @@
+"""An OpenAI-compatible HTTP API over `AsyncEngine` (FastAPI, as vLLM's server).
+
+    POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with
+                                                  "stream": true, then "data: [DONE]")
+    GET  /v1/models, /health, /metrics            (metrics: the engine's Prometheus registry)
+    POST /tokenize, /detokenize                   (vLLM's extras)
+
+Request fields map onto `SamplingParams` by vLLM's names (n, temperature, top_p, stop,
+seed, max_tokens, logprobs, penalties, and vLLM's extra fields top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens). Errors are OpenAI's shape, {"error": {"message", "type", "param",
+"code"}}: 400 naming the field for a bad field or an oversize prompt, 404 for an unknown
+model (vLLM's, and OpenAI's), 401 without the key when one is set, 503 while the engine
+is not running; never a traceback. A stream whose client disconnects is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fastapi
+import prometheus_client
+import pydantic
+from absl import logging
+from fastapi import responses
+from fastapi.exceptions import RequestValidationError
+
+from hisparse_jax.engine.request import CompletionOutput, RequestOutput
+from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
+from hisparse_jax.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+
+# SamplingParams fields a request may set by vLLM's names (beyond the OpenAI ones).
+EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos",
+                "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+
+
+class APIError(Exception):
+  def __init__(self, status: int, message: str, param: str | None = None,
+               err_type: str = "BadRequestError"):
+    super().__init__(message)
+    self.status, self.message, self.param, self.err_type = status, message, param, err_type
+
+
+def _error(status: int, message: str, param: str | None = None,
+           err_type: str = "BadRequestError") -> responses.JSONResponse:
+  return responses.JSONResponse(
+      {"error": {"message": message, "type": err_type, "param": param, "code": status}},
+      status_code=status)
+
+
+class StreamOptions(pydantic.BaseModel):
+  include_usage: bool = False
+
+
+class _Sampling(pydantic.BaseModel):
+  """The fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+  model_config = pydantic.ConfigDict(extra="ignore")
+
+  model: str | None = None
+  n: int = 1
+  temperature: float | None = None  # None: 1.0 (OpenAI's and vLLM's default)
+  top_p: float | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  user: str | None = None
+  top_k: int | None = None
+  min_p: float | None = None
+  min_tokens: int = 0
+  repetition_penalty: float | None = None
+  ignore_eos: bool = False
+  stop_token_ids: list[int] | None = None
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+
+  def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                      kind: RequestOutputKind) -> SamplingParams:
+    kwargs: dict[str, Any] = dict(
+        n=self.n, max_tokens=max_tokens, logprobs=logprobs, seed=self.seed,
+        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+        stop=self.stop or (), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+        stop_token_ids=self.stop_token_ids or (),
+        include_stop_str_in_output=self.include_stop_str_in_output,
+        skip_special_tokens=self.skip_special_tokens, output_kind=kind)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+      if getattr(self, name) is not None:
+        kwargs[name] = getattr(self, name)
+    try:
+      return SamplingParams(**kwargs)
+    except ValueError as e:  # "max_tokens must be >= 1, got -3": the field leads
+      field = str(e).split(" ", 1)[0]
+      raise APIError(400, str(e), field if field in type(self).model_fields
+                     or field == "max_tokens" else None) from None
+
+
+class CompletionRequest(_Sampling):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16
+  logprobs: int | None = None
+  echo: bool = False
+
+
+class ChatMessage(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  role: str
+  content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Sampling):
+  messages: list[ChatMessage]
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: int | None = None
+  add_generation_prompt: bool = True
+  chat_template: str | None = None
+  chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(pydantic.BaseModel):
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = None
+  add_special_tokens: bool = True
+  add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+  model: str | None = None
+  tokens: list[int]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _text_logprobs(completion: CompletionOutput, tokenizer, offset: int) -> dict | None:
+  """The completions API's logprobs object for `completion`'s tokens (legacy shape)."""
+  if completion.logprobs is None:
+    return None
+  tokens, token_lps, top, offsets = [], [], [], []
+  for token, position in zip(completion.token_ids, completion.logprobs):
+    text = _token_text(tokenizer, token, position)
+    tokens.append(text)
+    token_lps.append(position[token].logprob)
+    top.append({_token_text(tokenizer, t, position): lp.logprob for t, lp in position.items()})
+    offsets.append(offset)
+    offset += len(text)
+  return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top,
+          "text_offset": offsets}
+
+
+def _chat_logprobs(completion: CompletionOutput, tokenizer, num_top: int) -> dict | None:
+  """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+  if completion.logprobs is None:
+    return None
+  content = []
+  for token, position in zip(completion.token_ids, completion.logprobs):
+    top = sorted(position.items(), key=lambda kv: kv[1].rank)[:num_top]
+    text = _token_text(tokenizer, token, position)
+    content.append({
+        "token": text, "logprob": position[token].logprob,
+        "bytes": list(text.encode()),
+        "top_logprobs": [{"token": _token_text(tokenizer, t, position), "logprob": lp.logprob,
+                          "bytes": list(_token_text(tokenizer, t, position).encode())}
+                         for t, lp in top]})
+  return {"content": content}
+
+
+def _token_text(tokenizer, token: int, position) -> str:
+  entry = position.get(token)
+  if entry is not None and entry.decoded_token is not None:
+    return entry.decoded_token
+  return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+  """(stream index, output) from several streams as they come. However it ends (done,
+  failed, or closed early by a client that left), every stream is closed: a request
+  still running is aborted."""
+  try:
+    if len(streams) == 1:
+      async for out in streams[0]:
+        yield 0, out
+      return
+    async for item in _merge_many(streams):
+      yield item
+  finally:
+    for stream in streams:
+      stream.close()
+
+
+async def _merge_many(streams):
+  queue: asyncio.Queue = asyncio.Queue()
+
+  async def pump(i, stream):
+    try:
+      async for out in stream:
+        await queue.put((i, out))
+      await queue.put((i, None))
+    except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+      await queue.put((i, e))
+
+  tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+  try:
+    left = len(tasks)
+    while left:
+      i, item = await queue.get()
+      if item is None:
+        left -= 1
+      elif isinstance(item, BaseException):
+        raise item
+      else:
+        yield i, item
+  finally:
+    for task in tasks:
+      task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | None = None,
+              max_model_len: int) -> fastapi.FastAPI:
+  """The FastAPI app over a started `AsyncEngine`."""
+  app = fastapi.FastAPI(title="hisparse-jax", docs_url=None, redoc_url=None)
+  app.state.draining = False
+  tokenizer = engine.engine.tokenizer
+  created = int(time.time())
+
+  @app.exception_handler(RequestValidationError)
+  async def _invalid(_request, exc: RequestValidationError):
+    first = exc.errors()[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+      return _error(400, f"the request body is not valid JSON: {first.get('msg')}")
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    return _error(400, f"{where}: {first.get('msg')}", param)
+
+  @app.exception_handler(APIError)
+  async def _api_error(_request, exc: APIError):
+    return _error(exc.status, exc.message, exc.param, exc.err_type)
+
+  @app.exception_handler(Exception)
+  async def _unexpected(_request, exc: Exception):
+    logging.exception("request failed")
+    return _error(500, f"internal error ({type(exc).__name__})", None, "InternalServerError")
+
+  @app.middleware("http")
+  async def _gate(request: fastapi.Request, call_next):
+    path = request.url.path
+    guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+    if api_key is not None and guarded:
+      if request.headers.get("authorization") != f"Bearer {api_key}":
+        return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
+                      "AuthenticationError")
+    if path != "/metrics" and (app.state.draining or not engine.is_running):
+      message = ("the server is shutting down" if app.state.draining
+                 else "the engine is not running")
+      return _error(503, message, None, "ServiceUnavailableError")
+    return await call_next(request)
+
+  def check_model(name: str | None) -> None:
+    if name is not None and name != served_model_name:
+      raise APIError(404, f"The model `{name}` does not exist.", "model", "NotFoundError")
+
+  @app.get("/health")
+  async def health():
+    return responses.Response(status_code=200)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{
+        "id": served_model_name, "object": "model", "created": created,
+        "owned_by": "hisparse-jax", "root": served_model_name, "max_model_len": max_model_len}]}
+
+  @app.get("/metrics")
+  async def metrics():
+    await asyncio.get_running_loop().run_in_executor(None, engine.refresh_metrics)
+    registry = engine.engine.metrics_registry.prometheus_registry
+    return responses.Response(prometheus_client.generate_latest(registry),
+                              media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  @app.post("/tokenize")
+  async def tokenize(body: TokenizeRequest):
+    check_model(body.model)
+    if body.messages is not None:
+      text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
+      ids = tokenizer.encode(text, add_special_tokens=False)
+    elif body.prompt is not None:
+      ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+      raise APIError(400, "give prompt or messages", "prompt")
+    return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+  @app.post("/detokenize")
+  async def detokenize(body: DetokenizeRequest):
+    check_model(body.model)
+    vocab = engine.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+      raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                     "tokens")
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+  async def start(request_id: str, prompts: list[dict], sp: SamplingParams, param: str
+                  ) -> list[RequestStream]:
+    """One engine request per prompt, all added (and so checked) before any output; a
+    bad one ends those added before it."""
+    streams = []
+    try:
+      for i, prompt in enumerate(prompts):
+        streams.append(await engine.add_request(f"{request_id}-{i}", sp, **prompt))
+    except (ValueError, EngineDeadError) as e:
+      for stream in streams:
+        stream.close()
+      if isinstance(e, EngineDeadError):
+        raise APIError(503, str(e), None, "ServiceUnavailableError") from None
+      raise APIError(400, str(e), param) from None
+    except BaseException:
+      for stream in streams:
+        stream.close()
+      raise
+    return streams
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, raw: fastapi.Request):
+    check_model(body.model)
+    if body.echo:
+      raise APIError(400, "echo is not supported", "echo")
+    prompts = _completion_prompts(body.prompt)
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    sp = body.sampling_params(body.max_tokens, body.logprobs, kind)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await start(request_id, prompts, sp, "prompt")
+    name = body.model or served_model_name
+    if body.stream:
+      return _sse(_completion_stream(streams, request_id, name, body, tokenizer))
+    return await _completion_response(streams, request_id, name, body.n, tokenizer)
+
+  @app.post("/v1/chat/completions")
+  async def chat(body: ChatRequest, raw: fastapi.Request):
+    check_model(body.model)
+    if tokenizer is None:
+      raise APIError(400, "this model has no tokenizer (chat needs one)", "model")
+    text = _render_chat(tokenizer, body.messages, body.add_generation_prompt,
+                        body.chat_template, body.chat_template_kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    num_top = body.top_logprobs or 0
+    if body.top_logprobs is not None and not body.logprobs:
+      raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                  else body.max_tokens)
+    sp = body.sampling_params(max_tokens, num_top if body.logprobs else None, kind)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await start(request_id, [dict(prompt=text, prompt_token_ids=ids)], sp,
+                          "messages")
+    name = body.model or served_model_name
+    if body.stream:
+      return _sse(_chat_stream(streams, request_id, name, body, tokenizer, num_top))
+    return await _chat_response(streams, request_id, name, tokenizer, num_top)
+
+  return app
+
+
+def _render_chat(tokenizer, messages, add_generation_prompt, chat_template=None,
+                 kwargs=None) -> str:
+  import jinja2  # noqa: PLC0415
+
+  conversation = [m.model_dump(exclude_none=True) for m in messages]
+  try:
+    return tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **(kwargs or {}))
+  except (jinja2.TemplateError, TypeError, KeyError) as e:
+    raise APIError(400, f"messages: chat template: {e}", "messages") from None
+
+
+def _completion_prompts(prompt) -> list[dict]:
+  """The request's prompts as engine arguments: text, or token ids (OpenAI's forms)."""
+  if isinstance(prompt, str):
+    return [dict(prompt=prompt)]
+  if not prompt:
+    raise APIError(400, "prompt is empty", "prompt")
+  if all(isinstance(p, int) for p in prompt):
+    return [dict(prompt_token_ids=prompt)]
+  return [dict(prompt=p) if isinstance(p, str) else dict(prompt_token_ids=p) for p in prompt]
+
+
+def _sse(events: AsyncIterator[dict]) -> responses.StreamingResponse:
+  """Server-sent events. A client that disconnects cancels this body: closing `events`
+  closes the request streams under it, which aborts their requests."""
+  async def body():
+    try:
+      async for event in events:
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+      yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 (the engine died mid-stream: say so, then end)
+      error = {"message": str(e), "type": "ServiceUnavailableError", "param": None,
+               "code": 503}
+      yield f"data: {json.dumps({'error': error})}\n\n"
+    finally:
+      await events.aclose()
+  return responses.StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _completion_response(streams, request_id, name, n, tokenizer) -> dict:
+  choices, prompt_tokens, completion_tokens = [], 0, 0
+  async for i, out in _merge(streams):
+    prompt_tokens += len(out.prompt_token_ids)
+    for c in out.outputs:
+      completion_tokens += len(c.token_ids)
+      choices.append({"index": i * n + c.index, "text": c.text,
+                      "logprobs": _text_logprobs(c, tokenizer, 0),
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+      _raise_failed(out)
+  choices.sort(key=lambda c: c["index"])
+  return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+          "model": name, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+async def _completion_stream(streams, request_id, name, body, tokenizer):
+  created = int(time.time())
+  prompt_tokens, completion_tokens, offsets = {}, 0, {}
+  async for i, out in _merge(streams):
+    prompt_tokens[i] = len(out.prompt_token_ids)
+    for c in out.outputs:
+      index = i * body.n + c.index
+      completion_tokens += len(c.token_ids)
+      logprobs = _text_logprobs(c, tokenizer, offsets.get(index, 0))
+      offsets[index] = offsets.get(index, 0) + len(c.text)
+      yield {"id": request_id, "object": "text_completion", "created": created,
+             "model": name, "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
+                                         "finish_reason": c.finish_reason,
+                                         "stop_reason": c.stop_reason}]}
+  if body.stream_options is not None and body.stream_options.include_usage:
+    yield {"id": request_id, "object": "text_completion", "created": created, "model": name,
+           "choices": [], "usage": _usage(sum(prompt_tokens.values()), completion_tokens)}
+
+
+async def _chat_response(streams, request_id, name, tokenizer, num_top) -> dict:
+  outputs = [out async for _, out in _merge(streams)]  # (FINAL_ONLY: the finished one)
+  out = outputs[-1]
+  _raise_failed(out)
+  choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+              "logprobs": _chat_logprobs(c, tokenizer, num_top),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+             for c in out.outputs]
+  return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+          "model": name, "choices": choices,
+          "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+
+
+async def _chat_stream(streams, request_id, name, body, tokenizer, num_top):
+  created = int(time.time())
+  chunk = lambda choices: {"id": request_id, "object": "chat.completion.chunk",
+                           "created": created, "model": name, "choices": choices}
+  yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None} for i in range(body.n)])
+  prompt_tokens, completion_tokens = 0, 0
+  async for _, out in _merge(streams):
+    prompt_tokens = len(out.prompt_token_ids)
+    for c in out.outputs:
+      completion_tokens += len(c.token_ids)
+      yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                    "logprobs": _chat_logprobs(c, tokenizer, num_top),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+  if body.stream_options is not None and body.stream_options.include_usage:
+    yield {**chunk([]), "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def _raise_failed(out: RequestOutput) -> None:
+  if out is not None and out.error is not None:
+    raise APIError(500, f"the request failed in the engine: {out.error}", None,
+                   "InternalServerError")

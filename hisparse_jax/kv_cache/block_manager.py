@@ -1,0 +1,344 @@
+"""Block tables of sequences over two KV tiers: the BlockManager.
+
+The BlockManager owns which KV blocks each sequence holds: device block tables in
+attention order, the host blocks of sequences swapped out, prefix-cache lookups in
+both tiers, copy-on-write of shared blocks, and the plans of the block moves that
+follow from these decisions. It is host bookkeeping only (plain Python and numpy):
+the engine executes the plans with the TransferEngine and the jitted step.
+
+    sequence A (device)      table [3, 4, 7]   tokens 0..15 | 16..31 | 32..40
+                                      |  |  `-- partial: never cached, copied on write
+                                      `--`----- full: chained hash, shareable
+    device pool  [0=null][1][2][3][4][5][6][7] ...
+                            swap_out |  ^  swap_in, host prefix hit
+                                      v  |
+    host pool    [0=null][1][2][3][4] ...
+    sequence B (swapped out)  host table [2, 4]   (device table empty)
+
+A block's tier-local life (FREE -> OWNED -> CACHED -> evicted) is described in
+`hisparse_jax.kv_cache.block_pool`. Across tiers, a block's content moves:
+- device -> host: `swap_out(seq)` (preemption by swapping, not recomputing) and
+  `write_through(seq)` (HiSparse host copies, below);
+- host -> device: `swap_in(seq)` and host-tier prefix hits in `allocate`.
+
+The BlockManager is assembled from one module per concern (all host bookkeeping):
+
+    block_manager.py        sequences and their tables: allocate / append / fork / free,
+                            the queries the scheduler and runner read (this file)
+    seq_state.py            SeqState: one sequence's blocks; PENDING_TOKEN
+    prefix_cache.py         PrefixCacheMixin: chained hashes, lookups in both tiers
+    tier_moves.py           TierMovesMixin: swap-out / swap-in plans, host pins, and the
+                            plan contract of one engine step
+    hisparse_placement.py   HiSparsePlacementMixin: write-through, offload, hot slots
+    block_invariants.py     BlockInvariantsMixin: check_invariants
+    block_plans.py          the plans it returns
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from hisparse_jax.kv_cache.block_invariants import BlockInvariantsMixin
+from hisparse_jax.kv_cache.block_plans import (  # noqa: F401 (re-exported)
+    AllocateResult,
+    AppendResult,
+    SwapInPlan,
+    SwapOutPlan,
+    as_block_ids,
+)
+from hisparse_jax.kv_cache.block_pool import BlockPool
+from hisparse_jax.kv_cache.hisparse_placement import HiSparsePlacementMixin
+from hisparse_jax.kv_cache.kv_pool import NULL_BLOCK_ID
+from hisparse_jax.kv_cache.prefix_cache import PrefixCacheMixin
+from hisparse_jax.kv_cache.seq_state import PENDING_TOKEN, SeqState
+from hisparse_jax.kv_cache.tier_mover import TierMovesMixin
+
+__all__ = ["PENDING_TOKEN", "AllocateResult", "AppendResult", "BlockManager", "SwapInPlan",
+           "SwapOutPlan"]
+
+
+class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
+                   BlockInvariantsMixin):
+  """Tiered block manager: device blocks for running sequences, host blocks for the rest.
+
+  Invariants (checked by `check_invariants`):
+  - both pools hold their own invariants (`BlockPool`);
+  - a resident sequence holds cdiv(num_tokens, block_size) table entries, each a device
+    block, except that an offloaded sequence (hot slots allocated) may hold the null
+    block for a block with a host copy (dropped; the last block only when full); it also
+    holds its `host_ids` (written-through host copies of its leading blocks) and
+    `hot_slots`; a swapped-out sequence holds cdiv(num_tokens, block_size) host blocks
+    and no device block;
+  - a device block's ref_cnt equals the resident table entries and hot slots naming it;
+    a host block's ref_cnt equals the swapped table entries and `host_ids` naming it
+    plus the pins of this step's transfers;
+  - the null block appears in no table otherwise;
+  - a block carries a hash only once it is full and its KV is computed (or computed
+    in the step that cached it), and the hash is that of the sequence's tokens up to
+    it, so a prefix hit never changes what attention reads.
+  Prefix lookups: `prefix_cache`. Moves between tiers and the plan contract:
+  `tier_moves`. HiSparse write-through and offload: `hisparse_placement`.
+  """
+
+  def __init__(
+      self,
+      num_device_blocks: int,
+      num_host_blocks: int,
+      block_size: int,
+      *,
+      enable_prefix_caching: bool = True,
+  ):
+    if block_size <= 0:
+      raise ValueError(f"block_size must be positive, got {block_size}")
+    self.block_size = block_size
+    self.enable_prefix_caching = enable_prefix_caching
+    self.device_pool = BlockPool(num_device_blocks, "device")
+    self.host_pool = BlockPool(num_host_blocks, "pinned_host")
+    self._seqs: dict[Hashable, SeqState] = {}
+    self._pinned_host_groups: list[list[int]] = []
+
+  @property
+  def pools(self) -> dict[str, BlockPool]:
+    """The two tiers by memory kind."""
+    return {"device": self.device_pool, "pinned_host": self.host_pool}
+
+  # --- Queries -------------------------------------------------------------------
+
+  def __contains__(self, seq_id: Hashable) -> bool:
+    return seq_id in self._seqs
+
+  @property
+  def seq_ids(self) -> list[Hashable]:
+    return list(self._seqs)
+
+  def _seq(self, seq_id: Hashable) -> SeqState:
+    if seq_id not in self._seqs:
+      raise ValueError(f"unknown sequence {seq_id!r}")
+    return self._seqs[seq_id]
+
+  def _resident(self, seq_id: Hashable) -> SeqState:
+    seq = self._seq(seq_id)
+    if seq.swapped:
+      raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+    return seq
+
+  def num_tokens(self, seq_id: Hashable) -> int:
+    return len(self._seq(seq_id).token_ids)
+
+  def token_ids(self, seq_id: Hashable) -> list[int]:
+    return list(self._seq(seq_id).token_ids)
+
+  def is_swapped(self, seq_id: Hashable) -> bool:
+    return self._seq(seq_id).swapped
+
+  def num_cached_tokens(self, seq_id: Hashable) -> int:
+    return self._seq(seq_id).num_cached_tokens
+
+  def block_table(self, seq_id: Hashable) -> list[int]:
+    """Device block ids of a resident sequence, in attention order (the null block 0
+    for blocks an offloaded sequence dropped)."""
+    return list(self._resident(seq_id).block_ids)
+
+  def host_block_table(self, seq_id: Hashable) -> list[int]:
+    """Host block ids of a swapped-out sequence, in attention order."""
+    seq = self._seq(seq_id)
+    if not seq.swapped:
+      raise ValueError(f"sequence {seq_id!r} is resident on the device")
+    return list(seq.block_ids)
+
+  def num_table_blocks(self, seq_id: Hashable) -> int:
+    """Entries of a resident sequence's device table (O(1))."""
+    return len(self._resident(seq_id).block_ids)
+
+  def block_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
+    """[num_seqs, max_num_blocks] int32 device tables, padded with the null block.
+
+    Rows are copied from each sequence's numpy mirror, so a step costs O(batch) Python
+    work whatever the contexts' lengths."""
+    tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
+    for row, seq_id in enumerate(seq_ids):
+      table = self._table_row(self._resident(seq_id))
+      if len(table) > max_num_blocks:
+        raise ValueError(
+            f"sequence {seq_id!r} has {len(table)} blocks > max_num_blocks={max_num_blocks}")
+      tables[row, :len(table)] = table
+    return tables
+
+  @staticmethod
+  def _table_row(seq: SeqState) -> np.ndarray:
+    """`seq.block_ids` as int32 numpy (a view of the mirror): entries appended since the
+    last call are copied into it; a replaced entry (`table_version`) rewrites it."""
+    n = len(seq.block_ids)
+    mirror = seq.mirror
+    if mirror is None or len(mirror) < n:
+      grown = np.zeros(max(16, 2 * n), np.int32)
+      if mirror is not None and seq.mirror_version == seq.table_version:
+        grown[:seq.mirror_len] = mirror[:seq.mirror_len]
+      seq.mirror = mirror = grown
+    if seq.mirror_version != seq.table_version or seq.mirror_len > n:
+      seq.mirror_len, seq.mirror_version = 0, seq.table_version
+    if seq.mirror_len < n:
+      mirror[seq.mirror_len:n] = seq.block_ids[seq.mirror_len:n]
+      seq.mirror_len = n
+    return mirror[:n]
+
+  def slot_ids(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+    """[end - start] int32 slots (block_id * block_size + offset) of token positions."""
+    block_ids = self._resident(seq_id).block_ids
+    positions = np.arange(start, end)
+    if start < 0 or end > len(block_ids) * self.block_size:
+      raise ValueError(f"positions [{start}, {end}) outside the blocks of {seq_id!r}")
+    table = np.asarray(block_ids, dtype=np.int64)
+    if np.any(table[positions // self.block_size] == NULL_BLOCK_ID):
+      raise ValueError(f"positions [{start}, {end}) of {seq_id!r} fall in dropped blocks")
+    return (table[positions // self.block_size] * self.block_size
+            + positions % self.block_size).astype(np.int32)
+
+  def _num_blocks(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.block_size)
+
+  # --- New sequences -------------------------------------------------------------
+
+  def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None, *,
+                   read_cache: bool = True) -> bool:
+    """Whether `allocate` of this prompt would find enough device blocks."""
+    hits = (self._prefix_hits(self._hashes(token_ids, extra_keys), len(token_ids), count=False)
+            if read_cache else [])
+    device_hit_ids = [i for kind, i in hits if kind == "device"]
+    need = self._num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
+    return need <= self.device_pool.num_free_blocks
+
+  def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
+               extra_keys: tuple | None = None, *,
+               num_new_tokens: int | None = None, read_cache: bool = True) -> AllocateResult:
+    """Device blocks for a new sequence's prompt, reusing cached prefix blocks.
+
+    Device hits are shared (ref_cnt += 1); host hits get a new device block and an
+    entry in the returned swap-in plan. `num_new_tokens`: prompt tokens after the
+    cached prefix whose KV this step computes (one chunk of a chunked prefill), None
+    for all of them. Only blocks that are full within the cached prefix plus these
+    tokens are cached for prefix hits: a later request must never hit a block whose KV
+    is not computed yet. Call `cache_blocks` as the next chunks are scheduled.
+    `read_cache` False: no prefix hits (the whole prompt is computed; its full blocks are
+    still cached for later requests).
+    """
+    if seq_id in self._seqs:
+      raise ValueError(f"sequence {seq_id!r} already has blocks")
+    if len(token_ids) == 0:
+      raise ValueError(f"sequence {seq_id!r} has no tokens")
+    token_ids = [int(t) for t in token_ids]
+    hashes = self._hashes(token_ids, extra_keys)
+    if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache):
+      raise ValueError(
+          f"cannot allocate {seq_id!r}: {self._num_blocks(len(token_ids))} blocks needed, "
+          f"{self.device_pool.num_free_blocks} device blocks free")
+    hits = self._prefix_hits(hashes, len(token_ids), count=True) if read_cache else []
+    num_blocks = self._num_blocks(len(token_ids))
+    device_hit_ids = [i for kind, i in hits if kind == "device"]
+    self.device_pool.touch(device_hit_ids)  # Before allocating, so they are not evicted.
+    new_ids = iter(self.device_pool.allocate(num_blocks - len(device_hit_ids)))
+    block_ids, host_src, device_dst = [], [], []
+    for i in range(num_blocks):
+      kind, hit_id = hits[i] if i < len(hits) else (None, None)
+      if kind == "device":
+        block_ids.append(hit_id)
+        continue
+      block_id = next(new_ids)
+      block_ids.append(block_id)
+      if kind == "pinned_host":
+        host_src.append(hit_id)
+        device_dst.append(block_id)
+    self._pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
+    num_cached_tokens = len(hits) * self.block_size
+    seq = SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens)
+    self._seqs[seq_id] = seq
+    num_computed = len(token_ids) if num_new_tokens is None else num_new_tokens
+    self._cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
+    return AllocateResult(
+        block_ids=as_block_ids(block_ids),
+        num_cached_tokens=num_cached_tokens,
+        slot_ids=self.slot_ids(seq_id, num_cached_tokens, len(token_ids)),
+        swap_in=SwapInPlan(as_block_ids(host_src), as_block_ids(device_dst)))
+
+  # --- Decoding ------------------------------------------------------------------
+
+  def _needs_new_block(self, seq: SeqState) -> bool:
+    if len(seq.token_ids) % self.block_size == 0:
+      return True
+    return self.device_pool.ref_cnt(seq.block_ids[-1]) > 1  # Shared: copy-on-write.
+
+  def can_append(self, seq_id: Hashable) -> bool:
+    """Whether `append_slot` would find the device block it may need."""
+    seq = self._resident(seq_id)
+    return self.device_pool.num_free_blocks >= self._needs_new_block(seq)
+
+  def append_slot(self, seq_id: Hashable, token_id: int) -> AppendResult:
+    """Adds one token; a new block when the last is full, a private copy when shared."""
+    seq = self._resident(seq_id)
+    needs_block = self._needs_new_block(seq)
+    if needs_block and self.device_pool.num_free_blocks < 1:
+      raise ValueError(f"cannot append to {seq_id!r}: no free device block")
+    position = len(seq.token_ids)
+    copy = None
+    if position % self.block_size == 0:
+      seq.block_ids.extend(self.device_pool.allocate(1))
+    elif needs_block:
+      src_id = seq.block_ids[-1]
+      (dst_id,) = self.device_pool.allocate(1)
+      self.device_pool.free([src_id])
+      seq.block_ids[-1] = dst_id
+      seq.replaced_blocks()
+      copy = (src_id, dst_id)
+    if token_id == PENDING_TOKEN:
+      if seq.pending is not None:
+        raise ValueError(f"{seq_id!r} already has a pending token at {seq.pending}")
+      seq.pending = position
+    seq.token_ids.append(int(token_id))
+    self._cache_full_blocks(seq, len(seq.token_ids))
+    slot_id = seq.block_ids[-1] * self.block_size + position % self.block_size
+    return AppendResult(slot_id=slot_id, copy=copy)
+
+  def pending_position(self, seq_id: Hashable) -> int | None:
+    """Position of the sequence's pending token (None: none, or no such sequence)."""
+    seq = self._seqs.get(seq_id)
+    return None if seq is None else seq.pending
+
+  def set_token(self, seq_id: Hashable, position: int, token_id: int) -> None:
+    """Fills in the pending token at `position` (appended as PENDING_TOKEN) once it is
+    known; its block is cached then if it is full (its K/V is computed by the step that
+    was planned with it, which runs before any later step that could hit it)."""
+    seq = self._seq(seq_id)
+    if seq.pending != position:
+      raise ValueError(f"{seq_id!r} has no pending token at {position} (pending: "
+                       f"{seq.pending})")
+    seq.token_ids[position] = int(token_id)
+    seq.pending = None
+    if not seq.swapped:
+      self._cache_full_blocks(seq, len(seq.token_ids))
+
+  def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+    """The child shares all of the parent's device blocks (ref_cnt += 1 each)."""
+    parent = self._resident(parent_id)
+    if child_id in self._seqs:
+      raise ValueError(f"sequence {child_id!r} already has blocks")
+    if parent.offloaded:
+      raise ValueError(f"sequence {parent_id!r} is offloaded (HiSparse); it cannot be forked")
+    if parent.pending is not None:
+      raise ValueError(f"sequence {parent_id!r} has a pending token; fork it once it is known")
+    self.device_pool.touch(parent.block_ids)
+    self._seqs[child_id] = SeqState(
+        list(parent.token_ids), list(parent.block_ids), list(parent.block_hashes),
+        parent.extra_keys, num_cached_tokens=parent.num_cached_tokens)
+
+  def free(self, seq_id: Hashable) -> None:
+    """Drops a finished sequence's blocks, tail first (its full blocks stay cached)."""
+    self._seq(seq_id)
+    seq = self._seqs.pop(seq_id)
+    if seq.swapped:
+      self.host_pool.free(reversed(seq.block_ids))
+      return
+    self.device_pool.free(reversed(seq.hot_slots))
+    self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
+    self.host_pool.free(reversed(seq.host_ids))

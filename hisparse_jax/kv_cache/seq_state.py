@@ -1,0 +1,53 @@
+"""One sequence's blocks as the block manager keeps them (host bookkeeping only).
+
+`SeqState` is the record every part of the BlockManager reads and writes: its tokens,
+its block table in the tier it lives in, the hashes of its cached blocks, its HiSparse
+host copies and hot-buffer slots, and the numpy mirror of its table that step arrays
+are copied from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hisparse_jax.kv_cache.kv_hash import BlockHash
+
+# The token id of a slot appended before its token is known (the engine's steps overlap:
+# a decode is planned while the token it computes is still being sampled); `set_token`
+# fills it in. A block holding a pending token is not hashed (cached) until then.
+PENDING_TOKEN = -1
+
+
+@dataclasses.dataclass
+class SeqState:
+  """A sequence's blocks (see BlockManager for the invariants)."""
+
+  token_ids: list[int]
+  block_ids: list[int]  # device ids when resident, host ids when swapped out
+  block_hashes: list[BlockHash]  # one per full block whose KV is computed (and cached)
+  extra_keys: tuple | None
+  swapped: bool = False
+  num_cached_tokens: int = 0
+  # HiSparse (resident sequences only): host copy of each leading full, computed block
+  # (written through; owned), and the device blocks of the hot buffer once offloaded.
+  host_ids: list[int] = dataclasses.field(default_factory=list)
+  hot_slots: list[int] = dataclasses.field(default_factory=list)
+  # The numpy mirror of `block_ids` that step arrays are copied from (see `_table_row`):
+  # `table_version` changes whenever an entry of `block_ids` is replaced (appends do not
+  # change it); the mirror is valid for `mirror_version` and its first `mirror_len`
+  # entries.
+  pending: int | None = None  # position of the PENDING_TOKEN in token_ids, if any
+  table_version: int = 0
+  mirror: np.ndarray | None = None
+  mirror_len: int = 0
+  mirror_version: int = -1
+
+  @property
+  def offloaded(self) -> bool:
+    return bool(self.hot_slots)
+
+  def replaced_blocks(self) -> None:
+    """Records that entries of `block_ids` were replaced (not just appended)."""
+    self.table_version += 1

@@ -1,0 +1,272 @@
+"""The HiSparse resolver: selected logical blocks -> device block ids, hot-buffer LRU, loads.
+
+Owns step 3's "resolve each selected block to a device block id" and the host loads it
+implies (DESIGN.md). Pure jnp over static-shape state, so select -> resolve -> load ->
+attend is one jitted program with no host sync.
+
+  device pool (block ids)                       host pool (pinned_host)
+  +---+---------------------+-----------------+   +---------------------------------+
+  | 0 | resident blocks     | hot-buffer slots|   | full KV of every sparse sequence|
+  |nul| (a sequence's own   | seq 0: s0..sS-1 |   | (written through as blocks fill)|
+  |   |  device copies,     | seq 1: s0..sS-1 |   +---------------------------------+
+  |   |  newest block incl.)| ...             |        |  host miss: one batched gather
+  +---+---------------------+-----------------+        |  per layer per step, into the
+            ^ (a) resident: no copy  ^ (b) hot hit      v  LRU slot of that sequence (c)
+
+  per layer, per step:
+    select   indexer.select(q, bounds[block_tables], kv_lens)  -> logical ids [B, k]
+    resolve  resolve(...)   -> device block table [B, k], load list, new HotBufferState
+    load     load_blocks(host k/v, device k/v, load list)       -> device k/v with misses
+    attend   paged_attention(q, k, v, table, selection.kv_lens)
+
+Each selected block resolves, in this order, to (a) its resident device block
+(`resident_ids[b, i] != 0`), (b) the hot-buffer slot already holding it, or (c) a miss:
+it is loaded from `host_ids[b, i]` into the least recently used slot of the sequence
+not used by this step (empty slots first, ties by slot index), evicting what was there.
+`num_slots >= k` (hot_buffer_tokens >= top_k_tokens) guarantees room, so a selected
+block never evicts another block selected in the same step. A block selected twice in
+one row (per-KV-head selections flattened into one row) resolves once.
+
+How the engine plugs this in:
+- Per sparse sequence it keeps: its hot-buffer slots (`hot_buffer_blocks` device blocks
+  allocated when the sequence turns sparse, released with it), its row of
+  `HotBufferState` (slot contents, last use, eviction steps; one state per layer, since
+  selections differ by layer), the host block of every logical block (`host_ids`), and
+  which logical blocks still have a resident device copy (`resident_ids`, 0 once the
+  device copy is dropped under pressure). A sequence's row moves with it when the batch
+  is reordered; a new sparse sequence starts from `HotBufferState.create` rows.
+- The runner passes, per step: the gathered `bounds[block_tables]` and `kv_lens` to the
+  indexer; `resident_ids`, `slot_device_ids`, `host_ids` (int32 [B, max_blocks] and
+  [B, num_slots]), the step counter, the state, and the host pool arrays (pinned_host,
+  read-only) beside the device pool arrays (donated) to the jitted step; `sparse_attention.attend`
+  calls select -> resolve -> load_blocks -> paged_attention instead of the dense table,
+  and the step returns the new state and the counts for the metrics.
+- selection="per_kv_head": flatten the [B, num_kv_heads, k] selection to one row per
+  sequence for `resolve` (a block chosen by several heads resolves and loads once; the
+  hot buffer needs num_kv_heads * k slots), reshape the table back, and attend per KV
+  head (paged_attention on the pages' head slice with its own table and kv_lens).
+- Write-through: the newest (partly filled) block is always resident (it receives this
+  step's K/V). When a block of a sparse sequence fills, the engine swaps it out to its
+  host block after the step (TransferEngine.swap_out, batched with the others), so the
+  device copy can later be dropped (resident id -> 0) without a write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hisparse_jax.kv_cache import transfer
+from kernels_pallas.common import packed_ids
+
+NEVER = -(2**30)  # step of "never used / never evicted"; far enough to never thrash
+_LAST = 2**31 - 1  # LRU key of slots used by this step: never a victim
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HotBufferState:
+  """Hot-buffer bookkeeping of a batch of sparse sequences (one layer).
+
+  Invariants: a logical block sits in at most one slot of its row; `slot_block == -1`
+  marks an empty slot; `slot_last_used` is the last step the slot was hit or loaded
+  (`NEVER` if never); `evicted_at[b, i]` the last step logical block i left row b's
+  hot buffer (`NEVER` if never).
+  """
+
+  slot_block: jax.Array  # int32 [batch, num_slots]: logical block held, -1 = empty
+  slot_last_used: jax.Array  # int32 [batch, num_slots]
+  evicted_at: jax.Array  # int32 [batch, max_blocks]
+
+  @classmethod
+  def create(cls, batch: int, num_slots: int, max_blocks: int) -> HotBufferState:
+    return cls(slot_block=jnp.full((batch, num_slots), -1, jnp.int32),
+               slot_last_used=jnp.full((batch, num_slots), NEVER, jnp.int32),
+               evicted_at=jnp.full((batch, max_blocks), NEVER, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResolveCounts:
+  """Per-sequence counts of one step (int32 [batch] each); a block selected twice in a
+  row counts once. `resident_hits + hot_hits + misses` = distinct selected blocks."""
+
+  resident_hits: jax.Array
+  hot_hits: jax.Array
+  misses: jax.Array  # = loads from the host pool
+  evictions: jax.Array  # misses that replaced a block (not an empty slot)
+  thrash: jax.Array  # misses of a block evicted within `thrash_window_steps` steps
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+  """Output of `resolve`. Load lists are padded: host id 0, device id
+  `num_device_blocks` (out of range, dropped by `load_blocks`)."""
+
+  block_tables: jax.Array  # int32 [batch, k]: device block ids, 0 for padding
+  load_host_ids: jax.Array  # int32 [batch * k]
+  load_device_ids: jax.Array  # int32 [batch * k]
+  state: HotBufferState
+  counts: ResolveCounts
+
+
+def _resolve_row(sel, valid, slot_block, slot_last_used, evicted_at, resident_ids,
+                 slot_device_ids, host_ids, step, num_device_blocks, thrash_window_steps):
+  """One sequence: sel, valid [k]; slots [num_slots]; per-logical-block arrays
+  [max_blocks]."""
+  num_slots = slot_block.shape[0]
+  safe = jnp.where(valid, sel, 0)
+  same = (sel[:, None] == sel[None, :]) & valid[:, None] & valid[None, :]  # [k, k]
+  first = valid & ~jnp.tril(same, -1).any(axis=1)  # first occurrence of each block
+  first_of = jnp.argmax(same, axis=1)  # [k] index of the first occurrence
+
+  resident = resident_ids[safe]
+  is_resident = first & (resident != 0)
+  match = (slot_block[None, :] == sel[:, None]) & (first & ~is_resident)[:, None]
+  is_hot = match.any(axis=1)
+  is_miss = first & ~is_resident & ~is_hot
+
+  # LRU victims among the slots this step does not hit: empty slots, then oldest use.
+  used = match.any(axis=0)  # [num_slots]
+  key = jnp.where(used, _LAST, jnp.where(slot_block < 0, NEVER, slot_last_used))
+  order = jnp.argsort(key, stable=True)
+  rank = jnp.cumsum(is_miss) - 1
+  victim = order[jnp.clip(rank, 0, num_slots - 1)]
+  slot = jnp.where(is_hot, jnp.argmax(match, axis=1), jnp.where(is_miss, victim, num_slots))
+  slot_device = slot_device_ids[jnp.minimum(slot, num_slots - 1)]
+
+  device_ids = jnp.where(is_resident, resident, jnp.where(is_hot | is_miss, slot_device, 0))
+  table = jnp.where(valid, device_ids[first_of], 0)
+
+  old = slot_block[jnp.minimum(slot, num_slots - 1)]
+  evicted = is_miss & (old >= 0)
+  thrash = is_miss & (step - evicted_at[safe] <= thrash_window_steps)
+  max_blocks = evicted_at.shape[0]
+  new_evicted_at = evicted_at.at[jnp.where(evicted, old, max_blocks)].set(step, mode="drop")
+  load_slot = jnp.where(is_miss, slot, num_slots)
+  new_slot_block = slot_block.at[load_slot].set(sel, mode="drop")
+  new_last_used = slot_last_used.at[slot].set(step, mode="drop")
+
+  load_host = jnp.where(is_miss, host_ids[safe], 0)
+  load_device = jnp.where(is_miss, slot_device, num_device_blocks)
+  counts = [x.sum(dtype=jnp.int32) for x in (is_resident, is_hot, is_miss, evicted, thrash)]
+  return (table, load_host, load_device, new_slot_block, new_last_used, new_evicted_at,
+          *counts)
+
+
+def resolve(
+    logical_ids: jax.Array,  # int32 [batch, k]: selected logical blocks
+    valid: jax.Array,  # bool [batch, k]
+    state: HotBufferState,
+    resident_ids: jax.Array,  # int32 [batch, max_blocks]: device copy, 0 = not resident
+    slot_device_ids: jax.Array,  # int32 [batch, num_slots]: device blocks of the slots
+    host_ids: jax.Array,  # int32 [batch, max_blocks]: host block of each logical block
+    step: jax.Array | int,  # int32 scalar, increases by one per decode step
+    *,
+    num_device_blocks: int,
+    thrash_window_steps: int,
+) -> Resolution:
+  """Resolves every selected block to a device block id (module docstring); updates
+  the hot-buffer state; lists the host -> device loads of the misses."""
+  batch, k = logical_ids.shape
+  num_slots = slot_device_ids.shape[1]
+  max_blocks = resident_ids.shape[1]
+  if num_slots < k:
+    raise ValueError(f"the hot buffer has {num_slots} slots per sequence, fewer than the "
+                     f"{k} blocks a step may select: raise hot_buffer_tokens")
+  want = {"valid": (valid, (batch, k)),
+          "slot_block": (state.slot_block, (batch, num_slots)),
+          "slot_last_used": (state.slot_last_used, (batch, num_slots)),
+          "evicted_at": (state.evicted_at, (batch, max_blocks)),
+          "host_ids": (host_ids, (batch, max_blocks))}
+  for name, (x, shape) in want.items():
+    if x.shape != shape:
+      raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+  step = jnp.asarray(step, jnp.int32)
+  row = jax.vmap(_resolve_row, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, None, None, None))
+  (table, load_host, load_device, slot_block, last_used, evicted_at, *counts) = row(
+      logical_ids.astype(jnp.int32), valid, state.slot_block, state.slot_last_used,
+      state.evicted_at, resident_ids, slot_device_ids, host_ids, step, num_device_blocks,
+      thrash_window_steps)
+  return Resolution(
+      block_tables=table.astype(jnp.int32),
+      load_host_ids=load_host.reshape(batch * k).astype(jnp.int32),
+      load_device_ids=load_device.reshape(batch * k).astype(jnp.int32),
+      state=HotBufferState(slot_block, last_used, evicted_at),
+      counts=ResolveCounts(*counts))
+
+
+def load_buckets(max_loads: int, min_bucket: int = 8) -> tuple[int, ...]:
+  """Static sizes a step's host load can take: 0, then powers of two from `min_bucket`
+  up to `max_loads` (the last size). A step moves the smallest size that holds its
+  misses: at most twice the misses, or `min_bucket` blocks."""
+  sizes, n = [0], min(min_bucket, max_loads)
+  while n < max_loads:
+    sizes.append(n)
+    n *= 2
+  return (*sizes, max_loads)
+
+
+def load_blocks(
+    host_arrays: tuple[jax.Array, ...],  # pinned_host [num_host_blocks, block_size, h, d]
+    device_arrays: tuple[jax.Array, ...],  # device, same layout and order (k..., v...)
+    host_ids: jax.Array,  # int32 [n]
+    device_ids: jax.Array,  # int32 [n]; out of range = no load (padding)
+    *,
+    device_sharding: jax.sharding.Sharding,
+    host_sharding: jax.sharding.Sharding,
+    one_memory: bool | None = None,  # None: transfer.hop_free(device_sharding)
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+  """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i with an
+  in-range device id; returns (new device arrays, int32 blocks moved per array).
+
+  Moves only what is loaded: the loads are packed to the front and the smallest
+  `load_buckets` size that holds them crosses from the host (`lax.switch` over the static
+  sizes; only the gathered blocks are in the switch, never the pools, which a branch
+  would copy), so the bytes follow the misses; no load moves nothing. The gather is
+  transfer.gather_to_device, the swap-ins' mechanism; the scatter into the pages drops
+  the padding. Where device and host are one memory (CPU, `transfer.hop_free`), the
+  loads are a loop of exactly `loads` block copies (transfer.copy_block_loop, the
+  swap-ins' mechanism there): the blocks moved equal the misses, with no bucket.
+  """
+  if len(host_arrays) != len(device_arrays) or len(host_arrays) % 2:
+    raise ValueError(f"host and device arrays must be the same even number (k..., v...), "
+                     f"got {len(host_arrays)} and {len(device_arrays)}")
+  total = host_ids.shape[0]
+  num_device_blocks = device_arrays[0].shape[0]
+  device_ids = device_ids.astype(jnp.int32)
+  loads = (device_ids >= 0) & (device_ids < num_device_blocks)
+  order, packed = packed_ids(loads, total)
+  host_packed = jnp.where(packed, host_ids.astype(jnp.int32)[order], 0)
+  device_packed = jnp.where(packed, device_ids[order], num_device_blocks)
+  count = loads.sum(dtype=jnp.int32)
+  if transfer.hop_free(device_sharding) if one_memory is None else one_memory:
+    # One memory (CPU): copy exactly the loads, host page -> device page, no bucket.
+    # (device_sharding None: the caller already moved them to the device kind)
+    host_view = (list(host_arrays) if device_sharding is None else
+                 [jax.device_put(h, device_sharding) for h in host_arrays])
+    new_arrays = transfer.copy_block_loop(host_view, device_arrays, host_packed,
+                                          device_packed, count)
+    return new_arrays, count
+  sizes = load_buckets(total)
+
+  gather = transfer.gather_program(len(host_arrays), device_sharding, host_sharding)
+
+  def fetch(size):  # [total, ...] device blocks; the first `size` from the host
+    def branch(host_arrays, host_ids):
+      if size == 0:
+        return tuple(jnp.zeros((total, *a.shape[1:]), a.dtype) for a in device_arrays)
+      blocks = gather(host_arrays, host_ids[:size])
+      pad = ((0, total - size),) + ((0, 0),) * (device_arrays[0].ndim - 1)
+      return tuple(jnp.pad(b, pad) for b in blocks)
+    return branch
+
+  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
+  blocks = lax.switch(which, [fetch(n) for n in sizes], tuple(host_arrays), host_packed)
+  new_arrays = tuple(d.at[device_packed].set(b, mode="drop")
+                     for d, b in zip(device_arrays, blocks))
+  return new_arrays, jnp.asarray(sizes, jnp.int32)[which]

@@ -1,0 +1,116 @@
+"""`hisparse-jax --help` / `-h` / `COMMAND --help`: the commands, then a command's own
+flags by group, on stdout, exit 0."""
+
+import subprocess
+import sys
+
+from absl import flags
+
+from hisparse_jax.entrypoints.cli import main as cli
+
+
+def _help(*args):
+  return subprocess.run([sys.executable, "-m", "hisparse_jax", *args], capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_help_lists_the_commands_and_exits_0():
+  for flag in ("--help", "-h"):
+    r = _help(flag)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: hisparse-jax COMMAND [--flags]")
+    for command in cli.COMMANDS:
+      assert f"\n  {command} " in r.stdout
+
+
+def test_command_help_shows_its_own_flags():
+  r = _help("serve", "--help")
+  assert r.returncode == 0, r.stderr
+  assert "server:\n  --host (default: 127.0.0.1)" in r.stdout
+  assert "--max_model_len (default: 2048)" in r.stdout and "--[no]hisparse" in r.stdout
+  assert "--suite" not in r.stdout and "--temperature" not in r.stdout  # not serve's
+  r = _help("generate", "-h")
+  assert "sampling:\n  --max_new_tokens (default: 16)" in r.stdout
+  assert "--n (default: 1)" in r.stdout
+
+
+def test_every_project_flag_belongs_to_a_command():
+  """The groups name real flags, and every flag cli.py defines is in some command's help."""
+  grouped = {n for groups in cli.COMMAND_FLAGS.values() for _, names in groups for n in names}
+  assert set(cli.COMMAND_FLAGS) == set(cli.COMMANDS)
+  ours = {name for name, flag in flags.FLAGS._flags().items()
+          if name == flag.name and flags.FLAGS.find_module_defining_flag(name) == cli.__name__}
+  assert grouped == ours, (grouped ^ ours)
+
+
+def test_helpfull_lists_the_project_flags_first_and_exits_0():
+  r = _help("--helpfull")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.startswith("usage: hisparse-jax COMMAND [--flags]")
+  ours = r.stdout.index("hisparse_jax.entrypoints.cli.main:")
+  absl_logging = r.stdout.index("absl.logging:")
+  assert ours < absl_logging
+  assert "--top_k_tokens: HiSparse:" in r.stdout and "--verbosity" in r.stdout
+
+
+def test_a_flag_the_command_does_not_read_is_refused():
+  r = _help("serve", "--prometheus_port=1234")  # serve's metrics are on --port /metrics
+  assert r.returncode == 2
+  assert r.stderr.strip() == ("hisparse-jax serve: error: --prometheus_port is not a flag of "
+                              "serve (ignored there); `hisparse-jax serve --help` lists its "
+                              "flags")
+  r = _help("capacity", "--temperature=0.5", "--n=2")
+  assert r.returncode == 2
+  assert r.stderr.startswith("hisparse-jax capacity: error: --n, --temperature are not "
+                             "flags of capacity")
+  assert cli.command_flags("demo") >= {"temperature", "max_new_tokens", "hisparse"}
+
+
+def _flags_read(source: str) -> set[str]:
+  import re
+
+  from hisparse_jax.entrypoints.cli import generate as generate_cmd
+  read = {a or b for a, b in re.findall(r'FLAGS\.([a-z_]+)|FLAGS\["([a-z_]+)"\]', source)}
+  if "in HISPARSE_FLAGS" in source:  # FLAGS[name] over that tuple
+    read |= set(generate_cmd.HISPARSE_FLAGS)
+  return read
+
+
+def test_each_command_lists_every_flag_it_reads():
+  """The read-sets the refusal uses are exact: every flag a command module reads, or a
+  generate_cmd helper it calls reads, is in its groups, and no group names a flag it
+  never reads (so no command refuses a flag it uses, or accepts one it ignores)."""
+  import importlib
+  import inspect
+  import re
+
+  from hisparse_jax.entrypoints.cli import generate as generate_cmd
+  ours = {f.name for f in flags.FLAGS.get_flags_for_module(cli)}
+  helpers = {name: _flags_read(inspect.getsource(fn)) for name, fn in vars(generate_cmd).items()
+             if inspect.isfunction(fn) and fn.__module__ == generate_cmd.__name__}
+  for command, (module_name, _) in cli.COMMANDS.items():
+    source = inspect.getsource(importlib.import_module(module_name))
+    read = _flags_read(source)
+    # generate_cmd's helpers it calls (as generate_cmd.NAME or imported by name); for
+    # generate_cmd itself, what its main calls
+    imported = re.findall(r"from hisparse_jax\.entrypoints\.cli\.generate import ([a-z_, ]+)",
+                          source)
+    called = (set(re.findall(r"generate_cmd\.([a-z_]+)\(", source))
+              | {n.strip() for line in imported for n in line.split(",")})
+    if module_name == generate_cmd.__name__:
+      called = {"main"}
+    changed = True
+    while changed:  # helpers calling helpers
+      changed = False
+      for name in list(called):
+        for other in re.findall(r"(?<![.\w])([a-z_]+)\(",
+                                inspect.getsource(vars(generate_cmd)[name])):
+          if other in helpers and other not in called:
+            called.add(other)
+            changed = True
+    for name in called:
+      read |= helpers[name]
+    if command not in ("serve", "bench"):  # the dispatcher joins the processes of multi-host
+      read |= _flags_read(inspect.getsource(cli._join_processes))
+    read &= ours
+    assert read == cli.command_flags(command), (command, read ^ cli.command_flags(command))

@@ -1,0 +1,489 @@
+"""HiSparse in the engine: sparse decode rows over the indexer's selection, with blocks
+written through to the host pool, dropped from the device under pressure, and loaded back
+into per-request hot buffers inside the step.
+
+The tiny random Llama of engine_fixtures (block_size 8, max_model_len 64), the full-recompute
+dense reference, invariants after every step (`run`). A device budget of 17 dense blocks
+plans 11 blocks with HiSparse (key bounds of every device and host block, an eighth of a
+block's bytes each, and the hot-buffer state come out of it), so the six prompts are
+preempted, come back offloaded and read blocks from the host pool. Steps compute at most
+16 tokens (prefill in chunks of 16), so every step pads to one token bucket and the file
+compiles few programs (compilation is nearly all of its time).
+"""
+
+import dataclasses
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+from engine_fixtures import (
+  BLOCK_SIZE,
+  MAX_MODEL_LEN,
+  NUM_HOST_BLOCKS,
+  SIX_PROMPTS,
+  add_all,
+  assert_all_blocks_free,
+  gib_for_blocks,
+  random_prompts,
+  reference_greedy,
+  run,
+  tiny_model,
+)
+
+import kernels_pallas
+import models
+from hisparse_jax import HiSparseConfig
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.runner import bounds_bytes_per_block
+from hisparse_jax.engine.sampling import SamplingParams
+from hisparse_jax.entrypoints.cli import generate as generate_cmd
+from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool, from_storage
+from hisparse_jax.sparse import resolver  # noqa: F401 (cli defines the flags)
+from models import data
+
+PROMPTS = SIX_PROMPTS
+NUM_TOKENS = 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+# top_k covers max_model_len (8 blocks): every sparse row selects all its blocks.
+FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
+                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
+# Two blocks per sparse step: the sink block and the newest one; a hot buffer of 2 blocks.
+SMALL = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8, local_tokens=8,
+                       sparse_threshold_tokens=16)
+BLOCKS = '{source="device"}'
+
+
+def _engine(hisparse, num_dense_blocks=17, model=None, **overrides):
+  model = model if model is not None else tiny_model()
+  fields = dict(block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                max_num_batched_tokens=16,
+                device_kv_gib=gib_for_blocks(model.config, num_dense_blocks),
+                host_pool_gib=gib_for_blocks(model.config, NUM_HOST_BLOCKS), hisparse=hisparse)
+  return Engine(EngineConfig(**{**fields, **overrides}), model=model, model_config=model.config)
+
+
+def _count_sparse_rows(engine):
+  """Wraps build_batch; returns a list that gets each step's number of sparse rows."""
+  counts, build = [], engine.runner.build_batch
+
+  def recording(chunks, tables, tiers=None):
+    batch = build(chunks, tables, tiers)
+    counts.append(int(batch.metadata.sparse_rows.sum()))
+    return batch
+
+  engine.runner.build_batch = recording
+  return counts
+
+
+def _assert_bounds_exact(engine):
+  """The bounds of every device block a running request holds equal the reference
+  recomputed from the pages over its valid tokens (exactly), and the host-indexed bounds of
+  its host copies equal the reference over the host pages. Returns the blocks checked."""
+  bs = engine.config.block_size
+  slots, host_ids = [], []
+  for request in engine.scheduler.running:
+    host_ids += engine.block_manager.host_copy_ids(request.request_id)
+    for i, block_id in enumerate(engine.block_manager.block_table(request.request_id)):
+      fill = min(bs, request.num_computed_tokens - i * bs)
+      if fill > 0 and block_id != 0:
+        slots.append(block_id * bs + fill - 1)
+  engine.transfer.wait()
+  num_device_blocks = engine.device_pool.num_blocks
+  bounds_dtype = engine.config.hisparse.bounds_dtype
+  logical = [from_storage(b, bounds_dtype) for b in engine.runner.bounds]
+  for layer, bounds in enumerate(logical):
+    host_bounds = np.asarray(bounds)[num_device_blocks:]  # host block j: row nd + j
+    host_k = jnp.asarray(np.asarray(engine.host_pool.k[layer]))
+    full = jnp.asarray(np.arange(host_k.shape[0], dtype=np.int32) * bs + bs - 1)
+    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(host_bounds), host_k,
+                                                         full)
+    np.testing.assert_array_equal(host_bounds[host_ids], np.asarray(expected)[host_ids])
+  padded = np.full(num_device_blocks, -1, np.int32)
+  padded[:len(slots)] = slots
+  ids = np.array(slots, np.int64) // bs
+  for layer, bounds in enumerate(logical):
+    k_pages = engine.device_pool.k[layer]
+    device_bounds = jnp.asarray(np.asarray(bounds)[:num_device_blocks])
+    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(device_bounds),
+                                                         k_pages, jnp.asarray(padded))
+    np.testing.assert_array_equal(np.asarray(device_bounds)[ids], np.asarray(expected)[ids])
+  return len(slots) + len(host_ids)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return reference_greedy(tiny_model(), PROMPTS, NUM_TOKENS)
+
+
+@pytest.mark.parametrize(("bounds_dtype", "num_device_blocks"),
+                         [("bfloat16", 14), ("float32", 11)])
+def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, bounds_dtype,
+                                                                     num_device_blocks):
+  # bfloat16 bounds (the default) take half the device bytes of float32 ones: more blocks.
+  engine = _engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
+  assert engine.device_pool.num_blocks == num_device_blocks
+  sparse_rows = _count_sparse_rows(engine)
+  checked = []
+  step = engine.step
+
+  def checking_step():
+    outputs = step()
+    checked.append(_assert_bounds_exact(engine))
+    return outputs
+
+  engine.step = checking_step
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine)
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+  assert sum(sparse_rows) > 50  # most decode rows of the longer prompts took the sparse path
+  assert sum(checked) > 100
+  m = engine.metrics()
+  # Preempted sparse requests came back offloaded: their selected blocks were loaded from
+  # the host pool into their hot buffers inside the step, and hit there afterwards.
+  assert m["hisparse_preemptions_total"] > 0
+  assert m["hisparse_hot_buffer_loads_total"] > 0 and m["hisparse_hot_buffer_hits_total"] > 0
+  assert m['hisparse_blocks_selected_total{source="host"}'] > 0
+  assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
+  assert 0 < m["hisparse_hot_buffer_hit_rate"] < 1
+  assert sum(o.metrics.blocks_selected["hot"] for o in outputs.values()) == pytest.approx(
+      m['hisparse_blocks_selected_total{source="hot"}'])
+  # Every load is h2d bytes: block-layers x bytes of one block of one layer.
+  spec = engine.device_pool.spec
+  assert m['hisparse_transfer_bytes_total{direction="h2d"}'] >= (
+      m["hisparse_hot_buffer_loads_total"] * spec.bytes_per_block // spec.num_layers)
+  assert_all_blocks_free(engine)
+
+
+def test_host_loads_move_the_misses_and_metrics_count_them(reference):
+  # Every step's in-step host loads move, per layer, exactly its misses on CPU (block
+  # copies; GPU's host gather: the smallest load size holding them, as the resolver
+  # tests check): nothing when every selected block is resident or hot. The h2d bytes
+  # metric is exactly the swap-ins' blocks plus what those loads moved.
+  engine = _engine(FULL)
+  results, collect = [], engine.runner.collect
+
+  def recording(handle):
+    result = collect(handle)
+    results.append(result)
+    return result
+
+  engine.runner.collect = recording
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine)
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+  no_miss = with_miss = 0
+  for result in results:
+    misses = result.counts[:, :, 2].sum(axis=1)  # [layers] (COUNT_FIELDS: host)
+    np.testing.assert_array_equal(result.loaded, misses)
+    no_miss += int((misses == 0).sum())
+    with_miss += int((misses > 0).sum())
+  assert no_miss > 0 and with_miss > 0
+  m = engine.metrics()
+  spec = engine.device_pool.spec
+  moved = sum(r.loaded_block_layers for r in results)
+  assert m['hisparse_transfer_bytes_total{direction="h2d"}'] == (
+      m['hisparse_transfer_blocks_total{direction="h2d"}'] * spec.bytes_per_block
+      + moved * spec.bytes_per_block // spec.num_layers)
+  assert m["hisparse_hot_buffer_loads_total"] == sum(int(r.counts[:, :, 2].sum())
+                                                     for r in results)
+  assert_all_blocks_free(engine)
+
+
+def _lowered_load(one_memory):
+  spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32",
+                     block_size=4)
+  device_pool, host_pool = KVPool(spec, 16, DEVICE), KVPool(spec, 24, PINNED_HOST)
+  load = jax.jit(functools.partial(resolver.load_blocks, device_sharding=device_pool.sharding,
+                                   host_sharding=host_pool.sharding, one_memory=one_memory))
+  ids = jnp.zeros(40, jnp.int32)
+  return load.lower(host_pool.arrays(), device_pool.arrays(), ids, ids).as_text()
+
+
+def test_a_step_without_a_miss_copies_no_block_on_cpu():
+  # The lowered load on CPU (one memory): the host pages are read only inside a loop
+  # whose trip count is the number of loads (0 without a miss), one block per iteration;
+  # no gather or scatter touches them.
+  text = _lowered_load(None)
+  pages = ("tensor<24x4x2x8xf32>", "tensor<16x4x2x8xf32>")  # host and device pages
+  for line in text.splitlines():
+    if '"stablehlo.gather"' in line or '"stablehlo.scatter"' in line:
+      assert not any(p in line for p in pages), line  # only the id lists are gathered
+  assert text.count("stablehlo.while") == 1
+  loop = text[text.index("stablehlo.while"):]
+  cond = loop[loop.index("cond {"):loop.index("} do {")]
+  assert re.search(r"stablehlo.compare\s+LT, %iterArg_\d+, %iterArg_\d+", cond)  # i < loads
+  body = loop[loop.index("} do {"):]
+  slices = re.findall(r"stablehlo.dynamic_slice .*tensor<1x4x2x8xf32>", body)
+  assert len(slices) == 2  # one block of K and one of V per iteration
+
+
+def test_a_step_without_a_miss_runs_no_host_gather():
+  # The lowered load on GPU (forced here): a switch over the load sizes (only the
+  # gathered blocks inside it, never the pages) whose no-load branch has no host
+  # computation (the others gather exactly their size from the host pool).
+  text = _lowered_load(False)
+  case = text[text.index('"stablehlo.case"'):]
+  branches = case[:case.index("}) : (tensor<i32>)")].split("}, {")
+  assert len(branches) == len(resolver.load_buckets(40)) == 5  # 0, 8, 16, 32, 40 blocks
+  assert "func.call" not in branches[0] and "compute_type" not in branches[0]
+  for size, branch in zip((8, 16, 32, 40), branches[1:]):
+    (callee,) = re.findall(r"func.call @(gather\w*)", branch)
+    body = text[text.index(f"func.func private @{callee}("):]
+    body = body[:body.index("\n  }")]
+    gathers = [ln for ln in body.splitlines() if '"stablehlo.gather"' in ln]
+    assert len(gathers) == 2  # K and V
+    for gather in gathers:
+      assert '_xla_compute_type = "host"' in gather and f"tensor<{size}x4x2x8xf32>" in gather
+
+
+@pytest.mark.parametrize(("bounds_dtype", "itemsize", "storage", "num_device_blocks"),
+                         [("float32", 4, np.float32, 11), ("bfloat16", 2, np.uint16, 14)])
+def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, storage,
+                                                       num_device_blocks):
+  engine = _engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
+  spec = engine.device_pool.spec
+  spec_bytes = bounds_bytes_per_block(spec, bounds_dtype)
+  # layers x (min, max) x kv heads x head_dim x itemsize
+  assert spec_bytes == 2 * 2 * 2 * 8 * itemsize
+  # Half-size bounds leave room for more device blocks in the same budget.
+  assert engine.device_pool.num_blocks == num_device_blocks
+  num_blocks = engine.device_pool.num_blocks + engine.host_pool.num_blocks
+  assert engine.runner.indexer_bytes == num_blocks * spec_bytes
+  # state rows: layers x max_num_seqs x (2 x 8 slots + 8 max blocks) int32
+  assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 4 * (2 * 8 + 8) * 4
+  assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
+  for bounds in engine.runner.bounds:  # device blocks' rows, then host blocks'
+    assert bounds.shape == (num_device_blocks + engine.host_pool.num_blocks, 2, 2, 8)
+    assert bounds.dtype == storage  # bfloat16 as its uint16 bits on CPU
+    assert bounds.sharding.memory_kind == "device"
+  lines = engine.capacity.log_lines(MAX_MODEL_LEN)
+  assert (f"HiSparse: indexer key bounds ({bounds_dtype}) {num_blocks * spec_bytes:,} bytes "
+          f"+ hot-buffer state {2 * 4 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per "
+          "offloaded request") in lines[0]
+  running = min((engine.host_pool.num_blocks - 1) / 8, (engine.device_pool.num_blocks - 1) / 9)
+  assert f"HiSparse runs {running:.2f}x at once" in lines[-1]
+  dense = _engine(None)
+  assert dense.runner.bounds == () and dense.capacity["device"].reserved_bytes == 0
+  assert dense.device_pool.num_blocks == 17
+  assert "HiSparse" not in " ".join(dense.capacity.log_lines(MAX_MODEL_LEN))
+
+
+@pytest.mark.parametrize("hisparse", [None, SMALL], ids=["dense", "top_k_2_blocks"])
+def test_blocks_selected_counts_what_attention_read(hisparse):
+  engine = _engine(hisparse, num_dense_blocks=50)
+  prompt = random_prompts((40,), seed=5)[0]
+  engine.add_request("a", prompt_token_ids=prompt, sampling_params=GREEDY)
+  out = run(engine)["a"]
+  assert len(out.outputs[0].token_ids) == NUM_TOKENS
+  # Prefill in chunks of 16, 16, 8 tokens: 2 + 4 + 5 blocks; then 19 decode steps over
+  # 41..59 tokens, each reading all its blocks (dense) or 2 (the sink and newest blocks).
+  dense_decode = sum(-(-(40 + i) // BLOCK_SIZE) for i in range(1, NUM_TOKENS))
+  expected = 11 + (dense_decode if hisparse is None else 2 * (NUM_TOKENS - 1))
+  assert (dense_decode, expected) == (128, 139 if hisparse is None else 49)
+  assert out.metrics.blocks_selected == {"device": expected, "hot": 0, "host": 0}
+  assert engine.metrics()[f"hisparse_blocks_selected_total{BLOCKS}"] == expected
+  assert_all_blocks_free(engine)
+
+
+def test_small_top_k_runs_every_request_to_completion(reference):
+  engine = _engine(SMALL)
+  sparse_rows = _count_sparse_rows(engine)
+  add_all(engine, PROMPTS[2:], SamplingParams(temperature=0.0, max_tokens=12))
+  outputs = run(engine)
+  assert {o.outputs[0].finish_reason for o in outputs.values()} == {"length"}
+  assert all(len(o.outputs[0].token_ids) == 12 for o in outputs.values())
+  assert sum(sparse_rows) > 20
+  assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
+  # The 3-token prompt never has more than 14 tokens in the cache: dense throughout.
+  assert outputs["r3"].outputs[0].token_ids == reference[5][:12]
+  assert_all_blocks_free(engine)
+
+
+def test_offloaded_decoding_gives_the_all_resident_tokens():
+  # One HiSparse config (top-k 3 blocks: the sink, the newest and one chosen by the
+  # indexer each step), run twice: with a device pool that holds every block (nothing
+  # offloaded, every selected block resident) and with one that offloads (preempted
+  # requests come back with their blocks in the host pool and load the selected ones
+  # into hot buffers). The tokens are the same.
+  mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=24, sink_tokens=8, local_tokens=8,
+                       sparse_threshold_tokens=16)
+  outputs = {}
+  for name, num_dense_blocks in (("resident", 64), ("offloaded", 17)):
+    engine = _engine(mid, num_dense_blocks=num_dense_blocks)
+    sparse_rows = _count_sparse_rows(engine)
+    add_all(engine, PROMPTS, GREEDY)
+    outputs[name] = [o.outputs[0].token_ids for o in run(engine).values()]
+    m = engine.metrics()
+    assert sum(sparse_rows) > 20
+    from_host = (m['hisparse_blocks_selected_total{source="hot"}']
+                 + m['hisparse_blocks_selected_total{source="host"}'])
+    if name == "resident":
+      assert m["hisparse_offloads_total"] == m["hisparse_preemptions_total"] == 0
+      assert from_host == 0
+    else:
+      assert m["hisparse_offloads_total"] > 0 and from_host > 0
+      assert m["hisparse_hot_buffer_loads_total"] > 0
+    assert_all_blocks_free(engine)
+  assert outputs["offloaded"] == outputs["resident"]
+
+
+def test_engine_config_validates_hisparse():
+  with pytest.raises(ValueError, match="per_kv_head"):
+    EngineConfig(hisparse=HiSparseConfig(top_k_tokens=64, sink_tokens=16, local_tokens=16,
+                                         selection="per_kv_head"))
+  with pytest.raises(ValueError, match="round to 1 \\+ 1 blocks"):
+    EngineConfig(block_size=16, hisparse=HiSparseConfig(top_k_tokens=16, sink_tokens=8,
+                                                        local_tokens=8))
+  with pytest.raises(ValueError, match="must be a HiSparseConfig"):
+    EngineConfig(hisparse={"top_k_tokens": 64})
+  assert EngineConfig().hisparse is None  # off by default
+
+
+def test_cli_flags_build_the_hisparse_config():
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--sink_tokens=16",
+                 "--local_tokens=32", "--sparse_threshold_tokens=300"])
+    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] == HiSparseConfig(
+        top_k_tokens=256, hot_buffer_tokens=512, sink_tokens=16, local_tokens=32,
+        sparse_threshold_tokens=300)
+  # Not given: derived from --max_model_len (a quarter: requests past 1,024 tokens decode
+  # sparse at the default 2,048) and the block size; sink and local follow the top-k.
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse"])
+    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] == HiSparseConfig(
+        top_k_tokens=512, hot_buffer_tokens=1024, sink_tokens=64, local_tokens=128,
+        sparse_threshold_tokens=1024)
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse", "--max_model_len=8192", "--block_size=4"])
+    assert generate_cmd.hisparse_from_flags() == HiSparseConfig(
+        top_k_tokens=2048, sink_tokens=64, local_tokens=256)
+  with flagsaver.flagsaver():  # was refused: the sink and local defaults were 64 and 256
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256"])
+    assert generate_cmd.hisparse_from_flags() == HiSparseConfig(
+        top_k_tokens=256, hot_buffer_tokens=512, sink_tokens=32, local_tokens=64,
+        sparse_threshold_tokens=512)
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"])
+    with pytest.raises(ValueError, match="^--hot_buffer_tokens \\(32\\) must be >= "):
+      generate_cmd.hisparse_from_flags()
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--bounds_dtype=float32"])
+    assert generate_cmd.hisparse_from_flags().bounds_dtype == "float32"
+    assert HiSparseConfig().bounds_dtype == "bfloat16"
+  with pytest.raises(ValueError, match="HiSparseConfig.bounds_dtype must be one of"):
+    HiSparseConfig(bounds_dtype="int8")
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--bounds_dtype=float32"])
+    with pytest.raises(ValueError, match="--bounds_dtype is a HiSparse setting"):
+      generate_cmd.hisparse_from_flags()
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog", "--top_k_tokens=64"])
+    with pytest.raises(ValueError, match="--top_k_tokens is a HiSparse setting; add --hisparse"):
+      generate_cmd.hisparse_from_flags()
+  with flagsaver.flagsaver():
+    flags.FLAGS(["prog"])
+    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] is None
+
+
+def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
+  from hisparse_jax.entrypoints.llm import LLM
+  from hisparse_jax.kv_cache.capacity import hisparse_capacity
+  from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
+  from models.loader import load_config
+
+  if not os.path.isfile(os.path.join(models.DEFAULT_MODEL_DIR, "model.safetensors")):
+    pytest.skip("the default model is not trained yet")
+  prompts = data.make_retrieval_prompts(2, 150, seed=21)
+  assert [len(p.token_ids) for p in prompts] <= [150, 150]
+  # top-k and hot buffer cover max_model_len: sparse rows attend over every block.
+  full = HiSparseConfig(top_k_tokens=192, hot_buffer_tokens=192, sink_tokens=16,
+                        local_tokens=16, sparse_threshold_tokens=32)
+  # A device pool of 21 usable blocks: both prompts (10 blocks each) are admitted, the
+  # second is preempted when both cross into an 11th block, and it comes back offloaded
+  # (its written-through blocks stay on the host and are loaded into its hot buffer).
+  spec = KVCacheSpec.from_model_config(load_config(None), "float32", 16)
+  device_blocks, host_blocks = 22, 40
+  gib = 2**30
+
+  def reserved(num_device_blocks):
+    return hisparse_capacity(spec, full, num_device_blocks=num_device_blocks,
+                             num_host_blocks=host_blocks, max_num_seqs=2,
+                             max_model_len=192).reserved_bytes
+
+  # The engine reserves, beside its blocks, what exactly those blocks need.
+  extra = reserved(device_blocks)
+  llm = LLM(hisparse=full, block_size=16, max_model_len=192, max_num_seqs=2,
+            max_num_batched_tokens=512,  # both prompts prefill in one step, then decode
+            device_kv_gib=(device_blocks * spec.bytes_per_block + extra + 512) / gib,
+            host_pool_gib=(host_blocks * spec.bytes_per_block + 512) / gib)
+  assert llm.engine.device_pool.num_blocks == device_blocks
+  sparse_rows = _count_sparse_rows(llm.engine)
+  outputs = llm.generate([p.text for p in prompts], SamplingParams(temperature=0.0, max_tokens=16,
+                                                                   ignore_eos=True))
+  dense = reference_greedy(llm.engine.model, [p.token_ids for p in prompts], 16)
+  assert [o.outputs[0].token_ids for o in outputs] == dense
+  assert sum(sparse_rows) == 2 * 15  # every decode step of both prompts
+  m = llm.metrics()
+  assert m["hisparse_preemptions_total"] == 1
+  assert m["hisparse_hot_buffer_loads_total"] > 0  # blocks came from the host pool
+  assert m['hisparse_blocks_selected_total{source="host"}'] > 0
+
+
+def test_mixed_batches_read_no_full_table_of_a_sparse_row(monkeypatch, reference):
+  # A counting reference of the kernels: the dense (ragged) call reads keys [0, kv_len)
+  # of each row's table, the paged call the listed blocks up to each row's length. Every
+  # step of a run that mixes prefill, dense and sparse rows: no sparse row gets a key in
+  # the dense call, and the paged call reads at most top-k blocks of a row.
+  import kernels_pallas
+
+  calls = {"ragged": [], "paged": []}
+  xla = kernels_pallas.ops("xla")
+
+  def ragged(q, k, v, tables, kv_lens, cu_q_lens, **kw):
+    jax.debug.callback(lambda lens, cu: calls["ragged"].append((np.asarray(lens),
+                                                                np.asarray(cu))),
+                       kv_lens, cu_q_lens)
+    return xla.ragged_paged_attention(q, k, v, tables, kv_lens, cu_q_lens, **kw)
+
+  def paged(q, k, v, tables, lengths, **kw):
+    jax.debug.callback(lambda n: calls["paged"].append(np.asarray(n)), lengths)
+    return xla.paged_attention(q, k, v, tables, lengths, **kw)
+
+  counting = xla._replace(ragged_paged_attention=ragged, paged_attention=paged)
+  monkeypatch.setattr(kernels_pallas, "ops", lambda backend=None: counting)
+  engine = _engine(SMALL)
+  sparse_rows = []
+  build = engine.runner.build_batch
+
+  def recording(chunks, tables, tiers=None):
+    batch = build(chunks, tables, tiers)
+    meta = batch.metadata
+    sparse_rows.append((meta.sparse_rows.copy(), meta.kv_lens.copy()))
+    return batch
+
+  engine.runner.build_batch = recording
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine, max_steps=400)
+  assert all(o.outputs[0].finish_reason == "length" for o in outputs.values())
+  layers = engine.model_config.num_hidden_layers
+  ragged_calls = iter(calls["ragged"])
+  mixed = 0
+  for step, (is_sparse, kv_lens) in enumerate(sparse_rows):
+    if not (~is_sparse & (kv_lens > 0)).any():
+      continue  # no dense row: the step skips the dense call
+    mixed += bool(is_sparse.any())
+    for _ in range(layers):
+      lens, _ = next(ragged_calls)
+      assert not lens[is_sparse].any(), step  # no key of a sparse row in the dense call
+      np.testing.assert_array_equal(lens[~is_sparse], kv_lens[~is_sparse])
+  assert next(ragged_calls, None) is None
+  for lengths in calls["paged"]:
+    assert (lengths <= SMALL.top_k_tokens).all()  # the selected blocks only
+  assert mixed > 0 and len(calls["paged"]) > 0
+  assert_all_blocks_free(engine)
