@@ -21,16 +21,20 @@ A block's tier-local life (FREE -> OWNED -> CACHED -> evicted) is described in
   `write_through(seq)` (HiSparse host copies, below);
 - host -> device: `swap_in(seq)` and host-tier prefix hits in `allocate`.
 
-The BlockManager is assembled from one module per concern (all host bookkeeping):
+The BlockManager owns its state and the parts that act on it (all host bookkeeping):
 
-    block_manager.py        sequences and their tables: allocate / append / fork / free,
-                            the queries the scheduler and runner read (this file)
+    BlockManager            the sequences (`SeqState` by id) and their tables: allocate /
+                            append / fork / free, the queries the scheduler and runner read
+      .device_pool, .host_pool   BlockPool of each tier (ref counts, LRU free queue, hashes)
+      .prefix_cache         PrefixCache (prefix_cache.py): chained hashes, lookups in both
+                            tiers
+      .tier_mover           TierMover (tier_mover.py): swap-out / swap-in plans, the host
+                            blocks pinned by this step's plans, and the plan contract of
+                            one engine step
+      .placement            HiSparsePlacement (hisparse_placement.py): write-through,
+                            offload, hot slots
     seq_state.py            SeqState: one sequence's blocks; PENDING_TOKEN
-    prefix_cache.py         PrefixCacheMixin: chained hashes, lookups in both tiers
-    tier_moves.py           TierMovesMixin: swap-out / swap-in plans, host pins, and the
-                            plan contract of one engine step
-    hisparse_placement.py   HiSparsePlacementMixin: write-through, offload, hot slots
-    block_invariants.py     BlockInvariantsMixin: check_invariants
+    block_invariants.py     check_block_manager: the invariants below, over that state
     block_plans.py          the plans it returns
 """
 
@@ -40,7 +44,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from hisparse_jax.kv_cache.block_invariants import BlockInvariantsMixin
+from hisparse_jax.kv_cache.block_invariants import check_block_manager
 from hisparse_jax.kv_cache.block_plans import (  # noqa: F401 (re-exported)
     AllocateResult,
     AppendResult,
@@ -49,19 +53,22 @@ from hisparse_jax.kv_cache.block_plans import (  # noqa: F401 (re-exported)
     as_block_ids,
 )
 from hisparse_jax.kv_cache.block_pool import BlockPool
-from hisparse_jax.kv_cache.hisparse_placement import HiSparsePlacementMixin
+from hisparse_jax.kv_cache.hisparse_placement import HiSparsePlacement
 from hisparse_jax.kv_cache.kv_pool import NULL_BLOCK_ID
-from hisparse_jax.kv_cache.prefix_cache import PrefixCacheMixin
+from hisparse_jax.kv_cache.prefix_cache import PrefixCache
 from hisparse_jax.kv_cache.seq_state import PENDING_TOKEN, SeqState
-from hisparse_jax.kv_cache.tier_mover import TierMovesMixin
+from hisparse_jax.kv_cache.tier_mover import TierMover
 
 __all__ = ["PENDING_TOKEN", "AllocateResult", "AppendResult", "BlockManager", "SwapInPlan",
            "SwapOutPlan"]
 
 
-class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
-                   BlockInvariantsMixin):
+class BlockManager:
   """Tiered block manager: device blocks for running sequences, host blocks for the rest.
+
+  State: `device_pool` and `host_pool` (BlockPool), the sequences `_seqs` (SeqState by
+  id), and, in its parts, the host blocks pinned by this step's plans
+  (`tier_mover.pinned_host_groups`); `prefix_cache` and `placement` own none.
 
   Invariants (checked by `check_invariants`):
   - both pools hold their own invariants (`BlockPool`);
@@ -78,8 +85,6 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
   - a block carries a hash only once it is full and its KV is computed (or computed
     in the step that cached it), and the hash is that of the sequence's tokens up to
     it, so a prefix hit never changes what attention reads.
-  Prefix lookups: `prefix_cache`. Moves between tiers and the plan contract:
-  `tier_moves`. HiSparse write-through and offload: `hisparse_placement`.
   """
 
   def __init__(
@@ -97,12 +102,23 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
     self.device_pool = BlockPool(num_device_blocks, "device")
     self.host_pool = BlockPool(num_host_blocks, "pinned_host")
     self._seqs: dict[Hashable, SeqState] = {}
-    self._pinned_host_groups: list[list[int]] = []
+    self.prefix_cache = PrefixCache(self.device_pool, self.host_pool, block_size,
+                                    enable_prefix_caching)
+    self.tier_mover = TierMover(self.device_pool, self.host_pool, block_size,
+                                self.prefix_cache)
+    self.placement = HiSparsePlacement(self.device_pool, self.host_pool, block_size,
+                                       self.tier_mover)
 
   @property
   def pools(self) -> dict[str, BlockPool]:
     """The two tiers by memory kind."""
     return {"device": self.device_pool, "pinned_host": self.host_pool}
+
+  def check_invariants(self) -> None:
+    """Raises AssertionError when a class invariant does not hold."""
+    check_block_manager(self.device_pool, self.host_pool, self._seqs,
+                        self.tier_mover.pinned_host_groups, self.block_size,
+                        self.enable_prefix_caching)
 
   # --- Queries -------------------------------------------------------------------
 
@@ -155,34 +171,16 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
   def block_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
     """[num_seqs, max_num_blocks] int32 device tables, padded with the null block.
 
-    Rows are copied from each sequence's numpy mirror, so a step costs O(batch) Python
-    work whatever the contexts' lengths."""
+    Rows are copied from each sequence's numpy mirror (`SeqState.table_row`), so a step
+    costs O(batch) Python work whatever the contexts' lengths."""
     tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
     for row, seq_id in enumerate(seq_ids):
-      table = self._table_row(self._resident(seq_id))
+      table = self._resident(seq_id).table_row()
       if len(table) > max_num_blocks:
         raise ValueError(
             f"sequence {seq_id!r} has {len(table)} blocks > max_num_blocks={max_num_blocks}")
       tables[row, :len(table)] = table
     return tables
-
-  @staticmethod
-  def _table_row(seq: SeqState) -> np.ndarray:
-    """`seq.block_ids` as int32 numpy (a view of the mirror): entries appended since the
-    last call are copied into it; a replaced entry (`table_version`) rewrites it."""
-    n = len(seq.block_ids)
-    mirror = seq.mirror
-    if mirror is None or len(mirror) < n:
-      grown = np.zeros(max(16, 2 * n), np.int32)
-      if mirror is not None and seq.mirror_version == seq.table_version:
-        grown[:seq.mirror_len] = mirror[:seq.mirror_len]
-      seq.mirror = mirror = grown
-    if seq.mirror_version != seq.table_version or seq.mirror_len > n:
-      seq.mirror_len, seq.mirror_version = 0, seq.table_version
-    if seq.mirror_len < n:
-      mirror[seq.mirror_len:n] = seq.block_ids[seq.mirror_len:n]
-      seq.mirror_len = n
-    return mirror[:n]
 
   def slot_ids(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
     """[end - start] int32 slots (block_id * block_size + offset) of token positions."""
@@ -204,10 +202,11 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
   def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None, *,
                    read_cache: bool = True) -> bool:
     """Whether `allocate` of this prompt would find enough device blocks."""
-    hits = (self._prefix_hits(self._hashes(token_ids, extra_keys), len(token_ids), count=False)
+    cache = self.prefix_cache
+    hits = (cache.hits(cache.hashes(token_ids, extra_keys), len(token_ids), count=False)
             if read_cache else [])
     device_hit_ids = [i for kind, i in hits if kind == "device"]
-    need = self._num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
+    need = cache.num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
     return need <= self.device_pool.num_free_blocks
 
   def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
@@ -229,12 +228,12 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
     if len(token_ids) == 0:
       raise ValueError(f"sequence {seq_id!r} has no tokens")
     token_ids = [int(t) for t in token_ids]
-    hashes = self._hashes(token_ids, extra_keys)
+    hashes = self.prefix_cache.hashes(token_ids, extra_keys)
     if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache):
       raise ValueError(
           f"cannot allocate {seq_id!r}: {self._num_blocks(len(token_ids))} blocks needed, "
           f"{self.device_pool.num_free_blocks} device blocks free")
-    hits = self._prefix_hits(hashes, len(token_ids), count=True) if read_cache else []
+    hits = self.prefix_cache.hits(hashes, len(token_ids), count=True) if read_cache else []
     num_blocks = self._num_blocks(len(token_ids))
     device_hit_ids = [i for kind, i in hits if kind == "device"]
     self.device_pool.touch(device_hit_ids)  # Before allocating, so they are not evicted.
@@ -250,12 +249,12 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
       if kind == "pinned_host":
         host_src.append(hit_id)
         device_dst.append(block_id)
-    self._pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
+    self.tier_mover.pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
     num_cached_tokens = len(hits) * self.block_size
     seq = SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens)
     self._seqs[seq_id] = seq
     num_computed = len(token_ids) if num_new_tokens is None else num_new_tokens
-    self._cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
+    self.prefix_cache.cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
     return AllocateResult(
         block_ids=as_block_ids(block_ids),
         num_cached_tokens=num_cached_tokens,
@@ -296,7 +295,7 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
         raise ValueError(f"{seq_id!r} already has a pending token at {seq.pending}")
       seq.pending = position
     seq.token_ids.append(int(token_id))
-    self._cache_full_blocks(seq, len(seq.token_ids))
+    self.prefix_cache.cache_full_blocks(seq, len(seq.token_ids))
     slot_id = seq.block_ids[-1] * self.block_size + position % self.block_size
     return AppendResult(slot_id=slot_id, copy=copy)
 
@@ -316,7 +315,7 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
     seq.token_ids[position] = int(token_id)
     seq.pending = None
     if not seq.swapped:
-      self._cache_full_blocks(seq, len(seq.token_ids))
+      self.prefix_cache.cache_full_blocks(seq, len(seq.token_ids))
 
   def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
     """The child shares all of the parent's device blocks (ref_cnt += 1 each)."""
@@ -342,3 +341,128 @@ class BlockManager(PrefixCacheMixin, TierMovesMixin, HiSparsePlacementMixin,
     self.device_pool.free(reversed(seq.hot_slots))
     self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
     self.host_pool.free(reversed(seq.host_ids))
+
+  # --- Prefix cache --------------------------------------------------------------
+
+  def cache_blocks(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+    """Caches the full blocks within the first `num_computed_tokens` tokens.
+
+    Call it when a prefill chunk that ends at `num_computed_tokens` is scheduled (its
+    KV is written in that step's forward, before any later request reads it).
+    Idempotent; blocks cached already stay cached.
+    """
+    self.prefix_cache.cache_full_blocks(self._resident(seq_id), num_computed_tokens)
+
+  # --- Moves between tiers (tier_mover.py: the plan contract of one step) ---------
+
+  def finish_step(self) -> None:
+    """Releases the host blocks pinned by this step's plans (call after the forward)."""
+    self.tier_mover.finish_step()
+
+  def can_swap_out(self, seq_id: Hashable) -> bool:
+    """Whether the host tier can take every block of the sequence now (blocks with a
+    written-through host copy need none)."""
+    return self.tier_mover.can_swap_out(self._resident(seq_id))
+
+  def swap_out(self, seq_id: Hashable) -> SwapOutPlan:
+    """Preempts a sequence by moving its blocks to the host; frees its device blocks.
+
+    Full blocks whose hash the host tier already holds are shared, not copied, and
+    written-through blocks keep their host copy. The freed device blocks keep their
+    hashes (CACHED), so a quick return finds them.
+    """
+    seq = self._resident(seq_id)
+    if not self.tier_mover.can_swap_out(seq):
+      raise ValueError(
+          f"cannot swap out {seq_id!r}: {len(seq.block_ids)} blocks, "
+          f"{self.host_pool.num_free_blocks} host blocks free")
+    return self.tier_mover.swap_out(seq)
+
+  def _swapped(self, seq_id: Hashable) -> SeqState:
+    seq = self._seq(seq_id)
+    if not seq.swapped:
+      raise ValueError(f"sequence {seq_id!r} is not swapped out")
+    return seq
+
+  def can_swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
+                  num_computed_tokens: int | None = None) -> bool:
+    """Whether the device tier has the blocks to bring the sequence back now (with
+    `hot_buffer_blocks`, only its blocks past the computed full ones, plus the slots)."""
+    return self.tier_mover.can_swap_in(self._swapped(seq_id), hot_buffer_blocks,
+                                       num_computed_tokens)
+
+  def swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
+              num_computed_tokens: int | None = None) -> SwapInPlan:
+    """Brings a swapped-out sequence back to device blocks before it runs again.
+
+    Full blocks still cached on the device are reused without a copy. The host blocks
+    stay pinned until `finish_step`, then become CACHED host blocks (full ones).
+    With `hot_buffer_blocks` > 0 (a HiSparse sequence that decodes), the leading full
+    blocks of its first `num_computed_tokens` tokens stay on the host as its host
+    copies and it comes back offloaded, with that many hot-buffer slots.
+    """
+    seq = self._swapped(seq_id)
+    if not self.tier_mover.can_swap_in(seq, hot_buffer_blocks, num_computed_tokens):
+      raise ValueError(
+          f"cannot swap in {seq_id!r}: {self.device_pool.num_free_blocks} device blocks free")
+    return self.tier_mover.swap_in(seq, hot_buffer_blocks, num_computed_tokens)
+
+  # --- HiSparse placement (hisparse_placement.py) ---------------------------------
+
+  def is_offloaded(self, seq_id: Hashable) -> bool:
+    """Whether a resident sequence has hot-buffer slots (and may have dropped blocks)."""
+    return self._seq(seq_id).offloaded
+
+  def host_copy_ids(self, seq_id: Hashable) -> list[int]:
+    """Written-through host copies of a resident sequence's leading blocks."""
+    return list(self._resident(seq_id).host_ids)
+
+  def hot_slots(self, seq_id: Hashable) -> list[int]:
+    """Device blocks of a resident sequence's hot buffer (empty unless offloaded)."""
+    return list(self._resident(seq_id).hot_slots)
+
+  def num_resident_blocks(self, seq_id: Hashable) -> int:
+    """Device blocks a resident sequence holds (table entries that are not null, and
+    hot slots)."""
+    return self.placement.num_resident_blocks(self._resident(seq_id))
+
+  def host_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
+    """[num_seqs, max_num_blocks] int32 host copies per logical block (0 = none)."""
+    return self.placement.host_tables([self._resident(s) for s in seq_ids], max_num_blocks)
+
+  def hot_slot_tables(self, seq_ids: Sequence[Hashable], num_slots: int) -> np.ndarray:
+    """[num_seqs, num_slots] int32 hot-buffer device blocks (0 rows: not offloaded)."""
+    seqs = [self._resident(s) for s in seq_ids]
+    for seq_id, seq in zip(seq_ids, seqs):
+      if len(seq.hot_slots) > num_slots:
+        raise ValueError(f"sequence {seq_id!r} has {len(seq.hot_slots)} hot slots > "
+                         f"{num_slots}")
+    return self.placement.hot_slot_tables(seqs, num_slots)
+
+  def write_through(self, seq_id: Hashable, num_computed_tokens: int) -> SwapOutPlan:
+    """Host copies of the full blocks within the first `num_computed_tokens` tokens
+    that have none yet, in order (a d2h plan for this step's first batch).
+
+    A block whose hash the host tier holds is shared, not copied. Stops early when the
+    host pool is full (the sequence then cannot drop those blocks). The caller passes
+    the tokens computed by EARLIER steps: the copy runs before this step's forward.
+    The new host blocks stay pinned until `finish_step`."""
+    return self.placement.write_through(self._resident(seq_id), num_computed_tokens)
+
+  def offload_gain(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
+    """Device blocks `offload` would free, net of the hot-buffer slots it allocates."""
+    return self.placement.offload_gain(self._resident(seq_id), hot_buffer_blocks)
+
+  def offload(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
+    """Drops the device copies of the sequence's written-through blocks (no write: the
+    host holds them; the last block too when it is full) and gives it
+    `hot_buffer_blocks` hot-buffer slots if it has none. Returns the net device blocks
+    freed. The dropped blocks keep their hashes (CACHED)."""
+    seq = self._resident(seq_id)
+    if hot_buffer_blocks < 1:
+      raise ValueError(f"hot_buffer_blocks must be >= 1, got {hot_buffer_blocks}")
+    gain = self.placement.offload_gain(seq, hot_buffer_blocks)
+    if self.device_pool.num_free_blocks + gain < 0:
+      raise ValueError(f"cannot offload {seq_id!r}: no device blocks for its hot buffer")
+    self.placement.offload(seq, hot_buffer_blocks)
+    return gain

@@ -1,6 +1,6 @@
 """HiSparse placement: which blocks of a sparse decoder live where.
 
-Mixed into `BlockManager` (the sequences' `host_ids` and `hot_slots` in `SeqState`).
+It reads and writes the sequences' `host_ids` and `hot_slots` (in `SeqState`).
 
 HiSparse tiering (sequences that decode sparsely, hisparse_jax.sparse.resolver):
 
@@ -26,63 +26,61 @@ so dropping its device blocks in the same step is safe.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from hisparse_jax.kv_cache.block_plans import SwapOutPlan, as_block_ids
+from hisparse_jax.kv_cache.block_pool import BlockPool
 from hisparse_jax.kv_cache.kv_pool import NULL_BLOCK_ID
 from hisparse_jax.kv_cache.seq_state import SeqState
+from hisparse_jax.kv_cache.tier_mover import TierMover
 
 
-class HiSparsePlacementMixin:
-  """Write-through, offload, and the host / hot-slot tables of the step's rows."""
+class HiSparsePlacement:
+  """Write-through, offload, and the host / hot-slot tables of the step's rows.
 
-  def is_offloaded(self, seq_id: Hashable) -> bool:
-    """Whether a resident sequence has hot-buffer slots (and may have dropped blocks)."""
-    return self._seq(seq_id).offloaded
+  It owns no state of its own: it changes the pools (through `BlockPool` calls), the
+  `SeqState` it is given (`host_ids`, `hot_slots`, dropped table entries) and pins the
+  host blocks of its plans through the `TierMover` (released by `finish_step`). The
+  `BlockManager` resolves sequence ids and checks that an offload fits.
+  """
 
-  def host_copy_ids(self, seq_id: Hashable) -> list[int]:
-    """Written-through host copies of a resident sequence's leading blocks."""
-    return list(self._resident(seq_id).host_ids)
+  def __init__(self, device_pool: BlockPool, host_pool: BlockPool, block_size: int,
+               tier_mover: TierMover):
+    self.device_pool = device_pool
+    self.host_pool = host_pool
+    self.block_size = block_size
+    self.tier_mover = tier_mover
 
-  def hot_slots(self, seq_id: Hashable) -> list[int]:
-    """Device blocks of a resident sequence's hot buffer (empty unless offloaded)."""
-    return list(self._resident(seq_id).hot_slots)
-
-  def num_resident_blocks(self, seq_id: Hashable) -> int:
-    """Device blocks a resident sequence holds (table entries that are not null, and
-    hot slots)."""
-    seq = self._resident(seq_id)
+  @staticmethod
+  def num_resident_blocks(seq: SeqState) -> int:
+    """Device blocks a resident sequence holds (table entries that are not null, and hot
+    slots)."""
     return sum(b != NULL_BLOCK_ID for b in seq.block_ids) + len(seq.hot_slots)
 
-  def host_tables(self, seq_ids: Sequence[Hashable], max_num_blocks: int) -> np.ndarray:
+  @staticmethod
+  def host_tables(seqs: Sequence[SeqState], max_num_blocks: int) -> np.ndarray:
     """[num_seqs, max_num_blocks] int32 host copies per logical block (0 = none)."""
-    tables = np.full((len(seq_ids), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
-    for row, seq_id in enumerate(seq_ids):
-      host_ids = self._resident(seq_id).host_ids[:max_num_blocks]
+    tables = np.full((len(seqs), max_num_blocks), NULL_BLOCK_ID, dtype=np.int32)
+    for row, seq in enumerate(seqs):
+      host_ids = seq.host_ids[:max_num_blocks]
       tables[row, :len(host_ids)] = host_ids
     return tables
 
-  def hot_slot_tables(self, seq_ids: Sequence[Hashable], num_slots: int) -> np.ndarray:
-    """[num_seqs, num_slots] int32 hot-buffer device blocks (0 rows: not offloaded)."""
-    tables = np.full((len(seq_ids), num_slots), NULL_BLOCK_ID, dtype=np.int32)
-    for row, seq_id in enumerate(seq_ids):
-      slots = self._resident(seq_id).hot_slots
-      if len(slots) > num_slots:
-        raise ValueError(f"sequence {seq_id!r} has {len(slots)} hot slots > {num_slots}")
-      tables[row, :len(slots)] = slots
+  @staticmethod
+  def hot_slot_tables(seqs: Sequence[SeqState], num_slots: int) -> np.ndarray:
+    """[num_seqs, num_slots] int32 hot-buffer device blocks (0 rows: not offloaded); the
+    caller checks that no sequence holds more than `num_slots`."""
+    tables = np.full((len(seqs), num_slots), NULL_BLOCK_ID, dtype=np.int32)
+    for row, seq in enumerate(seqs):
+      tables[row, :len(seq.hot_slots)] = seq.hot_slots
     return tables
 
-  def write_through(self, seq_id: Hashable, num_computed_tokens: int) -> SwapOutPlan:
+  def write_through(self, seq: SeqState, num_computed_tokens: int) -> SwapOutPlan:
     """Host copies of the full blocks within the first `num_computed_tokens` tokens
-    that have none yet, in order (a d2h plan for this step's first batch).
-
-    A block whose hash the host tier holds is shared, not copied. Stops early when the
-    host pool is full (the sequence then cannot drop those blocks). The caller passes
-    the tokens computed by EARLIER steps: the copy runs before this step's forward.
-    The new host blocks stay pinned until `finish_step`."""
-    seq = self._resident(seq_id)
+    that have none yet, in order (a d2h plan for this step's first batch); see
+    BlockManager.write_through."""
     num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
     device_src, host_dst = [], []
     for i in range(len(seq.host_ids), num_full):
@@ -102,36 +100,27 @@ class HiSparsePlacementMixin:
       host_dst.append(host_id)
     # Pinned too (as swap_out's targets): if the sequence is freed in this step, its new
     # host blocks must not be handed out to a second transfer of the same batch.
-    self._pin_host_blocks(host_dst[::-1], touch=True)
+    self.tier_mover.pin_host_blocks(host_dst[::-1], touch=True)
     return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
 
-  def _droppable(self, seq: SeqState) -> list[int]:
+  @staticmethod
+  def droppable(seq: SeqState) -> list[int]:
     """Table indices of resident blocks with a host copy (full and computed, so never a
     block the next token is written into)."""
     return [i for i in range(len(seq.host_ids)) if seq.block_ids[i] != NULL_BLOCK_ID]
 
-  def offload_gain(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
+  def offload_gain(self, seq: SeqState, hot_buffer_blocks: int) -> int:
     """Device blocks `offload` would free, net of the hot-buffer slots it allocates."""
-    seq = self._resident(seq_id)
-    freed = sum(self.device_pool.ref_cnt(seq.block_ids[i]) == 1 for i in self._droppable(seq))
+    freed = sum(self.device_pool.ref_cnt(seq.block_ids[i]) == 1 for i in self.droppable(seq))
     return freed - (0 if seq.offloaded else hot_buffer_blocks)
 
-  def offload(self, seq_id: Hashable, hot_buffer_blocks: int) -> int:
-    """Drops the device copies of the sequence's written-through blocks (no write: the
-    host holds them; the last block too when it is full) and gives it
-    `hot_buffer_blocks` hot-buffer slots if it has none. Returns the net device blocks
-    freed. The dropped blocks keep their hashes (CACHED)."""
-    seq = self._resident(seq_id)
-    if hot_buffer_blocks < 1:
-      raise ValueError(f"hot_buffer_blocks must be >= 1, got {hot_buffer_blocks}")
-    gain = self.offload_gain(seq_id, hot_buffer_blocks)
-    if self.device_pool.num_free_blocks + gain < 0:
-      raise ValueError(f"cannot offload {seq_id!r}: no device blocks for its hot buffer")
-    drop = self._droppable(seq)
+  def offload(self, seq: SeqState, hot_buffer_blocks: int) -> None:
+    """Drops the device copies of the sequence's written-through blocks (they keep their
+    hashes: CACHED) and gives it `hot_buffer_blocks` hot-buffer slots if it has none."""
+    drop = self.droppable(seq)
     self.device_pool.free(seq.block_ids[i] for i in reversed(drop))
     for i in drop:
       seq.block_ids[i] = NULL_BLOCK_ID
     seq.replaced_blocks()
     if not seq.offloaded:
       seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
-    return gain

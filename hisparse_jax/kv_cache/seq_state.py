@@ -34,7 +34,7 @@ class SeqState:
   # (written through; owned), and the device blocks of the hot buffer once offloaded.
   host_ids: list[int] = dataclasses.field(default_factory=list)
   hot_slots: list[int] = dataclasses.field(default_factory=list)
-  # The numpy mirror of `block_ids` that step arrays are copied from (see `_table_row`):
+  # The numpy mirror of `block_ids` that step arrays are copied from (see `table_row`):
   # `table_version` changes whenever an entry of `block_ids` is replaced (appends do not
   # change it); the mirror is valid for `mirror_version` and its first `mirror_len`
   # entries.
@@ -51,3 +51,21 @@ class SeqState:
   def replaced_blocks(self) -> None:
     """Records that entries of `block_ids` were replaced (not just appended)."""
     self.table_version += 1
+
+  def table_row(self) -> np.ndarray:
+    """`block_ids` as int32 numpy (a view of the mirror): entries appended since the last
+    call are copied into it; a replaced entry (`table_version`) rewrites it. A step's
+    tables cost O(batch) this way, whatever the contexts' lengths."""
+    n = len(self.block_ids)
+    mirror = self.mirror
+    if mirror is None or len(mirror) < n:
+      grown = np.zeros(max(16, 2 * n), np.int32)
+      if mirror is not None and self.mirror_version == self.table_version:
+        grown[:self.mirror_len] = mirror[:self.mirror_len]
+      self.mirror = mirror = grown
+    if self.mirror_version != self.table_version or self.mirror_len > n:
+      self.mirror_len, self.mirror_version = 0, self.table_version
+    if self.mirror_len < n:
+      mirror[self.mirror_len:n] = self.block_ids[self.mirror_len:n]
+      self.mirror_len = n
+    return mirror[:n]

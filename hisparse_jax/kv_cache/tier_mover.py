@@ -1,9 +1,9 @@
 """Moves of whole sequences between the tiers: swap-out and swap-in plans, host pins.
 
-Mixed into `BlockManager`. A swap-out moves a preempted sequence's blocks to the host
+A swap-out moves a preempted sequence's blocks to the host
 (preemption by swapping, not recomputing); a swap-in brings it back before it runs
 again (a long HiSparse sequence comes back offloaded). Full blocks whose hash the
-destination tier holds are shared there, not copied (`_move`).
+destination tier holds are shared there, not copied (`TierMover.move`).
 
 Plan contract for one engine step. A block freed during the step may be handed out
 again in the same step, so the order of the batched moves matters:
@@ -24,37 +24,53 @@ copies them on write, before a later step).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from hisparse_jax.kv_cache.block_plans import SwapInPlan, SwapOutPlan, as_block_ids
 from hisparse_jax.kv_cache.block_pool import BlockPool
 from hisparse_jax.kv_cache.kv_pool import NULL_BLOCK_ID
+from hisparse_jax.kv_cache.prefix_cache import PrefixCache
 from hisparse_jax.kv_cache.seq_state import SeqState
 
 
-class TierMovesMixin:
-  """Swap plans and the host blocks pinned by this step's transfers."""
+class TierMover:
+  """Swap plans between the tiers, and the host blocks pinned by this step's transfers.
 
-  def _pin_host_blocks(self, host_ids: Sequence[int], touch: bool) -> None:
-    """Holds host blocks until `finish_step`; `host_ids` in eviction order."""
+  State: `pinned_host_groups`, the host blocks held (one reference each) as sources or
+  targets of this step's plans until `finish_step`. Everything else it changes belongs
+  to the pools and to the `SeqState` it is given; the `BlockManager` checks that a move
+  fits (`can_swap_out` / `can_swap_in`) before asking for it.
+  """
+
+  def __init__(self, device_pool: BlockPool, host_pool: BlockPool, block_size: int,
+               prefix_cache: PrefixCache):
+    self.device_pool = device_pool
+    self.host_pool = host_pool
+    self.block_size = block_size
+    self.prefix_cache = prefix_cache
+    self.pinned_host_groups: list[list[int]] = []
+
+  def pin_host_blocks(self, host_ids: Sequence[int], touch: bool) -> None:
+    """Holds host blocks until `finish_step`; `host_ids` in eviction order (`touch`:
+    take a reference now; otherwise the caller hands over one it holds)."""
     if touch:
       self.host_pool.touch(host_ids)
     if host_ids:
-      self._pinned_host_groups.append(list(host_ids))
+      self.pinned_host_groups.append(list(host_ids))
 
   def finish_step(self) -> None:
     """Releases the host blocks pinned by this step's plans (call after the forward)."""
-    for group in self._pinned_host_groups:
+    for group in self.pinned_host_groups:
       self.host_pool.free(group)
-    self._pinned_host_groups.clear()
+    self.pinned_host_groups.clear()
 
-  def _move(self, seq: SeqState, dst_pool: BlockPool) -> tuple[list[int], list[int], list[int]]:
+  def move(self, seq: SeqState, dst_pool: BlockPool) -> tuple[list[int], list[int], list[int]]:
     """New table of `seq` in `dst_pool`, and the (src, dst) ids of the blocks to copy.
 
     Full blocks whose hash `dst_pool` holds are shared there, not copied; the others get
     new blocks that take over their hashes.
     """
-    hits = self._hits_in(dst_pool, seq)
+    hits = self.prefix_cache.hits_in(dst_pool, seq)
     dst_pool.touch([h for h in hits if h is not None])
     new_ids = iter(dst_pool.allocate(sum(h is None for h in hits)))
     table, src_ids, dst_ids = [], [], []
@@ -71,34 +87,25 @@ class TierMovesMixin:
     return table, src_ids, dst_ids
 
   @staticmethod
-  def _tail(seq: SeqState, start: int) -> SeqState:
-    """A view of `seq` from block `start` on, for `_move` (which reads ids and hashes)."""
+  def tail(seq: SeqState, start: int) -> SeqState:
+    """A view of `seq` from block `start` on, for `move` (which reads ids and hashes)."""
     return SeqState([], seq.block_ids[start:], seq.block_hashes[start:], seq.extra_keys)
 
-  def can_swap_out(self, seq_id: Hashable) -> bool:
-    """Whether the host tier can take every block of the sequence now (blocks with a
-    written-through host copy need none)."""
-    seq = self._resident(seq_id)
-    tail = self._tail(seq, len(seq.host_ids))
-    return self._num_needed_in(self.host_pool, tail) <= self.host_pool.num_free_blocks
+  def can_swap_out(self, seq: SeqState) -> bool:
+    """Whether the host tier can take every block of the resident `seq` now (blocks with
+    a written-through host copy need none)."""
+    tail = self.tail(seq, len(seq.host_ids))
+    return self.prefix_cache.num_needed_in(self.host_pool, tail) <= self.host_pool.num_free_blocks
 
-  def swap_out(self, seq_id: Hashable) -> SwapOutPlan:
-    """Preempts a sequence by moving its blocks to the host; frees its device blocks.
-
-    Full blocks whose hash the host tier already holds are shared, not copied, and
-    written-through blocks keep their host copy. The freed device blocks keep their
-    hashes (CACHED), so a quick return finds them.
-    """
-    seq = self._resident(seq_id)
-    if not self.can_swap_out(seq_id):
-      raise ValueError(
-          f"cannot swap out {seq_id!r}: {len(seq.block_ids)} blocks, "
-          f"{self.host_pool.num_free_blocks} host blocks free")
+  def swap_out(self, seq: SeqState) -> SwapOutPlan:
+    """Moves a resident sequence's blocks to the host; frees its device blocks (they keep
+    their hashes: CACHED). Full blocks whose hash the host tier holds are shared, not
+    copied, and written-through blocks keep their host copy."""
     num_copied = len(seq.host_ids)
-    host_tail, device_src, host_dst = self._move(self._tail(seq, num_copied), self.host_pool)
+    host_tail, device_src, host_dst = self.move(self.tail(seq, num_copied), self.host_pool)
     # Pinned too: if the sequence is freed in this step, its host blocks must not be
     # written by a second transfer of the same batch.
-    self._pin_host_blocks(host_dst[::-1], touch=True)
+    self.pin_host_blocks(host_dst[::-1], touch=True)
     self.device_pool.free(reversed(seq.hot_slots))
     self.device_pool.free(b for b in reversed(seq.block_ids) if b != NULL_BLOCK_ID)
     seq.block_ids = seq.host_ids + host_tail
@@ -107,44 +114,32 @@ class TierMovesMixin:
     seq.swapped = True
     return SwapOutPlan(as_block_ids(device_src), as_block_ids(host_dst))
 
-  def _num_kept_on_host(self, seq: SeqState, hot_buffer_blocks: int,
-                        num_computed_tokens: int | None) -> int:
+  def num_kept_on_host(self, seq: SeqState, hot_buffer_blocks: int,
+                       num_computed_tokens: int | None) -> int:
+    """Leading blocks of a swapped-out `seq` that a swap-in with a hot buffer leaves on
+    the host: its full, computed blocks (all of them when every block is full: the next
+    token opens a new block); 0 without a hot buffer."""
     if hot_buffer_blocks <= 0:
       return 0
     if num_computed_tokens is None:
       raise ValueError("a swap-in with a hot buffer needs num_computed_tokens")
-    # Leading full, computed blocks stay on the host (all of them when every block is
-    # full: the next token opens a new block).
     return min(num_computed_tokens // self.block_size, len(seq.block_ids))
 
-  def can_swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
+  def can_swap_in(self, seq: SeqState, hot_buffer_blocks: int = 0,
                   num_computed_tokens: int | None = None) -> bool:
-    """Whether the device tier has the blocks to bring the sequence back now (with
-    `hot_buffer_blocks`, only its blocks past the computed full ones, plus the slots)."""
-    seq = self._seq(seq_id)
-    if not seq.swapped:
-      raise ValueError(f"sequence {seq_id!r} is not swapped out")
-    keep = self._num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
-    needed = self._num_needed_in(self.device_pool, self._tail(seq, keep))
+    """Whether the device tier has the blocks to bring the swapped-out `seq` back now
+    (with `hot_buffer_blocks`, only its blocks past the computed full ones, plus the
+    slots)."""
+    keep = self.num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
+    needed = self.prefix_cache.num_needed_in(self.device_pool, self.tail(seq, keep))
     return needed + (hot_buffer_blocks if keep else 0) <= self.device_pool.num_free_blocks
 
-  def swap_in(self, seq_id: Hashable, hot_buffer_blocks: int = 0,
+  def swap_in(self, seq: SeqState, hot_buffer_blocks: int = 0,
               num_computed_tokens: int | None = None) -> SwapInPlan:
-    """Brings a swapped-out sequence back to device blocks before it runs again.
-
-    Full blocks still cached on the device are reused without a copy. The host blocks
-    stay pinned until `finish_step`, then become CACHED host blocks (full ones).
-    With `hot_buffer_blocks` > 0 (a HiSparse sequence that decodes), the leading full
-    blocks of its first `num_computed_tokens` tokens stay on the host as its host
-    copies and it comes back offloaded, with that many hot-buffer slots.
-    """
-    if not self.can_swap_in(seq_id, hot_buffer_blocks, num_computed_tokens):
-      raise ValueError(
-          f"cannot swap in {seq_id!r}: {self.device_pool.num_free_blocks} device blocks free")
-    seq = self._seqs[seq_id]
-    keep = self._num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
-    device_tail, host_src, device_dst = self._move(self._tail(seq, keep), self.device_pool)
-    self._pin_host_blocks(seq.block_ids[keep:][::-1], touch=False)  # Its refs become pins.
+    """Brings a swapped-out sequence back to device blocks (see BlockManager.swap_in)."""
+    keep = self.num_kept_on_host(seq, hot_buffer_blocks, num_computed_tokens)
+    device_tail, host_src, device_dst = self.move(self.tail(seq, keep), self.device_pool)
+    self.pin_host_blocks(seq.block_ids[keep:][::-1], touch=False)  # Its refs become pins.
     seq.host_ids = seq.block_ids[:keep]
     seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks) if keep else []
     seq.block_ids = [NULL_BLOCK_ID] * keep + device_tail
