@@ -14,16 +14,31 @@ fast; everything but `__version__` imports jax):
   CapacityReport, plan_capacity, KVCacheSpec, KVPool   the KV memory tiers
   TransferEngine         batched block moves between the device and host pools
   MetricsRegistry        counters, gauges, histograms; JSON and Prometheus read-outs
+
+The package is in rooms, each a subpackage whose `__init__` says what lives there and
+what it may import (tests/test_layering.py holds them to it); from the bottom up:
+
+  observability/   metrics registry, the engine's series, status line, library logging
+  distributed/     the jax Mesh of tensor parallelism, shardings, multi-host start
+  kv_cache/        KV pools by memory kind, capacity, transfers, the block manager
+  sparse/          the HiSparse sparse path: config, indexer, resolver, attention
+  engine/          the engine loop: requests, scheduler, model runner, the jitted step
+  entrypoints/     LLM, AsyncEngine, the OpenAI server, the `hisparse-jax` CLI
+  bench/           benchmark suites and the GPU check (measures all of the above)
+
+Embedding the pieces in another JAX serving stack (no Engine): `hisparse_jax.kv_cache`
+and `hisparse_jax.sparse` list their public surface; examples/embed_decode_loop.py is a
+hand-written decode loop over them.
 """
 
-import importlib
+from hisparse_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "hisparse_jax.entrypoints.llm",
     "Engine": "hisparse_jax.engine.engine",
-    "EngineConfig": "hisparse_jax.engine.engine",
+    "EngineConfig": "hisparse_jax.engine.config",
     "HiSparseConfig": "hisparse_jax.sparse.config",
     "SamplingParams": "hisparse_jax.engine.sampling",
     "RequestOutputKind": "hisparse_jax.engine.sampling",
@@ -39,16 +54,4 @@ _EXPORTS = {
     "MetricsRegistry": "hisparse_jax.observability.metrics",
 }
 __all__ = [*_EXPORTS, "__version__"]
-
-
-def __getattr__(name: str):
-  module = _EXPORTS.get(name)
-  if module is None:
-    raise AttributeError(f"module 'hisparse_jax' has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
-  globals()[name] = value  # later lookups skip this function
-  return value
-
-
-def __dir__():
-  return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,7 +1,8 @@
 """The engine: requests in, tokens out, one `step()` at a time over the tiered KV cache.
 
     step():  schedule -> move blocks (d2h swap-outs, copy-on-write, h2d swap-ins)
-             -> run (one jitted forward + sample) -> postprocess (append, stop, free)
+             -> build batch -> run (one jitted forward + sample, dispatched)
+             -> postprocess the step before it (append, stop, free; OutputProcessor)
 
 `Engine` is the lower-level API for serving stacks (`add_request`, `step`,
 `abort_request`, `has_unfinished_requests`); `hisparse_jax.LLM` wraps it for batch
@@ -12,9 +13,7 @@ and logs their capacity per memory kind.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import os
 import time
 from collections.abc import Sequence
 
@@ -23,18 +22,18 @@ import numpy as np
 from absl import logging
 
 from hisparse_jax.distributed import parallel
+from hisparse_jax.engine.config import EngineConfig, default_block_size
+from hisparse_jax.engine.hot_rows import HotRows
+from hisparse_jax.engine.output_processor import OutputProcessor
 from hisparse_jax.engine.request import (
-  CompletionOutput,
-  Logprob,
   Request,
-  RequestMetrics,
   RequestOutput,
   RequestStatus,
   SequenceGroup,
   check_prompt,
 )
 from hisparse_jax.engine.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
-from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
+from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.engine.scheduler import Scheduler, SchedulerOutput
 from hisparse_jax.kv_cache.block_manager import BlockManager
 from hisparse_jax.kv_cache.capacity import (
@@ -44,122 +43,13 @@ from hisparse_jax.kv_cache.capacity import (
   plan_capacity,
   plan_capacity_reserving,
 )
-from hisparse_jax.kv_cache.kv_pool import (
-  KVCacheSpec,
-  check_kv_cache_dtype,
-  check_kv_cache_dtype_devices,
-)
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, check_kv_cache_dtype_devices
 from hisparse_jax.kv_cache.transfer import TransferEngine
 from hisparse_jax.observability import engine_metrics
+from hisparse_jax.observability.library_logging import configure_library_logging
 from hisparse_jax.observability.metrics import MetricsRegistry
-from hisparse_jax.sparse.config import HiSparseConfig
 
-
-def configure_library_logging() -> None:
-  """Shows this engine's INFO lines (the capacity of each memory kind at model load, the
-  status lines) to a library user, as vLLM's logger does: when no absl app parsed the
-  flags (the CLI and absl apps set their own verbosity) and the verbosity is below INFO,
-  it becomes INFO. `HISPARSE_CONFIGURE_LOGGING=0` leaves logging alone."""
-  import logging as std_logging  # noqa: PLC0415
-
-  from absl import flags  # noqa: PLC0415
-
-  if os.environ.get("HISPARSE_CONFIGURE_LOGGING", "1") == "0" or flags.FLAGS.is_parsed():
-    return
-  if logging.get_verbosity() < logging.INFO:
-    logging.set_verbosity(logging.INFO)
-    # jax logs at INFO that it found no TPU library: not the embedder's news.
-    std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
-
-
-def default_block_size(hisparse: bool = False) -> int:
-  """The block size when none is given: 128 tokens on CPU, as vLLM's CPU backend (a decode
-  reads each block as one contiguous run; measured here on the prefill_heavy workload:
-  19% faster than 16), 16 on accelerators and with HiSparse (the indexer selects whole
-  blocks, and smaller blocks select more precisely)."""
-  if hisparse:
-    return 16
-  import kernels_pallas  # the platform query starts jax's backends: only when needed
-
-  return 128 if kernels_pallas.backend.platform() == "cpu" else 16
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Everything an engine is built from; validated on construction (fields = CLI flags)."""
-
-  model: str | None = None  # HF checkpoint directory; None = the embedded hisparse-tiny
-  dtype: str = "float32"  # weights and KV cache
-  # What the KV cache stores: "auto" (the model's dtype) or "int8" (int8 values and a
-  # float32 scale per token and KV head, dequantized where attention reads them).
-  kv_cache_dtype: str = "auto"
-  # None: default_block_size, resolved when the engine is built (128 on CPU, 16 otherwise).
-  block_size: int | None = None
-  device_kv_gib: float | None = None
-  host_pool_gib: float = 1.0
-  max_model_len: int = 2048
-  max_num_seqs: int = 256
-  max_num_batched_tokens: int = 2048
-  enable_chunked_prefill: bool = True
-  enable_prefix_caching: bool = True
-  kernel_backend: str | None = None  # "auto" (None), "pallas", "xla" or "reference"
-  # Overlap the host's work for step t + 1 with the device's step t (vLLM V1's async
-  # scheduling); False finishes each step within its step() call.
-  async_scheduling: bool = True
-  # A batch whose step shape has no compiled program yet runs padded to the cheapest
-  # compiled shape that covers it while its own compiles in a background thread
-  # (step_shapes.py): no compile stall while serving. Off: each new shape compiles
-  # before its step runs (reproducible to the bit: the padding never depends on timing).
-  compile_in_background: bool = False
-  seed: int = 0
-  hisparse: HiSparseConfig | None = None  # None: dense attention only
-  # Devices of the one mesh the engine runs over (heads, MLP and KV cache split); 1: one
-  # device, no mesh (hisparse_jax.distributed.parallel).
-  tensor_parallel_size: int = 1
-
-  def __post_init__(self):
-    tp = self.tensor_parallel_size
-    if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
-      raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    if self.block_size is None and self.hisparse is not None:
-      object.__setattr__(self, "block_size", default_block_size(hisparse=True))
-    if self.block_size is not None and (self.block_size <= 0
-                                        or self.block_size & (self.block_size - 1)):
-      raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.seed < 0:
-      raise ValueError(f"seed must be >= 0, got {self.seed}")
-    if self.dtype not in ("auto", "float32", "bfloat16"):
-      raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-    check_kv_cache_dtype(self.kv_cache_dtype)
-    if self.kv_cache_dtype != "auto" and self.kernel_backend == "pallas_mgpu":
-      raise ValueError(
-          f"kv_cache_dtype={self.kv_cache_dtype} is not read by the Mosaic GPU decode kernel "
-          "(kernel_backend='pallas_mgpu'); use kernel_backend='pallas' (Triton), xla or "
-          "reference")
-    if self.host_pool_gib is not None and self.host_pool_gib < 0:
-      raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
-    if self.device_kv_gib is not None and self.device_kv_gib <= 0:
-      raise ValueError(f"device_kv_gib must be > 0, got {self.device_kv_gib}")
-    if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-      # A recomputed request prefills up to max_model_len tokens in one step.
-      raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                       f"max_model_len={self.max_model_len} without chunked prefill")
-    if self.hisparse is not None:
-      if not isinstance(self.hisparse, HiSparseConfig):
-        raise ValueError(f"hisparse must be a HiSparseConfig or None, got "
-                         f"{type(self.hisparse).__name__}")
-      try:
-        self.hisparse.blocks(self.block_size)  # top-k, sink, local in whole blocks
-      except ValueError as e:
-        raise ValueError(f"hisparse: {e}") from None
-      if self.hisparse.selection != "shared":
-        raise ValueError(
-            f"hisparse: selection={self.hisparse.selection!r} is not available in the engine "
-            "yet (it needs attention per KV head over per-head tables); use "
-            "selection='shared'")
+__all__ = ["Engine", "EngineConfig", "configure_library_logging", "default_block_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +112,7 @@ class Engine:
     if tokenizer is not None:
       eos_ids |= set(tokenizer.eos_token_ids)
     self.eos_token_ids = frozenset(int(t) for t in eos_ids)
+    self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if max_positions is not None and config.max_model_len > max_positions:
       raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
@@ -277,9 +168,7 @@ class Engine:
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                enable_chunked_prefill=config.enable_chunked_prefill,
                                hisparse=config.hisparse, max_model_len=config.max_model_len)
-    # HiSparse: the runner's hot-buffer state row of each offloaded request.
-    self._hot_rows: dict[str, int] = {}
-    self._free_hot_rows = list(range(self.runner.num_hot_rows))
+    self.hot_rows = HotRows(self.runner.num_hot_rows)  # (HiSparse)
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
     self._inflight: _InflightStep | None = None  # dispatched, tokens not read back yet
     self._finished: list[Request] = []  # finished since the last step() returned
@@ -395,6 +284,27 @@ class Engine:
     self.transfer.poll()
     out = self.scheduler.schedule()
     self.last_step_num_tokens = out.num_tokens
+    dispatched = self._run(out)
+    outputs: dict[str, Request] = {}
+    previous, self._inflight = self._inflight, dispatched
+    if previous is not None:
+      self._postprocess(previous, outputs)
+    if self._inflight is not None and (self.scheduler.num_unfinished == 0
+                                       or not self.config.async_scheduling):
+      # Without async scheduling, or with nothing left to run (the step in flight holds
+      # rows of finished requests only), the step completes now.
+      last, self._inflight = self._inflight, None
+      self._postprocess(last, outputs)
+    self.num_steps += 1
+    result = self.output_processor.outputs(
+        [r for r in outputs.values() if not r.is_finished] + self._finished)
+    self._finished = []
+    self.stats.on_usage(self.block_manager, self.scheduler)
+    return result
+
+  def _run(self, out: SchedulerOutput) -> _InflightStep | None:
+    """Moves the step's blocks, builds its batch and dispatches it (None: nothing to run,
+    or it failed: a failed step ends only the requests it held)."""
     dispatched, moved = None, False
     try:
       self._move_blocks(out)
@@ -408,34 +318,21 @@ class Engine:
         prev = self._inflight.handle.tokens if self._inflight is not None else None
         dispatched = _InflightStep(out, batch, self.runner.dispatch(batch, prev),
                                    time.perf_counter())
-    except Exception as e:  # a failed step ends only the requests it held
+    except Exception as e:
       self.block_manager.finish_step()  # (its transfers, if any, are dispatched)
       self._fail_step(out, moved, e)
-    else:
-      self.block_manager.finish_step()
-      if dispatched is not None:
-        for i, chunk in enumerate(out.chunks):
-          if chunk.samples:
-            chunk.request.num_inflight += 1
-            chunk.request.inflight_row = i
-    outputs: dict[str, Request] = {}
-    previous, self._inflight = self._inflight, dispatched
-    if previous is not None:
-      self._complete(previous, outputs)
-    if self._inflight is not None and (self.scheduler.num_unfinished == 0
-                                       or not self.config.async_scheduling):
-      # Without async scheduling, or with nothing left to run (the step in flight holds
-      # rows of finished requests only), the step completes now.
-      last, self._inflight = self._inflight, None
-      self._complete(last, outputs)
-    self.num_steps += 1
-    result = self._outputs([r for r in outputs.values() if not r.is_finished] + self._finished)
-    self._finished = []
-    self.stats.on_usage(self.block_manager, self.scheduler)
-    return result
+      return None
+    self.block_manager.finish_step()
+    if dispatched is not None:
+      for i, chunk in enumerate(out.chunks):
+        if chunk.samples:
+          chunk.request.num_inflight += 1
+          chunk.request.inflight_row = i
+    return dispatched
 
-  def _complete(self, step: _InflightStep, outputs: dict[str, Request]) -> None:
-    """Reads back a dispatched step's tokens (waits for it) and postprocesses its rows."""
+  def _postprocess(self, step: _InflightStep, outputs: dict[str, Request]) -> None:
+    """Reads back a dispatched step's tokens (waits for it) and hands each row's token
+    to its request; `outputs` gets the requests that advanced."""
     try:
       result = self.runner.collect(step.handle)
     except Exception as e:  # the step failed on the device: its requests end
@@ -449,8 +346,9 @@ class Engine:
       for i, first, num in step.batch.prompt_spans:
         chunk = step.out.chunks[i]
         if not chunk.request.is_finished:
-          self._add_prompt_logprobs(chunk.request, chunk.start + 1,
-                                    tuple(a[first:first + num] for a in result.prompt_logprobs))
+          self.output_processor.add_prompt_logprobs(
+              chunk.request, chunk.start + 1,
+              tuple(a[first:first + num] for a in result.prompt_logprobs))
     tally = engine_metrics.StepTally()
     for i, (chunk, token, num_blocks) in enumerate(zip(
         step.out.chunks, tokens.tolist(), step.batch.blocks_attended.tolist())):
@@ -462,10 +360,10 @@ class Engine:
       row_logprobs = None
       if result.logprobs is not None and request.sampling_params.logprobs is not None:
         row_logprobs = tuple(a[i] for a in result.logprobs)
-      self._postprocess(chunk, token, num_blocks, now, tally,
-                        counts[:, i] if counts is not None and sparse_rows[i] else None,
-                        row_logprobs)
+      self._tally_blocks(request, num_blocks, tally,
+                         counts[:, i] if counts is not None and sparse_rows[i] else None)
       if chunk.samples:  # (a prompt chunk before the last has nothing to report)
+        self._append_token(request, token, now, tally, row_logprobs)
         outputs[request.request_id] = request
     tally.loaded_block_layers = result.loaded_block_layers
     spec = self.device_pool.spec
@@ -496,17 +394,7 @@ class Engine:
     if self.config.hisparse is None:
       return None
     bm = self.block_manager
-    for seq_id in list(self._hot_rows):  # rows of requests no longer offloaded come free
-      if seq_id not in bm or bm.is_swapped(seq_id) or not bm.is_offloaded(seq_id):
-        self._free_hot_rows.append(self._hot_rows.pop(seq_id))
-    rows = np.full(len(seq_ids), -1, np.int32)
-    reset = np.zeros(len(seq_ids), bool)
-    for i, seq_id in enumerate(seq_ids):
-      if bm.is_offloaded(seq_id):
-        if seq_id not in self._hot_rows:  # newly offloaded: a fresh row
-          self._hot_rows[seq_id] = self._free_hot_rows.pop()
-          reset[i] = True
-        rows[i] = self._hot_rows[seq_id]
+    rows, reset = self.hot_rows.assign(bm, seq_ids)
     slots = self.runner.hisparse_blocks.hot_buffer_blocks
     return SparseTiers(host_tables=bm.host_tables(seq_ids, width),
                        hot_slots=bm.hot_slot_tables(seq_ids, slots), hot_rows=rows,
@@ -527,14 +415,13 @@ class Engine:
       self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]), device_ids)
       self.runner.refresh_bounds(device_ids)  # the key bounds follow the pages
 
-  def _postprocess(self, chunk, token: int, num_blocks: int, now: float,
-                   tally: engine_metrics.StepTally,
-                   sparse_counts: np.ndarray | None = None, logprobs=None) -> None:
-    """`num_blocks`: blocks the chunk's attention read (all of them, or the selected);
-    `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row: where its
-    selected blocks came from, per layer (counted here as the mean over layers). The
-    step's metrics go to `tally` (recorded once per step)."""
-    request = chunk.request
+  @staticmethod
+  def _tally_blocks(request: Request, num_blocks: int, tally: engine_metrics.StepTally,
+                    sparse_counts: np.ndarray | None) -> None:
+    """Where a row's blocks came from, into the step's `tally` and the request's
+    metrics. `num_blocks`: blocks the row's attention read (all of them, or the
+    selected); `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row, per
+    layer (counted as the mean over layers)."""
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
     selected = request.blocks_selected
@@ -542,106 +429,33 @@ class Engine:
       tally.add_blocks(num_blocks - from_host, 0, from_host)
       selected["device"] += num_blocks - from_host
       selected["host"] += from_host
-    else:
-      layers = sparse_counts.shape[0]
-      device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
-      tally.add_blocks(device / layers, hot / layers, host / layers)
-      tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
-      selected["device"] += device / layers
-      selected["hot"] += hot / layers
-      selected["host"] += host / layers
-    if not chunk.samples:
       return
+    layers = sparse_counts.shape[0]
+    device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
+    tally.add_blocks(device / layers, hot / layers, host / layers)
+    tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
+    selected["device"] += device / layers
+    selected["hot"] += hot / layers
+    selected["host"] += host / layers
+
+  def _append_token(self, request: Request, token: int, now: float,
+                    tally: engine_metrics.StepTally, logprobs) -> None:
+    """A sampled token reaches its request: its timings, the pending slot it fills in the
+    block manager, its output and text (OutputProcessor); finishes it when it stops."""
     if request.first_token_time is None:
       request.first_token_time = now
       tally.ttft.append(now - request.arrival_time)
     else:
       tally.token_gaps.append(now - request.last_token_time)
     request.last_token_time = now
-    output = request.output_token_ids
-    position = len(request.prompt_token_ids) + len(output)
-    output.append(token)
     tally.generated += 1
     if request.pending_in_blocks:  # a decode was planned with this token pending
       request.pending_in_blocks = False
+      position = len(request.prompt_token_ids) + len(request.output_token_ids)
       self.block_manager.set_token(request.request_id, position, token)
-    sp = request.sampling_params
-    if logprobs is not None:
-      self._add_logprobs(request, token, logprobs)
-    # As vLLM: stop tokens and EOS end an output of at least min_tokens tokens (the
-    # sampler keeps them out of the first min_tokens) and their text is left out unless
-    # include_stop_str_in_output; stop strings end an output of more than min_tokens.
-    stop_token = len(output) >= sp.min_tokens and (
-        token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids))
-    if request.detokenizer is not None and (not stop_token or sp.include_stop_str_in_output):
-      before = len(request.output_text)
-      request.output_text += request.detokenizer.step(token)
-      if (sp.stop and not stop_token and len(output) > sp.min_tokens
-          and self._stop_string(request, before)):
-        return
-    if stop_token:
-      request.stop_reason = token if token in sp.stop_token_ids else None
-      self._finish(request, "stop")
-    elif ((sp.max_tokens is not None and len(output) >= sp.max_tokens)
-          or position + 1 >= self.config.max_model_len):
-      self._finish(request, "length")
-
-  def _decoder(self, request: Request):
-    """A token id's text for Logprob.decoded_token (None: the request has no text)."""
-    if self.tokenizer is None or not request.sampling_params.detokenize:
-      return None
-    return functools.partial(self.tokenizer.decode,
-                             skip_special_tokens=request.sampling_params.skip_special_tokens)
-
-  @staticmethod
-  def _position_logprobs(token: int, logprob: float, rank: int, top_ids, top_lps,
-                         num_top: int, decode) -> dict[int, Logprob]:
-    """{token id: Logprob} of one position: the top `num_top` and `token` itself."""
-    position = {}
-    for r, (t, lp) in enumerate(zip(top_ids[:num_top].tolist(), top_lps[:num_top].tolist())):
-      position[t] = Logprob(lp, r + 1, decode([t]) if decode else None)
-    if token not in position:
-      position[token] = Logprob(float(logprob), int(rank), decode([token]) if decode else None)
-    return position
-
-  def _add_logprobs(self, request: Request, token: int, logprobs) -> None:
-    """Appends this token's position to the request's logprobs: the sampled token and
-    the top `SamplingParams.logprobs` tokens, each a `Logprob` (vLLM's shape)."""
-    sampled, rank, top_ids, top_lps = logprobs
-    request.logprobs.append(self._position_logprobs(
-        token, sampled, rank, top_ids, top_lps, request.sampling_params.logprobs,
-        self._decoder(request)))
-    request.cumulative_logprob += float(sampled)
-
-  def _add_prompt_logprobs(self, request: Request, position: int, logprobs) -> None:
-    """Records the prompt logprobs a step computed for prompt positions `position`
-    onwards (the logprob of each prompt token given those before it)."""
-    lps, ranks, top_ids, top_lps = logprobs
-    decode = self._decoder(request)
-    num_top = request.sampling_params.prompt_logprobs
-    prompt = request.prompt_token_ids
-    for j in range(len(lps)):
-      if position + j != len(request.prompt_logprobs):
-        continue  # (computed before, by a step that was then recomputed)
-      request.prompt_logprobs.append(self._position_logprobs(
-          prompt[position + j], lps[j], ranks[j], top_ids[j], top_lps[j], num_top, decode))
-
-  def _stop_string(self, request: Request, before: int) -> bool:
-    """Ends `request` (finish_reason "stop", stop_reason the string) if its text, which
-    had `before` characters before this token, now contains a stop string; the text
-    ends before the earliest one (after it with include_stop_str_in_output). Only the
-    new text and the longest stop string's length before it are searched."""
-    sp = request.sampling_params
-    text = request.output_text
-    start = max(0, before - max(len(s) for s in sp.stop) + 1)
-    found = [(i, s) for s in sp.stop if (i := text.find(s, start)) >= 0]
-    if not found:
-      return False
-    at, stop = min(found)
-    request.output_text = text[:at + len(stop) if sp.include_stop_str_in_output else at]
-    request.stop_reason = stop
-    self._finish(request, "stop")
-    return True
+    reason = self.output_processor.append_token(request, token, logprobs)
+    if reason is not None:
+      self._finish(request, reason)
 
   def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
     children = request.pending_children
@@ -657,122 +471,6 @@ class Engine:
       self._finish(child, reason, error)
     if request.group is not None and request.group.finished:
       self._groups.pop(request.group.request_id, None)
-
-  def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
-    """The outputs of the requests that advanced or finished in a step, in that order;
-    the sequences of a request with n > 1 make one output where the first of them is."""
-    result, groups = [], {}
-    for request in requests:
-      if request.group is None:
-        output = self._output(request)
-        if output is not None:
-          result.append(output)
-        continue
-      seqs = groups.get(id(request.group))
-      if seqs is None:
-        seqs = groups[id(request.group)] = []
-        result.append(request.group)
-      seqs.append(request)
-    if groups:
-      result = [self._group_output(x, groups[id(x)]) if isinstance(x, SequenceGroup) else x
-                for x in result]
-      result = [o for o in result if o is not None]
-    return result
-
-  def _output(self, request: Request) -> RequestOutput | None:
-    """The request's output as its `output_kind` streams it (None: nothing to hand out
-    now, a FINAL_ONLY request still running)."""
-    kind = request.sampling_params.output_kind
-    finished = request.is_finished
-    if kind is RequestOutputKind.FINAL_ONLY and not finished:
-      return None
-    ttft = (request.first_token_time - request.arrival_time
-            if request.first_token_time is not None else None)
-    decode_tps = None
-    if request.first_token_time is not None and len(request.output_token_ids) > 1:
-      span = request.last_token_time - request.first_token_time
-      decode_tps = (len(request.output_token_ids) - 1) / span if span > 0 else None
-    metrics = RequestMetrics(
-        arrival_time=request.arrival_time, first_token_time=request.first_token_time,
-        last_token_time=request.last_token_time, time_to_first_token_s=ttft,
-        decode_tokens_per_s=decode_tps, blocks_selected=request.blocks_selected,
-        num_preemptions=request.num_preemptions)
-    return RequestOutput(
-        request_id=request.request_id, prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids, outputs=[self._completion(request)],
-        finished=finished, metrics=metrics, num_cached_tokens=request.num_cached_tokens,
-        error=request.error, prompt_logprobs=self._prompt_logprobs(request))
-
-  def _group_output(self, group: SequenceGroup, seqs: list[Request]) -> RequestOutput | None:
-    """The output of a request with n > 1 whose sequences `seqs` advanced or finished:
-    under DELTA their completions, otherwise all n (FINAL_ONLY: once all finished).
-    Metrics: the earliest first token, the latest last one, decode tokens/s over all
-    sequences, blocks and preemptions summed."""
-    first = group.seqs[0]
-    kind = first.sampling_params.output_kind
-    finished = group.finished
-    if kind is RequestOutputKind.FINAL_ONLY and not finished:
-      return None
-    if kind is not RequestOutputKind.DELTA:
-      seqs = group.seqs
-    completions = [self._completion(s) for s in sorted(seqs, key=lambda s: s.index)]
-    started = [s for s in group.seqs if s.first_token_time is not None]
-    first_time = min((s.first_token_time for s in started), default=None)
-    last_time = max((s.last_token_time for s in started), default=None)
-    decode_tps = None
-    if started and last_time > first_time:
-      decode_tps = sum(len(s.output_token_ids) - 1 for s in started) / (last_time - first_time)
-    blocks = {k: sum(s.blocks_selected[k] for s in group.seqs) for k in first.blocks_selected}
-    metrics = RequestMetrics(
-        arrival_time=first.arrival_time, first_token_time=first_time,
-        last_token_time=last_time,
-        time_to_first_token_s=first_time - first.arrival_time if started else None,
-        decode_tokens_per_s=decode_tps, blocks_selected=blocks,
-        num_preemptions=sum(s.num_preemptions for s in group.seqs))
-    return RequestOutput(
-        request_id=group.request_id, prompt=first.prompt,
-        prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=finished,
-        metrics=metrics, num_cached_tokens=first.num_cached_tokens,
-        error=next((s.error for s in group.seqs if s.error), None),
-        prompt_logprobs=self._prompt_logprobs(first))
-
-  def _prompt_logprobs(self, request: Request) -> list | None:
-    """The prompt's logprobs once computed (under DELTA in the first output only)."""
-    if request.sampling_params.prompt_logprobs is None:
-      return None
-    if len(request.prompt_logprobs) < request.num_prompt_tokens:
-      return None  # not computed (yet: the prefill is under way, or failed)
-    if request.sampling_params.output_kind is RequestOutputKind.DELTA:
-      if request.prompt_logprobs_reported:
-        return None
-      request.prompt_logprobs_reported = True
-    return request.prompt_logprobs
-
-  def _completion(self, request: Request) -> CompletionOutput:
-    """One sequence's completion as its `output_kind` streams it (DELTA: what is new
-    since the last one handed out)."""
-    kind = request.sampling_params.output_kind
-    finished = request.is_finished
-    text = request.output_text
-    hold = request.sampling_params.stop_hold_back
-    if hold and not finished:  # what may still turn out to start a stop string
-      text = text[:max(0, len(text) - hold)]
-    token_ids = request.output_token_ids
-    if kind is RequestOutputKind.DELTA:
-      token_ids = token_ids[request.num_output_tokens_reported:]
-      text = text[request.num_text_reported:]
-      request.num_output_tokens_reported = len(request.output_token_ids)
-      request.num_text_reported += len(text)
-    elif finished:  # the request is done with them: a copy per request, once
-      token_ids = list(token_ids)
-    logprobs = cumulative = None
-    if request.sampling_params.logprobs is not None:
-      cumulative = request.cumulative_logprob
-      logprobs = request.logprobs[len(request.logprobs) - len(token_ids):]
-    return CompletionOutput(
-        index=request.index, text=text, token_ids=token_ids, cumulative_logprob=cumulative,
-        logprobs=logprobs, finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason)
 
   # --- Figures -------------------------------------------------------------------
 

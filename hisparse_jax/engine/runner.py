@@ -13,7 +13,7 @@ The runner is assembled from one module per concern:
     runner.py            ModelRunner: the device state between steps (pages, key bounds,
                          hot-buffer state), dispatch / collect of a step, block copies
     step_batch.py        batch building: StepBatch, StepMetadata, SamplerExtras,
-                         SparseTiers; BatchBuilderMixin.build_batch (host, per step)
+                         SparseTiers; BatchBuilder (host, per step; the runner owns one)
     step_program.py      the jitted step (forward + sampling) and the copy / refresh
                          programs
     sparse_attention.py  attention inside the step: dense rows, and the HiSparse sparse
@@ -33,8 +33,9 @@ from flax import nnx
 
 import kernels_pallas
 from hisparse_jax.distributed import parallel
+from hisparse_jax.engine.scheduler import ScheduledChunk
 from hisparse_jax.engine.step_batch import (  # noqa: F401 (re-exported)
-  BatchBuilderMixin,
+  BatchBuilder,
   SamplerExtras,
   SparseTiers,
   StepBatch,
@@ -82,7 +83,7 @@ class StepResult:
     return 0 if self.loaded is None else int(self.loaded.sum())
 
 
-class ModelRunner(BatchBuilderMixin):
+class ModelRunner:
   """Owns the jitted step and the device pool's arrays between steps.
 
   Invariants: the device pool's arrays (and the key bounds, with HiSparse) are only
@@ -141,6 +142,11 @@ class ModelRunner(BatchBuilderMixin):
           device_full_fn((*rows, slots), jnp.int32, resolver.NEVER, device_pool.replicated)(),
           device_full_fn((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
                          device_pool.replicated)())
+    self.batch_builder = BatchBuilder(
+        block_size=self.block_size, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, ops=self.ops,
+        hisparse=hisparse, num_hot_rows=self.num_hot_rows, vocab_size=self.vocab_size,
+        eos_token_ids=self.eos_token_ids)
     self._graphdef, self.params = nnx.split(model)
     self._step = self._step_for(self.ops, one_memory=None)
     self._copy = copy_program()
@@ -184,6 +190,13 @@ class ModelRunner(BatchBuilderMixin):
   def indexer_bytes(self) -> int:
     """Device bytes of the indexer's key bounds (by device block and by host block)."""
     return sum(int(b.nbytes) for b in self.bounds)
+
+  # --- Host side -----------------------------------------------------------------
+
+  def build_batch(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
+                  tiers: SparseTiers | None = None) -> StepBatch:
+    """The step's padded host arrays (`BatchBuilder.build` at this runner's step clock)."""
+    return self.batch_builder.build(chunks, block_tables, tiers, self.step_clock)
 
   # --- Device side ---------------------------------------------------------------
 

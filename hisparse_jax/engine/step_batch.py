@@ -8,8 +8,9 @@ only for all-greedy batches), shared by every engine over the same model structu
 pool dtype (`step_program.step_program`); padded tokens have slot -1 (never written) and belong to
 no sequence, padded sequences have length 0.
 
-`BatchBuilderMixin.build_batch` is ModelRunner's per-step host work: one loop over the
-chunks filling numpy arrays, O(batch) (a chunk's tokens are copied as slices).
+`BatchBuilder.build` (what `ModelRunner.build_batch` calls) is the step's host work: one
+loop over the chunks filling numpy arrays, O(batch) (a chunk's tokens are copied as
+slices).
 """
 
 from __future__ import annotations
@@ -22,32 +23,8 @@ import numpy as np
 
 from hisparse_jax.engine.scheduler import ScheduledChunk
 from hisparse_jax.kv_cache.transfer import bucket_size
+from hisparse_jax.sparse.attention import StepMetadata  # noqa: F401 (re-exported)
 from kernels_pallas.xla_attention import decode_rows_bucket
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepMetadata:
-  """Per-step attention inputs (all int32)."""
-
-  slot_ids: jax.Array  # [num_tokens]; -1 = padding, not written
-  block_tables: jax.Array  # [num_seqs, max_blocks]; padded with the null block 0
-  kv_lens: jax.Array  # [num_seqs]: tokens in the cache after this step
-  cu_q_lens: jax.Array  # [num_seqs + 1]
-  sparse_rows: jax.Array  # bool [num_seqs]: decode rows that attend over selected blocks
-  # HiSparse tiers (None without HiSparse):
-  host_tables: jax.Array | None = None  # [num_seqs, max_blocks] host copy ids, 0 = none
-  hot_slots: jax.Array | None = None  # [num_seqs, num_slots] hot-buffer device blocks
-  hot_rows: jax.Array | None = None  # [num_seqs] hot-state row; >= rows: none
-  hot_reset: jax.Array | None = None  # bool [num_seqs]: start the row empty
-  step: jax.Array | None = None  # int32 scalar: decode-step clock of the hot buffers
-  # Static sizes of the dense attention call (KernelOps.ragged_hints of the rows' query
-  # lengths), as sorted (name, value) pairs: part of the compiled program's key.
-  ragged_hints: tuple[tuple[str, int], ...] = dataclasses.field(
-      default=(), metadata={"static": True})
-  # HiSparse: rows the sparse path computes (a multiple of 8 holding the sparse rows; 0:
-  # no sparse path in the program).
-  num_sparse_rows: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -119,17 +96,37 @@ class StepBatch:
   prompt_spans: tuple[tuple[int, int, int], ...] = ()
 
 
-class BatchBuilderMixin:
-  """`build_batch` of ModelRunner (it reads the runner's sizes, `ops`, `hisparse`,
-  `hisparse_blocks`, `num_hot_rows`, `step_clock`, `vocab_size`, `eos_token_ids`)."""
+class BatchBuilder:
+  """Builds each step's `StepBatch` from the scheduled chunks.
 
-  def build_batch(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
-                  tiers: SparseTiers | None = None) -> StepBatch:
+  State: static sizes and settings only (set at construction, never changed): the
+  padding limits, the kernels' `ragged_hints`, the HiSparse settings and hot-buffer rows,
+  the vocabulary and EOS ids. What changes per step (the chunks, their tables, where
+  their blocks live, the hot buffers' step clock) comes with each `build` call.
+  """
+
+  def __init__(self, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+               max_blocks_per_seq: int, ops, hisparse, num_hot_rows: int, vocab_size: int,
+               eos_token_ids: Sequence[int]):
+    self.block_size = block_size
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.max_num_seqs = max_num_seqs
+    self.max_blocks_per_seq = max_blocks_per_seq
+    self.ops = ops  # kernels_pallas.KernelOps: ragged_hints of the dense call
+    self.hisparse = hisparse  # HiSparseConfig or None
+    self.hisparse_blocks = hisparse.blocks(block_size) if hisparse is not None else None
+    self.num_hot_rows = num_hot_rows
+    self.vocab_size = vocab_size
+    self.eos_token_ids = tuple(eos_token_ids)
+
+  def build(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
+            tiers: SparseTiers | None = None, step_clock: int = 0) -> StepBatch:
     """Flattens the scheduled chunks into padded step arrays.
 
     `block_tables` [len(chunks), width] are the device tables of the chunks' requests
     (0 for blocks an offloaded sequence dropped); `tiers` says where HiSparse blocks
-    live (None: every block device-resident, no hot buffer).
+    live (None: every block device-resident, no hot buffer); `step_clock`: the decode
+    step of the hot buffers' LRU (HiSparse).
     """
     num_tokens = sum(c.num_tokens for c in chunks)
     t_pad = bucket_size(num_tokens, 16, self.max_num_batched_tokens)
@@ -199,7 +196,7 @@ class BatchBuilderMixin:
         hot_rows[:n] = np.where(tiers.hot_rows >= 0, tiers.hot_rows, self.num_hot_rows)
         hot_reset[:n] = tiers.hot_reset
       hisparse_meta = dict(host_tables=host_tables, hot_slots=hot_slots, hot_rows=hot_rows,
-                           hot_reset=hot_reset, step=np.int32(self.step_clock))
+                           hot_reset=hot_reset, step=np.int32(step_clock))
     # Sparse rows are not in the dense call (kv_len 0 there), so their query counts not.
     dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows) if not sparse]
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))

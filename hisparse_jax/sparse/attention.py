@@ -41,7 +41,6 @@ import jax.numpy as jnp
 from jax import lax
 
 import kernels_pallas
-from hisparse_jax.engine.step_batch import StepMetadata
 from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
 from hisparse_jax.sparse import indexer, resolver
 from hisparse_jax.sparse.config import HiSparseBlocks
@@ -50,6 +49,33 @@ from kernels_pallas.quant import QuantizedPages, kind_of, quantize
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """Per-step attention inputs (all int32): what `attend` reads besides q, k, v and the
+  layer's cache. The engine builds it per step (engine/step_batch.py); an embedder's loop
+  builds its own."""
+
+  slot_ids: jax.Array  # [num_tokens]; -1 = padding, not written
+  block_tables: jax.Array  # [num_seqs, max_blocks]; padded with the null block 0
+  kv_lens: jax.Array  # [num_seqs]: tokens in the cache after this step
+  cu_q_lens: jax.Array  # [num_seqs + 1]
+  sparse_rows: jax.Array  # bool [num_seqs]: decode rows that attend over selected blocks
+  # HiSparse tiers (None without HiSparse):
+  host_tables: jax.Array | None = None  # [num_seqs, max_blocks] host copy ids, 0 = none
+  hot_slots: jax.Array | None = None  # [num_seqs, num_slots] hot-buffer device blocks
+  hot_rows: jax.Array | None = None  # [num_seqs] hot-state row; >= rows: none
+  hot_reset: jax.Array | None = None  # bool [num_seqs]: start the row empty
+  step: jax.Array | None = None  # int32 scalar: decode-step clock of the hot buffers
+  # Static sizes of the dense attention call (KernelOps.ragged_hints of the rows' query
+  # lengths), as sorted (name, value) pairs: part of the compiled program's key.
+  ragged_hints: tuple[tuple[str, int], ...] = dataclasses.field(
+      default=(), metadata={"static": True})
+  # HiSparse: rows the sparse path computes (a multiple of 8 holding the sparse rows; 0:
+  # no sparse path in the program).
+  num_sparse_rows: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
