@@ -8,16 +8,16 @@
         v
     sampled token ids (the step's only device -> host sync)
 
-The runner is assembled from one module per concern:
+The runner's pieces, one module each:
 
-    runner.py            ModelRunner: the device state between steps (pages, key bounds,
-                         hot-buffer state), dispatch / collect of a step, block copies
-    step_batch.py        batch building: StepBatch, StepMetadata, SamplerExtras,
-                         SparseTiers; BatchBuilder (host, per step; the runner owns one)
-    step_program.py      the jitted step (forward + sampling) and the copy / refresh
-                         programs
-    sparse_attention.py  attention inside the step: dense rows, and the HiSparse sparse
-                         rows (select -> resolve -> load -> attend)
+    runner.py              ModelRunner: the device state between steps (pages, key bounds,
+                           hot-buffer state), dispatch / collect of a step, block copies
+    step_batch.py          BatchBuilder (the runner owns one): StepBatch, SamplerExtras,
+                           SparseTiers, built on the host each step
+    step_program.py        the jitted step (forward + sampling) and the copy / refresh
+                           programs
+    sparse/attention.py    attention inside the step: dense rows, and the HiSparse sparse
+                           rows (select -> resolve -> load -> attend); StepMetadata
 """
 
 from __future__ import annotations

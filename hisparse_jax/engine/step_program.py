@@ -2,7 +2,7 @@
 jitted programs that change the runner's device state between steps.
 
     step_program(...)   input ids (in-flight tokens from the previous step's output)
-                        -> embed -> per layer: qkv -> sparse_attention.attend (write_kv,
+                        -> embed -> per layer: qkv -> sparse.attention.attend (write_kv,
                         key bounds, dense / sparse attention) -> mlp
                         -> logits of each sequence's last token -> (SamplerExtras:
                         min_tokens mask, penalties) -> sample -> (logprobs)

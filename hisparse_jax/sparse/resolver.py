@@ -38,7 +38,7 @@ How the engine plugs this in:
 - The runner passes, per step: the gathered `bounds[block_tables]` and `kv_lens` to the
   indexer; `resident_ids`, `slot_device_ids`, `host_ids` (int32 [B, max_blocks] and
   [B, num_slots]), the step counter, the state, and the host pool arrays (pinned_host,
-  read-only) beside the device pool arrays (donated) to the jitted step; `sparse_attention.attend`
+  read-only) beside the device pool arrays (donated) to the jitted step; `sparse.attention.attend`
   calls select -> resolve -> load_blocks -> paged_attention instead of the dense table,
   and the step returns the new state and the counts for the metrics.
 - selection="per_kv_head": flatten the [B, num_kv_heads, k] selection to one row per

@@ -30,7 +30,8 @@ from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.engine.step_shapes import StepShape, covers
-from hisparse_jax.entrypoints.cli import generate as generate_cmd  # noqa: F401 (cli defines the flags)
+from hisparse_jax.entrypoints.cli import generate as generate_cmd  # noqa: F401
+from hisparse_jax.entrypoints.cli import main as cli  # noqa: F401 (defines the flags)
 from kernels_pallas import xla_attention
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

@@ -22,7 +22,8 @@ from engine_fixtures import (
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.sampling import SamplingParams
-from hisparse_jax.entrypoints.cli import generate as generate_cmd  # noqa: F401 (flags)
+from hisparse_jax.entrypoints.cli import generate as generate_cmd  # noqa: F401
+from hisparse_jax.entrypoints.cli import main as cli  # noqa: F401 (defines the flags)
 from hisparse_jax.kv_cache import capacity
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, KVPool, check_kv_cache_dtype_devices
 

@@ -43,8 +43,9 @@ from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.runner import bounds_bytes_per_block
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.entrypoints.cli import generate as generate_cmd
+from hisparse_jax.entrypoints.cli import main as cli  # noqa: F401 (defines the flags)
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool, from_storage
-from hisparse_jax.sparse import resolver  # noqa: F401 (cli defines the flags)
+from hisparse_jax.sparse import resolver  # noqa: F401
 from models import data
 
 PROMPTS = SIX_PROMPTS
