@@ -54,11 +54,9 @@ _LAYER_TENSORS = {
 }
 # Tensors some converters write that carry no parameters (the rotary inverse frequencies).
 _IGNORED_SUFFIXES = (".attn_rot_embd",)
-# Tensors we recognise but cannot honour: a clear refusal rather than "unexpected tensor".
-_REFUSED_TENSORS = {
-    "rope_freqs.weight": "per-dimension rope frequency factors (Llama 3.1-style rope "
-                         "scaling in llama.cpp's form) are not supported",
-}
+# llama.cpp's form of Llama 3.1-style rope scaling: one divisor per rotary frequency (read
+# into the config's rope_scaling, not a parameter).
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -206,7 +204,14 @@ def _config(reader, path: str) -> ModelConfig:
     scaling = "none"  # a factor of 1 scales nothing
   if scaling != "none":
     raise CheckpointError(f"{path}: unsupported rope type {scaling!r} "
-                          f"({arch}.rope.scaling.type); supported: none")
+                          f"({arch}.rope.scaling.type); supported: none, and llama3 as "
+                          f"{ROPE_FREQS}")
+  theta = key("rope.freq_base", 10000.0)
+  rope_scaling = None
+  freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+  if freqs is not None:
+    rope_scaling = _llama3_scaling(_dequantized(freqs, path), float(theta), head_dim,
+                                   key("rope.scaling.original_context_length", None), path)
   tokens = reader.fields.get("tokenizer.ggml.tokens")
   vocab_size = key("vocab_size", None)
   if vocab_size is None:
@@ -224,7 +229,8 @@ def _config(reader, path: str) -> ModelConfig:
       "num_key_value_heads": key("attention.head_count_kv", heads),
       "head_dim": head_dim,
       "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-      "rope_theta": key("rope.freq_base", 10000.0),
+      "rope_theta": theta,
+      "rope_scaling": rope_scaling,
       "max_position_embeddings": key("context_length"),
       # llama.cpp writes the output projection only when it is not the embedding matrix.
       "tie_word_embeddings": "output.weight" not in names,
@@ -241,6 +247,70 @@ def _config(reader, path: str) -> ModelConfig:
     raise CheckpointError(f"{path}: {e}") from e
   except (TypeError, ValueError) as e:  # a metadata value of the wrong type
     raise CheckpointError(f"{path}: metadata describes no valid model: {e}") from e
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+  """The `rope_freqs.weight` llama.cpp's converter writes for HF llama3 rope scaling: per
+  rotary frequency, the divisor of its inverse frequency (float32 [head_dim // 2])."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  factor = scaling["factor"]
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  out = []
+  for freq in inv_freq:
+    wavelen = 2 * np.pi / freq
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int,
+                    original_context: int | None, path: str) -> dict[str, Any] | None:
+  """The HF llama3 rope_scaling that gives llama.cpp's per-frequency divisors `factors`.
+
+  Factors are 1 at high frequencies, `factor` at low ones and, in between, 1 / f is affine
+  in the inverse frequency: 1/f = 1/factor + s (1 - 1/factor), s = (old / (2 pi) inv_freq
+  - low) / (high - low). Its slope and intercept fix old, low and high up to one degree
+  of freedom, fixed by the file's original context length or else by low = 1 (Llama 3.x's
+  value); any choice gives the same frequencies. The result is checked by recomputing the
+  factors from it."""
+  where = f"{path}: {ROPE_FREQS}"
+  if factors.shape != (head_dim // 2,):
+    raise CheckpointError(f"{where} has shape {factors.shape}, expected ({head_dim // 2},)")
+  f = factors.astype(np.float64)
+  if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+    return None
+  factor = float(f.max())
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  medium = (f > 1 + 1e-5) & (f < factor * (1 - 1e-5))
+  scaling = None
+  if medium.sum() >= 2 and factor > 1:
+    s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_freq[medium], s, 1)
+    if slope > 0 and intercept < 0:
+      if original_context is None:
+        width = -1.0 / intercept  # low = 1
+        original_context = int(round(2 * np.pi * slope * width))
+      width = original_context / (2 * np.pi * slope)
+      low = -intercept * width
+
+      def snap(x: float) -> float:
+        r = round(x, 4)
+        return r if abs(r - x) <= 1e-5 * max(1.0, abs(x)) else x
+
+      scaling = {"rope_type": "llama3", "factor": snap(factor), "low_freq_factor": snap(low),
+                 "high_freq_factor": snap(low + width),
+                 "original_max_position_embeddings": int(original_context)}
+  if scaling is None or not np.allclose(
+      llama3_rope_factors(theta, head_dim, scaling), factors, rtol=1e-5, atol=0):
+    raise CheckpointError(f"{where} (per-frequency rope factors {factors.round(4).tolist()}) "
+                          "is not llama3 rope scaling this loader can express")
+  return scaling
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -286,16 +356,21 @@ def permute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
   return w.swapaxes(1, 2).reshape(weights.shape)
 
 
-def _read_tensor(tensor, config: ModelConfig, path: str) -> np.ndarray:
-  """The float32 values of a GGUF tensor in HF layout ([out, in] for matrices)."""
+def _dequantized(tensor, path: str) -> np.ndarray:
+  """The float32 values of a GGUF tensor, numpy order (HF layout: [out, in] for matrices)."""
   import gguf  # noqa: PLC0415
 
   try:
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    values = np.asarray(values, np.float32).reshape(tuple(int(d) for d in tensor.shape[::-1]))
+    return np.asarray(values, np.float32).reshape(tuple(int(d) for d in tensor.shape[::-1]))
   except Exception as e:
     raise CheckpointError(f"tensor {tensor.name!r} in {path} (type "
                           f"{_type_name(tensor.tensor_type)}) cannot be dequantized: {e}") from e
+
+
+def _read_tensor(tensor, config: ModelConfig, path: str) -> np.ndarray:
+  """The float32 values of a GGUF tensor in HF layout, Q/K un-permuted."""
+  values = _dequantized(tensor, path)
   # transformers undoes the permutation for files of architecture llama only (its
   # TENSOR_PROCESSORS); llama.cpp writes mistral models as llama, and qwen2 (NeoX rope)
   # is never permuted.
@@ -314,10 +389,8 @@ def _checked_tensors(reader, target: LoadTarget, path: str) -> list[tuple[Any, s
   expected = gguf_tensor_names(config)
   by_name = {}
   for t in reader.tensors:
-    if t.name.endswith(_IGNORED_SUFFIXES):
+    if t.name.endswith(_IGNORED_SUFFIXES) or t.name == ROPE_FREQS:  # ROPE_FREQS: config
       continue
-    if t.name in _REFUSED_TENSORS:
-      raise CheckpointError(f"tensor {t.name!r} in {path}: {_REFUSED_TENSORS[t.name]}")
     by_name[t.name] = t
   missing = sorted(set(expected) - set(by_name))
   if missing:

@@ -101,7 +101,8 @@ def gguf_contents(model: LlamaForCausalLM, tokenizer, *, tensor_type: Any = None
                   ) -> tuple[str, dict[str, Any], dict[str, Any]]:
   """(architecture, metadata, tensors) of the GGUF file llama.cpp's converter writes for
   `model` (HF tensors renamed, Q/K of llama models permuted for its rope layout, float32
-  norms) with the byte-level BPE `tokenizer` (added special tokens: control type).
+  norms, llama3 rope scaling as `rope_freqs.weight`) with the byte-level BPE `tokenizer`
+  (added special tokens: control type).
 
   tensor_type: the `gguf.GGMLQuantizationType` of the matrices (None: F32), or a function
   of the GGUF tensor name giving one; quantized with `gguf.quants.quantize`. Tensors map
@@ -113,7 +114,12 @@ def gguf_contents(model: LlamaForCausalLM, tokenizer, *, tensor_type: Any = None
   from gguf import GGMLQuantizationType as Q  # noqa: PLC0415
   from gguf.quants import quantize  # noqa: PLC0415
 
-  from models.gguf_checkpoint import gguf_tensor_names, permute_qk  # noqa: PLC0415
+  from models.gguf_checkpoint import (  # noqa: PLC0415
+      ROPE_FREQS,
+      gguf_tensor_names,
+      llama3_rope_factors,
+      permute_qk,
+  )
   from models.loader import _get_variable, hf_param_map  # noqa: PLC0415
 
   config = model.config
@@ -156,6 +162,9 @@ def gguf_contents(model: LlamaForCausalLM, tokenizer, *, tensor_type: Any = None
 
   hf_map = hf_param_map(config)
   tensors: dict[str, Any] = {}
+  if config.rope_scaling is not None:  # llama3: the converter's per-frequency factors
+    tensors[ROPE_FREQS] = llama3_rope_factors(config.rope_theta, config.head_dim,
+                                              config.rope_scaling)
   for gguf_name, hf_name in gguf_tensor_names(config).items():
     path, transposed = hf_map[hf_name]
     value = np.asarray(jax.device_get(_get_variable(model, path)[...]), np.float32)

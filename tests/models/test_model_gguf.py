@@ -40,6 +40,11 @@ CASES = {
     "qwen2_mqa_tied": dict(model_type="qwen2", num_key_value_heads=1,
                            tie_word_embeddings=True, attention_bias=True),
     "mistral_sliding_window": dict(model_type="mistral", sliding_window=5),
+    # Llama 3.2's rope scaling, written as llama.cpp does: rope_freqs.weight
+    "llama3_rope_freqs": dict(model_type="llama", head_dim=64, rope_theta=500000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}),
 }
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "It's 2024: 1,234.56 and 99%!",
          "  whitespace   runs\t\tand\n\nnew lines  ", "héllo wörld naïve café 日本語 🤖",
@@ -373,8 +378,33 @@ def test_missing_unexpected_and_misshapen_tensors(contents, tmp_path):
       {"blk.2.ffn_down.weight": np.zeros((4, 4), np.float32)})))
   assert "unexpected tensor 'blk.2.ffn_down.weight'" in msg
   msg = _error(_write(tmp_path, contents, lambda m, t: t.update(
-      {"rope_freqs.weight": np.ones(8, np.float32)})))
-  assert "rope_freqs.weight" in msg and "not supported" in msg
+      {"rope_freqs.weight": np.ones(5, np.float32)})))
+  assert "rope_freqs.weight" in msg and "has shape (5,), expected (8,)" in msg
+  msg = _error(_write(tmp_path, contents, lambda m, t: t.update(
+      {"rope_freqs.weight": np.asarray([1, 2] * 4, np.float32)})))
+  assert "rope_freqs.weight" in msg and "not llama3 rope scaling" in msg
   msg = _error(_write(tmp_path, contents, lambda m, t: t.update(
       {"blk.0.attn_k.weight": np.zeros((16, 64), np.float32)})))
   assert "blk.0.attn_k.weight" in msg and "(16, 64)" in msg and "(32, 64)" in msg
+
+
+def test_llama3_rope_factors_are_the_converters_and_round_trip():
+  """llama3_rope_factors is llama.cpp's converter's formula; the loader recovers the HF
+  scaling from it (Llama 3.1: factor 8; 3.2: factor 32; an unusual low_freq_factor when
+  the file states the original context)."""
+  scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+  factors = gguf_checkpoint.llama3_rope_factors(500000.0, 128, scaling)
+  assert factors[0] == 1.0 and factors[-1] == 8.0 and 1 < factors[30] < 8
+  for theta, dim, scale in [(500000.0, 128, scaling), (500000.0, 64, {**scaling, "factor": 32.0}),
+                            (10000.0, 32, {**scaling, "low_freq_factor": 2.0,
+                                           "high_freq_factor": 8.0,
+                                           "original_max_position_embeddings": 512})]:
+    factors = gguf_checkpoint.llama3_rope_factors(theta, dim, scale)
+    context = scale["original_max_position_embeddings"] if scale["low_freq_factor"] != 1 else None
+    assert gguf_checkpoint._llama3_scaling(factors, theta, dim, context, "f") == scale
+  assert gguf_checkpoint._llama3_scaling(np.ones(16, np.float32), 1e4, 32, None, "f") is None
+  one_medium = gguf_checkpoint.llama3_rope_factors(1e4, 32, {
+      **scaling, "low_freq_factor": 2.0, "original_max_position_embeddings": 256})
+  with pytest.raises(CheckpointError, match="not llama3 rope scaling"):  # one point: no fit
+    gguf_checkpoint._llama3_scaling(one_medium, 1e4, 32, None, "f")
