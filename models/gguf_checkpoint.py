@@ -59,17 +59,6 @@ _IGNORED_SUFFIXES = (".attn_rot_embd",)
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def _hf_name(gguf_name: str) -> str | None:
-  """The HF name of a GGUF tensor name (None: a name this model has no parameter for)."""
-  if gguf_name in _GLOBAL_TENSORS:
-    return _GLOBAL_TENSORS[gguf_name]
-  parts = gguf_name.split(".")
-  if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
-      and parts[2] in _LAYER_TENSORS and parts[3] in ("weight", "bias")):
-    return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-  return None
-
-
 def gguf_tensor_names(config: ModelConfig) -> dict[str, str]:
   """GGUF tensor name -> HF tensor name, for every tensor a GGUF of `config` holds."""
   inverse = {}
@@ -82,15 +71,6 @@ def gguf_tensor_names(config: ModelConfig) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def is_gguf_file(path: str | os.PathLike) -> bool:
-  """Whether `path` is a file starting with GGUF's magic bytes."""
-  try:
-    with open(path, "rb") as f:
-      return f.read(4) == b"GGUF"
-  except OSError:
-    return False
 
 
 def _open(path: str):
@@ -362,7 +342,11 @@ def _dequantized(tensor, path: str) -> np.ndarray:
 
   try:
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(values, np.float32).reshape(tuple(int(d) for d in tensor.shape[::-1]))
+    # F32 dequantizes to a view of the file's memory map: copied, so no parameter is
+    # backed by the file.
+    f32 = tensor.tensor_type == gguf.GGMLQuantizationType.F32
+    values = np.array(values, np.float32, copy=True if f32 else None)
+    return values.reshape(tuple(int(d) for d in tensor.shape[::-1]))
   except Exception as e:
     raise CheckpointError(f"tensor {tensor.name!r} in {path} (type "
                           f"{_type_name(tensor.tensor_type)}) cannot be dequantized: {e}") from e
