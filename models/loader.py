@@ -204,8 +204,15 @@ class LoadTarget:
     return tuple(var.shape[::-1] if transposed else var.shape)
 
   def set(self, param_path: tuple[Any, ...], transposed: bool, tensor: Any) -> None:
-    """Fills `param_path` from a checkpoint tensor (HF layout; numpy or jax array)."""
+    """Fills `param_path` from a checkpoint tensor (HF layout; numpy or jax array). A numpy
+    tensor is cast and transposed on the host (no XLA op compiled per shape) and copied
+    to the device once."""
     if self.mesh is None:
+      if isinstance(tensor, np.ndarray):
+        tensor = tensor.astype(self.dtype, copy=False)
+        tensor = jnp.asarray(np.ascontiguousarray(tensor.T if transposed else tensor))
+        _get_variable(self.model, param_path).set_value(tensor)
+        return
       tensor = jnp.asarray(tensor).astype(self.dtype)
       _get_variable(self.model, param_path).set_value(tensor.T if transposed else tensor)
       return
