@@ -48,7 +48,8 @@ class CheckpointError(ValueError):
 def _resolve(path: str | os.PathLike | None) -> str:
   path = models.DEFAULT_MODEL_DIR if path is None else os.fspath(path)
   if not (os.path.isdir(path) or os.path.isfile(path)):
-    raise CheckpointError(f"checkpoint directory or GGUF file {path} does not exist")
+    what = "GGUF file" if path.lower().endswith(".gguf") else "checkpoint directory"
+    raise CheckpointError(f"{what} {path} does not exist")
   return path
 
 
