@@ -5,9 +5,11 @@ Public API:
   ModelConfig                          models.config: frozen, validated architecture
   LlamaForCausalLM                     models.llama: the decoder; owns no KV cache, attention
                                        goes through an `AttnFn` (models.attention)
-  load_pretrained, load_config         models.loader: HF directory -> (model, config, tokenizer)
+  load_pretrained, load_config         models.loader: HF directory or GGUF file -> (model,
+                                       config, tokenizer); GGUF via models.gguf_checkpoint
   CheckpointError                      models.loader: every loading failure (a ValueError)
   Tokenizer                            models.tokenizer: `tokenizers` wrapper + BOS/EOS ids
+                                       (`from_dir`, `from_gguf`: GGUF metadata)
   make_retrieval_prompts               models.data: retrieval prompts with expected answers
 """
 

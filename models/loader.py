@@ -1,4 +1,4 @@
-"""Loading (and saving) Hugging Face-layout checkpoints from a local directory.
+"""Loading (and saving) Hugging Face-layout checkpoints from a local directory; GGUF files.
 
 This module owns the mapping between HF tensor names (`model.layers.3.self_attn.q_proj.
 weight`, torch layout [out, in]) and our NNX parameters (`layers[3].self_attn.q_proj.kernel`,
@@ -8,6 +8,10 @@ tensor.
 
 Layout read: `config.json` + (`model.safetensors` | `model.safetensors.index.json` with its
 shards) + `tokenizer.json` (+ optional `generation_config.json`, `tokenizer_config.json`).
+
+A path that is a file is a GGUF checkpoint (llama.cpp's format; `models/gguf_checkpoint.py`
+owns it): every public function here takes one where it takes a directory, and both
+formats load through `LoadTarget` into the same model.
 """
 
 from __future__ import annotations
@@ -38,19 +42,28 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-  """A checkpoint directory we cannot load; the message names the file (and tensor)."""
+  """A checkpoint we cannot load; the message names the file (and tensor)."""
 
 
 def _resolve(path: str | os.PathLike | None) -> str:
   path = models.DEFAULT_MODEL_DIR if path is None else os.fspath(path)
-  if not os.path.isdir(path):
-    raise CheckpointError(f"checkpoint directory {path} does not exist")
+  if not (os.path.isdir(path) or os.path.isfile(path)):
+    what = "GGUF file" if path.lower().endswith(".gguf") else "checkpoint directory"
+    raise CheckpointError(f"{what} {path} does not exist")
   return path
+
+
+def _is_gguf_path(path: str) -> bool:
+  """A resolved checkpoint path that is a file: a GGUF checkpoint (directories are HF)."""
+  return os.path.isfile(path)
 
 
 def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
   """The `ModelConfig` of the checkpoint at `path` (None = the embedded default model)."""
   path = _resolve(path)
+  if _is_gguf_path(path):
+    from models import gguf_checkpoint  # noqa: PLC0415
+    return gguf_checkpoint.load_config(path)
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file):
     raise CheckpointError(f"missing file {file}")
@@ -71,8 +84,13 @@ def checkpoint_dtype(path: str | os.PathLike | None = None) -> str:
   """What `dtype="auto"` loads the checkpoint at `path` as: its config.json
   `torch_dtype` (or `dtype`), float32 or bfloat16; float16 checkpoints load as bfloat16
   (the engine computes in float32 or bfloat16, as vLLM's CPU backend does with float16);
-  float32 where the field is absent."""
-  file = os.path.join(_resolve(path), CONFIG_FILE)
+  float32 where the field is absent. A GGUF file: `gguf_checkpoint.checkpoint_dtype`
+  (float32 for float32 and quantized matrices, bfloat16 for float16/bfloat16 ones)."""
+  path = _resolve(path)
+  if _is_gguf_path(path):
+    from models import gguf_checkpoint  # noqa: PLC0415
+    return gguf_checkpoint.checkpoint_dtype(path)
+  file = os.path.join(path, CONFIG_FILE)
   try:
     with open(file) as f:
       raw = json.load(f)
@@ -151,12 +169,70 @@ def _tensor_files(path: str) -> dict[str, str]:
   return name_to_file
 
 
+class LoadTarget:
+  """Where a checkpoint's tensors go, one at a time: the abstract model of `config` (shapes
+  only, no memory) whose variables each `set` fills. With a mesh, tensor parallelism over
+  its `models.sharding.TP_AXIS` axis: each tensor goes from host memory straight into its
+  shards (`models.sharding.param_spec`; no device holds a full copy of a split parameter)
+  and `config` / `model` are `models.sharding.tp_config`'s (KV heads repeated when fewer
+  than the devices). Both checkpoint formats (HF directory, GGUF file) load through it."""
+
+  def __init__(self, config: ModelConfig, dtype: str, mesh: jax.sharding.Mesh | None):
+    if dtype not in _DTYPES:
+      raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    self.dtype = _DTYPES[dtype]
+    self.mesh = mesh
+    self.source_config = config
+    self.shapes_model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=self.dtype,
+                                                                seed=None))
+    self.model = self.shapes_model  # the model whose variables get the values
+    self.config = config
+    self.repeat = 1
+    self.host = None
+    if mesh is not None:
+      tp = int(mesh.shape[sharding.TP_AXIS])
+      tp_cfg = sharding.tp_config(config, tp)
+      self.repeat = sharding.kv_head_repeat(config, tp)
+      if self.repeat > 1:
+        self.model = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=self.dtype,
+                                                             seed=None))
+      self.config = tp_cfg
+      self.host = jax.local_devices(backend="cpu")[0]  # tensors read into host memory
+
+  def checkpoint_shape(self, param_path: tuple[Any, ...], transposed: bool) -> tuple[int, ...]:
+    """The shape the checkpoint's tensor for `param_path` must have (HF layout)."""
+    var = _get_variable(self.shapes_model, param_path)
+    return tuple(var.shape[::-1] if transposed else var.shape)
+
+  def set(self, param_path: tuple[Any, ...], transposed: bool, tensor: Any) -> None:
+    """Fills `param_path` from a checkpoint tensor (HF layout; numpy or jax array). A numpy
+    tensor is cast and transposed on the host (no XLA op compiled per shape) and copied
+    to the device once."""
+    if self.mesh is None:
+      if isinstance(tensor, np.ndarray):
+        tensor = tensor.astype(self.dtype, copy=False)
+        tensor = jnp.asarray(np.ascontiguousarray(tensor.T if transposed else tensor))
+        _get_variable(self.model, param_path).set_value(tensor)
+        return
+      tensor = jnp.asarray(tensor).astype(self.dtype)
+      _get_variable(self.model, param_path).set_value(tensor.T if transposed else tensor)
+      return
+    tensor = np.asarray(tensor).astype(self.dtype)
+    tensor = sharding.repeat_kv_heads(tensor, str(param_path[-2:]),
+                                      self.source_config.head_dim, self.repeat, transposed)
+    tensor = tensor.T if transposed else tensor
+    spec = jax.sharding.NamedSharding(self.mesh, sharding.param_spec(param_path))
+    _get_variable(self.model, param_path).set_value(jax.device_put(tensor, spec))
+
+
 def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32",
                     mesh: jax.sharding.Mesh | None = None
                     ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
-  """(model, config, tokenizer) from a HF-layout directory (None = embedded default model).
+  """(model, config, tokenizer) from a HF-layout directory or a GGUF file (None = the
+  embedded default model). Both formats end in the same model.
 
-  dtype: "float32" or "bfloat16"; every parameter is converted to it.
+  dtype: "float32" or "bfloat16"; every parameter is converted to it (GGUF tensors are
+  dequantized to float32 first).
   mesh: tensor parallelism over its `models.sharding.TP_AXIS` axis: each tensor is read
   into host memory and put straight into its shards (`models.sharding.param_spec`; no
   device holds a full copy of a split parameter); the config returned is
@@ -165,8 +241,10 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
   path = _resolve(path)
+  if _is_gguf_path(path):
+    from models import gguf_checkpoint  # noqa: PLC0415 (GGUF support is loaded on use)
+    return gguf_checkpoint.load_pretrained(path, dtype, mesh)
   config = load_config(path)
-  jdtype = _DTYPES[dtype]
   expected = hf_param_map(config)
   name_to_file = _tensor_files(path)
   present = {n for n in name_to_file if not n.endswith(_IGNORED_SUFFIXES)}
@@ -180,17 +258,7 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
   if extra:
     raise CheckpointError(f"unexpected tensor {extra[0]!r} in {name_to_file[extra[0]]} "
                           f"({len(extra)} unexpected in all)")
-  model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jdtype, seed=None))
-  placed = model  # the model whose variables get the values (mesh: the tp_config one)
-  repeat, host = 1, None
-  if mesh is not None:
-    tp = int(mesh.shape[sharding.TP_AXIS])
-    tp_cfg = sharding.tp_config(config, tp)
-    repeat = sharding.kv_head_repeat(config, tp)
-    if repeat > 1:
-      placed = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=jdtype, seed=None))
-    config = tp_cfg
-    host = jax.local_devices(backend="cpu")[0]  # tensors read into host memory, then sharded
+  target = LoadTarget(config, dtype, mesh)
   by_file: dict[str, list[str]] = {}
   for name in expected:
     by_file.setdefault(name_to_file[name], []).append(name)
@@ -202,41 +270,34 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
     with handle as f:
       for name in names:
         param_path, transposed = expected[name]
-        var = _get_variable(model, param_path)
-        want = tuple(var.shape[::-1] if transposed else var.shape)
+        want = target.checkpoint_shape(param_path, transposed)
         shape = tuple(f.get_slice(name).get_shape())
         if shape != want:
           raise CheckpointError(f"tensor {name!r} in {file} has shape {shape}, expected {want}")
         try:
-          if host is None:
+          if target.host is None:
             tensor = f.get_tensor(name)
           else:
-            with jax.default_device(host):
+            with jax.default_device(target.host):
               tensor = f.get_tensor(name)
         except Exception as e:
           raise CheckpointError(f"tensor {name!r} in {file} cannot be read (truncated or "
                                 f"corrupt file): {e}") from e
-        if mesh is None:
-          tensor = jnp.asarray(tensor).astype(jdtype)
-          var.set_value(tensor.T if transposed else tensor)
-          continue
-        tensor = np.asarray(tensor).astype(jdtype)
-        tensor = sharding.repeat_kv_heads(tensor, str(param_path[-2:]), config.head_dim, repeat,
-                                          transposed)
-        tensor = tensor.T if transposed else tensor
-        spec = jax.sharding.NamedSharding(mesh, sharding.param_spec(param_path))
-        _get_variable(placed, param_path).set_value(jax.device_put(tensor, spec))
-  return placed, config, _load_tokenizer(path)
+        target.set(param_path, transposed, tensor)
+  return target.model, target.config, _load_tokenizer(path)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
-  """The tokenizer of the checkpoint at `path` (None = the embedded default model)."""
+  """The tokenizer of the checkpoint at `path` (None = the embedded default model); a GGUF
+  file's from its metadata (`Tokenizer.from_gguf`)."""
   return _load_tokenizer(_resolve(path))
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
   try:
-    return Tokenizer.from_dir(path)
+    return Tokenizer.from_gguf(path) if _is_gguf_path(path) else Tokenizer.from_dir(path)
+  except CheckpointError:
+    raise
   except (FileNotFoundError, ValueError) as e:
     raise CheckpointError(str(e)) from e
 

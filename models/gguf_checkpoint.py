@@ -1,0 +1,606 @@
+"""GGUF checkpoints (llama.cpp's single-file format) of Llama, Qwen2 and Mistral models.
+
+This module owns everything GGUF: metadata -> `ModelConfig`, GGUF tensor names
+(`blk.3.attn_q.weight`) -> Hugging Face names (`model.layers.3.self_attn.q_proj.weight`, whose
+mapping to our parameters `models/loader.py` owns), dequantization to float32, the undoing
+of llama.cpp's Q/K permutation, and the tokenizer the metadata describes. Files are read
+only through llama.cpp's own `gguf` package (`gguf.GGUFReader`, `gguf.quants.dequantize`):
+every tensor type it dequantizes loads, one tensor at a time. Every failure raises
+`CheckpointError` naming the file and what is wrong with it.
+
+Callers use `models.loader` (`load_pretrained`, `load_config`, `checkpoint_dtype`,
+`load_tokenizer` take a `.gguf` file where they take an HF directory).
+
+The module is not called `gguf.py`: run as a script from inside `models/`, such a file
+would shadow the `gguf` package it reads with.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.config import ConfigError, ModelConfig
+from models.loader import _DTYPES, CheckpointError, LoadTarget, hf_param_map
+from models.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# llama.cpp's token types (tokenizer.ggml.token_type).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# GGUF tensor name -> HF tensor name ({i}: the layer). `models.loader.hf_param_map` maps the
+# HF names on to our parameters, so both formats end in the same model.
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors some converters write that carry no parameters (the rotary inverse frequencies).
+_IGNORED_SUFFIXES = (".attn_rot_embd",)
+# llama.cpp's form of Llama 3.1-style rope scaling: one divisor per rotary frequency (read
+# into the config's rope_scaling, not a parameter).
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def gguf_tensor_names(config: ModelConfig) -> dict[str, str]:
+  """GGUF tensor name -> HF tensor name, for every tensor a GGUF of `config` holds."""
+  inverse = {}
+  for i in range(config.num_hidden_layers):
+    for short, long in _LAYER_TENSORS.items():
+      for kind in ("weight", "bias"):
+        inverse[f"model.layers.{i}.{long}.{kind}"] = f"blk.{i}.{short}.{kind}"
+  inverse.update({v: k for k, v in _GLOBAL_TENSORS.items()})
+  return {inverse[hf]: hf for hf in hf_param_map(config)}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _open(path: str):
+  """A `gguf.GGUFReader` over `path`; CheckpointError when the file is not a readable GGUF."""
+  import gguf  # noqa: PLC0415 (GGUF support is loaded on use)
+
+  if not os.path.isfile(path):
+    raise CheckpointError(f"GGUF file {path} does not exist")
+  with open(path, "rb") as f:
+    magic = f.read(4)
+  if magic != b"GGUF":
+    raise CheckpointError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises ValueError, IndexError, struct errors ...
+    raise CheckpointError(f"{path} is a truncated or corrupt GGUF file: "
+                          f"{type(e).__name__}: {e}") from e
+  split = _value(reader, path, "split.count", 1)
+  if isinstance(split, int) and split > 1:
+    raise CheckpointError(f"{path} is one of {split} GGUF split files; split checkpoints are "
+                          "not supported (merge them with llama.cpp's gguf-split --merge)")
+  return reader
+
+
+_MISSING = object()
+
+
+def _value(reader, path: str, key: str, default: Any = _MISSING) -> Any:
+  """A metadata value (str, int, float, bool or list); `default` when absent."""
+  field = reader.fields.get(key)
+  if field is None:
+    if default is _MISSING:
+      raise CheckpointError(f"{path} lacks metadata key {key!r}")
+    return default
+  try:
+    return field.contents()
+  except Exception as e:
+    raise CheckpointError(f"{path}: metadata key {key!r} cannot be read: {e}") from e
+
+
+@functools.lru_cache(maxsize=8)
+def _summary(path: str, mtime_ns: int, size: int) -> tuple[ModelConfig, str]:
+  """(config, "auto" dtype) of a file, cached by identity: `checkpoint_dtype`, `load_config`
+  and `load_pretrained` each read the file's metadata, which takes seconds for a large
+  vocabulary."""
+  del mtime_ns, size
+  reader = _open(path)
+  return _config(reader, path), _auto_dtype(reader, path)
+
+
+def _cached_summary(path: str) -> tuple[ModelConfig, str]:
+  path = os.fspath(path)
+  try:
+    st = os.stat(path)
+  except OSError as e:
+    raise CheckpointError(f"GGUF file {path} does not exist") from e
+  return _summary(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+  """The `ModelConfig` the GGUF file at `path` describes (its architecture's metadata)."""
+  return _cached_summary(path)[0]
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str:
+  """What `dtype="auto"` loads the GGUF at `path` as: float32 when its matrices are float32
+  or quantized (dequantized values are exact in float32, not in bfloat16), bfloat16 when
+  they are all float16 or bfloat16 (float16 as for safetensors checkpoints)."""
+  return _cached_summary(path)[1]
+
+
+def _auto_dtype(reader, path: str) -> str:
+  import gguf  # noqa: PLC0415
+
+  half = {gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+  types = {t.tensor_type for t in reader.tensors if len(t.shape) >= 2}
+  return "bfloat16" if types and types <= half else "float32"
+
+
+def _config(reader, path: str) -> ModelConfig:
+  """The HF config.json fields the metadata gives, through `ModelConfig.from_hf_dict`."""
+  arch = _value(reader, path, "general.architecture")
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise CheckpointError(f"{path}: unknown architecture {arch!r} (general.architecture); "
+                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+  def key(name: str, default: Any = _MISSING) -> Any:
+    value = _value(reader, path, f"{arch}.{name}", default)
+    if isinstance(value, list):  # per-layer values (some architectures): one value only
+      if len(set(value)) != 1:
+        raise CheckpointError(f"{path}: metadata key {arch}.{name} varies per layer "
+                              f"({value[:4]}...); not supported")
+      value = value[0]
+    return value
+
+  names = {t.name for t in reader.tensors}
+  hidden, heads = key("embedding_length"), key("attention.head_count")
+  head_dim = key("attention.key_length", None)
+  if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+    head_dim = hidden // heads
+  value_dim = key("attention.value_length", head_dim)
+  if value_dim != head_dim:
+    raise CheckpointError(f"{path}: {arch}.attention.value_length={value_dim} differs from "
+                          f"the key length {head_dim}; not supported")
+  rope_dim = key("rope.dimension_count", head_dim)
+  if rope_dim != head_dim:
+    raise CheckpointError(f"{path}: {arch}.rope.dimension_count={rope_dim} rotates part of "
+                          f"each head (head_dim {head_dim}); partial rotary is not supported")
+  scaling = key("rope.scaling.type", "none")
+  if scaling == "linear" and key("rope.scaling.factor", 1.0) == 1.0:
+    scaling = "none"  # a factor of 1 scales nothing
+  if scaling != "none":
+    raise CheckpointError(f"{path}: unsupported rope type {scaling!r} "
+                          f"({arch}.rope.scaling.type); supported: none, and llama3 as "
+                          f"{ROPE_FREQS}")
+  theta = key("rope.freq_base", 10000.0)
+  rope_scaling = None
+  freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+  if freqs is not None:
+    rope_scaling = _llama3_scaling(_dequantized(freqs, path), float(theta), head_dim,
+                                   key("rope.scaling.original_context_length", None), path)
+  tokens = reader.fields.get("tokenizer.ggml.tokens")
+  vocab_size = key("vocab_size", None)
+  if vocab_size is None:
+    if tokens is None:
+      raise CheckpointError(f"{path} has no tokenizer (metadata key 'tokenizer.ggml.tokens' "
+                            f"is missing) and no {arch}.vocab_size")
+    vocab_size = len(tokens.data)
+  raw = {
+      "model_type": arch,
+      "vocab_size": vocab_size,
+      "hidden_size": hidden,
+      "intermediate_size": key("feed_forward_length"),
+      "num_hidden_layers": key("block_count"),
+      "num_attention_heads": heads,
+      "num_key_value_heads": key("attention.head_count_kv", heads),
+      "head_dim": head_dim,
+      "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+      "rope_theta": theta,
+      "rope_scaling": rope_scaling,
+      "max_position_embeddings": key("context_length"),
+      # llama.cpp writes the output projection only when it is not the embedding matrix.
+      "tie_word_embeddings": "output.weight" not in names,
+      "attention_bias": "blk.0.attn_q.bias" in names,
+      "mlp_bias": "blk.0.ffn_gate.bias" in names,
+      "sliding_window": key("attention.sliding_window", None),
+      "bos_token_id": _value(reader, path, "tokenizer.ggml.bos_token_id", None),
+      "eos_token_id": _value(reader, path, "tokenizer.ggml.eos_token_id", None),
+      "pad_token_id": _value(reader, path, "tokenizer.ggml.padding_token_id", None),
+  }
+  try:
+    return ModelConfig.from_hf_dict(raw)
+  except ConfigError as e:
+    raise CheckpointError(f"{path}: {e}") from e
+  except (TypeError, ValueError) as e:  # a metadata value of the wrong type
+    raise CheckpointError(f"{path}: metadata describes no valid model: {e}") from e
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+  """The `rope_freqs.weight` llama.cpp's converter writes for HF llama3 rope scaling: per
+  rotary frequency, the divisor of its inverse frequency (float32 [head_dim // 2])."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  factor = scaling["factor"]
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  out = []
+  for freq in inv_freq:
+    wavelen = 2 * np.pi / freq
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int,
+                    original_context: int | None, path: str) -> dict[str, Any] | None:
+  """The HF llama3 rope_scaling that gives llama.cpp's per-frequency divisors `factors`.
+
+  Factors are 1 at high frequencies, `factor` at low ones and, in between, 1 / f is affine
+  in the inverse frequency: 1/f = 1/factor + s (1 - 1/factor), s = (old / (2 pi) inv_freq
+  - low) / (high - low). Its slope and intercept fix old, low and high up to one degree
+  of freedom, fixed by the file's original context length or else by low = 1 (Llama 3.x's
+  value); any choice gives the same frequencies. The result is checked by recomputing the
+  factors from it."""
+  where = f"{path}: {ROPE_FREQS}"
+  if factors.shape != (head_dim // 2,):
+    raise CheckpointError(f"{where} has shape {factors.shape}, expected ({head_dim // 2},)")
+  f = factors.astype(np.float64)
+  if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+    return None
+  factor = float(f.max())
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  medium = (f > 1 + 1e-5) & (f < factor * (1 - 1e-5))
+  scaling = None
+  if medium.sum() >= 2 and factor > 1:
+    s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_freq[medium], s, 1)
+    if slope > 0 and intercept < 0:
+      if original_context is None:
+        width = -1.0 / intercept  # low = 1
+        original_context = int(round(2 * np.pi * slope * width))
+      width = original_context / (2 * np.pi * slope)
+      low = -intercept * width
+
+      def snap(x: float) -> float:
+        r = round(x, 4)
+        return r if abs(r - x) <= 1e-5 * max(1.0, abs(x)) else x
+
+      scaling = {"rope_type": "llama3", "factor": snap(factor), "low_freq_factor": snap(low),
+                 "high_freq_factor": snap(low + width),
+                 "original_max_position_embeddings": int(original_context)}
+  if scaling is None or not np.allclose(
+      llama3_rope_factors(theta, head_dim, scaling), factors, rtol=1e-5, atol=0):
+    raise CheckpointError(f"{where} (per-frequency rope factors {factors.round(4).tolist()}) "
+                          "is not llama3 rope scaling this loader can express")
+  return scaling
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+@functools.cache
+def _can_dequantize(qtype) -> bool:
+  """Whether `gguf.quants.dequantize` handles tensor type `qtype` (tried on one zero block)."""
+  import gguf  # noqa: PLC0415
+
+  if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+    return True
+  if qtype in (gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16,
+               gguf.GGMLQuantizationType.I32, gguf.GGMLQuantizationType.I64):
+    return False  # integers, not weights
+  try:
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+  except Exception:
+    return False
+  return True
+
+
+def _type_name(qtype) -> str:
+  return getattr(qtype, "name", str(qtype))
+
+
+def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
+  """Undoes the permutation llama.cpp's converter applies to the Q and K projections (weight
+  [heads * head_dim, ...] or bias) of llama models, so their rows are in HF's rotate-half
+  layout again (transformers' `LlamaTensorProcessor._reverse_permute_weights`).
+
+  The converter's `permute` reshapes rows to (heads, 2, head_dim // 2) and swaps the last
+  two axes; this reshapes to (heads, head_dim // 2, 2) and swaps them back."""
+  dim = weights.shape[0] // num_heads // 2
+  w = weights.reshape(num_heads, dim, 2, *weights.shape[1:])
+  return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def permute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
+  """llama.cpp's converter's `permute` (the inverse of `unpermute_qk`; for writing files)."""
+  w = weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+  return w.swapaxes(1, 2).reshape(weights.shape)
+
+
+def _dequantized(tensor, path: str) -> np.ndarray:
+  """The float32 values of a GGUF tensor, numpy order (HF layout: [out, in] for matrices)."""
+  import gguf  # noqa: PLC0415
+
+  try:
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # F32 dequantizes to a view of the file's memory map: copied, so no parameter is
+    # backed by the file.
+    f32 = tensor.tensor_type == gguf.GGMLQuantizationType.F32
+    values = np.array(values, np.float32, copy=True if f32 else None)
+    return values.reshape(tuple(int(d) for d in tensor.shape[::-1]))
+  except Exception as e:
+    raise CheckpointError(f"tensor {tensor.name!r} in {path} (type "
+                          f"{_type_name(tensor.tensor_type)}) cannot be dequantized: {e}") from e
+
+
+def _read_tensor(tensor, config: ModelConfig, path: str) -> np.ndarray:
+  """The float32 values of a GGUF tensor in HF layout, Q/K un-permuted."""
+  values = _dequantized(tensor, path)
+  # transformers undoes the permutation for files of architecture llama only (its
+  # TENSOR_PROCESSORS); llama.cpp writes mistral models as llama, and qwen2 (NeoX rope)
+  # is never permuted.
+  if config.model_type == "llama":
+    if ".attn_q." in tensor.name:
+      values = unpermute_qk(values, config.num_attention_heads)
+    elif ".attn_k." in tensor.name:
+      values = unpermute_qk(values, config.num_key_value_heads)
+  return values
+
+
+def _checked_tensors(reader, target: LoadTarget, path: str) -> list[tuple[Any, str]]:
+  """(GGUF tensor, HF name) for every tensor the model needs, after checking names, shapes
+  and types of them all (before any is read)."""
+  config = target.source_config
+  expected = gguf_tensor_names(config)
+  by_name = {}
+  for t in reader.tensors:
+    if t.name.endswith(_IGNORED_SUFFIXES) or t.name == ROPE_FREQS:  # ROPE_FREQS: config
+      continue
+    by_name[t.name] = t
+  missing = sorted(set(expected) - set(by_name))
+  if missing:
+    raise CheckpointError(f"missing tensor {missing[0]!r} in {path} "
+                          f"({len(missing)} missing in all)")
+  extra = sorted(set(by_name) - set(expected))
+  if extra:
+    raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} "
+                          f"({len(extra)} unexpected in all)")
+  hf_map = hf_param_map(config)
+  out = []
+  for name, t in by_name.items():
+    hf = expected[name]
+    shape = tuple(int(d) for d in t.shape[::-1])
+    want = target.checkpoint_shape(*hf_map[hf])
+    if shape != want:
+      raise CheckpointError(f"tensor {name!r} in {path} has shape {shape} (HF layout), "
+                            f"expected {want}")
+    if not _can_dequantize(t.tensor_type):
+      raise CheckpointError(f"tensor {name!r} in {path} has type "
+                            f"{_type_name(t.tensor_type)}, which gguf.quants cannot "
+                            "dequantize (unsupported tensor type)")
+    out.append((t, hf))
+  return out
+
+
+def load_pretrained(path: str | os.PathLike, dtype: str = "float32",
+                    mesh: jax.sharding.Mesh | None = None):
+  """(model, config, tokenizer) from a GGUF file; see `models.loader.load_pretrained`."""
+  if dtype not in _DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  path = os.fspath(path)
+  reader = _open(path)
+  config = _config(reader, path)
+  target = LoadTarget(config, dtype, mesh)
+  tensors = _checked_tensors(reader, target, path)
+  tokenizer = _tokenizer(reader, path)  # before any tensor is read: fails fast
+  hf_map = hf_param_map(config)
+  for tensor, hf in tensors:
+    param_path, transposed = hf_map[hf]
+    target.set(param_path, transposed, _read_tensor(tensor, config, path))
+  return target.model, target.config, tokenizer
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+# Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp splits text
+# (its regexes are the HF tokenizer.json ones of these model families). _GPT2_SPLIT is the
+# one `pre_tokenizers.ByteLevel(use_regex=True)` holds.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama.cpp's fallback for a BPE vocabulary that names no known pre-tokenizer ("default",
+# or no tokenizer.ggml.pre at all: files older than the key).
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+",
+                   r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                   r"\p{N}+", r"[0-9][0-9][0-9]")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# name -> (splits applied in turn: "digits" = each \p{N} char alone, else a regex; whether
+# BPE takes a whole pre-token found in the vocabulary before merging (llama.cpp's
+# ignore_merges); the add_bos default when the file has no tokenizer.ggml.add_bos_token).
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {}
+for _names, _spec in [
+    (("default",), (_DEFAULT_SPLITS, False, False)),
+    (("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es",
+      "jina-v2-de", "jina-v2-code", "roberta-bpe", "mpt", "olmo", "jais"),
+     ((_GPT2_SPLIT,), False, False)),
+    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+     (("digits", _GPT2_SPLIT), False, False)),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), ((_LLAMA3_SPLIT,), True, True)),
+    (("dbrx", "smaug-bpe"), ((_LLAMA3_SPLIT,), False, False)),
+    (("qwen2", "stablelm2", "megrez", "deepseek-r1-qwen"), ((_QWEN2_SPLIT,), False, False)),
+    (("tekken",), ((_TEKKEN_SPLIT,), True, True)),
+]:
+  for _name in _names:
+    _PRE_TOKENIZERS[_name] = _spec
+SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_TOKENIZERS))
+# Tokens llama.cpp takes as end of turn (llama-vocab.cpp's end-of-generation list): those of
+# them the chat template writes end a generation, as a chat model's generation_config says.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                       "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
+                       "<end_of_utterance>", "<|return|>", "<|call|>")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+  """The tokenizer a GGUF file's metadata describes (see `Tokenizer.from_gguf`)."""
+  path = os.fspath(path)
+  return _tokenizer(_open(path), path)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> tuple[dict[int, str], frozenset[str]]:
+  """GPT-2's byte -> printable character map (the byte-level BPE spelling) and its values."""
+  printable = (set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1))
+               | set(range(ord("®"), ord("ÿ") + 1)))
+  spelling, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      spelling[b] = chr(b)
+    else:
+      spelling[b] = chr(256 + extra)
+      extra += 1
+  return spelling, frozenset(spelling.values())
+
+
+def _tokenizer(reader, path: str) -> Tokenizer:
+  """A `Tokenizer` from the metadata's vocabulary, merges, special ids and chat template."""
+  import tokenizers  # noqa: PLC0415
+  from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors  # noqa: PLC0415
+  from tokenizers.models import BPE  # noqa: PLC0415
+
+  if "tokenizer.ggml.tokens" not in reader.fields:
+    raise CheckpointError(f"{path} has no tokenizer (metadata key 'tokenizer.ggml.tokens' is "
+                          "missing)")
+  kind = _value(reader, path, "tokenizer.ggml.model", None)
+  if kind != "gpt2":
+    what = {"llama": "SentencePiece ('llama')", None: "none given"}.get(kind, repr(kind))
+    raise CheckpointError(f"{path}: tokenizer.ggml.model {what} is not supported; only "
+                          "'gpt2' (byte-level BPE) tokenizers load from GGUF metadata")
+  tokens = _value(reader, path, "tokenizer.ggml.tokens")
+  merges = _value(reader, path, "tokenizer.ggml.merges", None)
+  if merges is None:
+    raise CheckpointError(f"{path}: byte-level BPE tokenizer without merges "
+                          "(metadata key 'tokenizer.ggml.merges' is missing)")
+  types = _value(reader, path, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
+  if len(types) != len(tokens):
+    raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                          f"{len(tokens)} tokens")
+  pre = _value(reader, path, "tokenizer.ggml.pre", "default")
+  if pre not in _PRE_TOKENIZERS:
+    raise CheckpointError(f"{path}: unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                          f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
+  splits, ignore_merges, add_bos_default = _PRE_TOKENIZERS[pre]
+
+  # Every real token of a byte-level vocabulary is spelled in the byte alphabet; a token
+  # spelled otherwise (a special token written in plain text) is re-spelled byte by byte,
+  # as transformers' GGUF converter does, so the vocabulary keeps its size.
+  spelling, alphabet = _byte_alphabet()
+  vocab = {}
+  for i, token in enumerate(tokens):
+    spelled = token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode())
+    vocab.setdefault(spelled, i)
+  pairs = []
+  for merge in merges:
+    pair = merge.split(" ")
+    if len(pair) != 2:
+      raise CheckpointError(f"{path}: tokenizer.ggml.merges entry {merge!r} is not two tokens "
+                            "separated by a space")
+    pairs.append((pair[0], pair[1]))
+  try:
+    backend = tokenizers.Tokenizer(BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
+                                       end_of_word_suffix="", fuse_unk=False,
+                                       ignore_merges=ignore_merges))
+  except Exception as e:
+    raise CheckpointError(f"{path}: the BPE vocabulary and merges do not build a tokenizer: "
+                          f"{e}") from e
+  # Each split cuts the pieces of the previous one, keeping both matches and the text
+  # between them (llama.cpp's unicode_regex_split); the last, ByteLevel, respells bytes and
+  # (for GPT-2's regex, which it holds) splits too.
+  gpt2_last = splits[-1] == _GPT2_SPLIT
+  steps = [pre_tokenizers.Digits(individual_digits=True) if split == "digits"
+           else pre_tokenizers.Split(Regex(split), behavior="isolated")
+           for split in (splits[:-1] if gpt2_last else splits)]
+  steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_last))
+  backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+  backend.decoder = decoders.ByteLevel()
+  # Control tokens are special (matched whole in text, skipped when decoding); user-defined
+  # ones are matched whole but decode as text (llama.cpp and transformers alike).
+  control = [AddedToken(t, special=True, normalized=False)
+             for t, kind_ in zip(tokens, types)
+             if kind_ == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+  user = [AddedToken(t, special=False, normalized=False)
+          for t, kind_ in zip(tokens, types)
+          if kind_ == TOKEN_TYPE_USER_DEFINED and t in vocab]
+  if control:
+    backend.add_special_tokens(control)
+  if user:
+    backend.add_tokens(user)
+
+  def token_id(key: str) -> int | None:
+    value = _value(reader, path, f"tokenizer.ggml.{key}", None)
+    if value is None:
+      return None
+    if not isinstance(value, int) or not 0 <= value < len(tokens):
+      raise CheckpointError(f"{path}: tokenizer.ggml.{key}={value!r} is not a token id "
+                            f"(vocabulary of {len(tokens)})")
+    return value
+
+  bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+  pad, unk = token_id("padding_token_id"), token_id("unknown_token_id")
+  add_bos = bool(_value(reader, path, "tokenizer.ggml.add_bos_token", add_bos_default))
+  add_eos = bool(_value(reader, path, "tokenizer.ggml.add_eos_token", False))
+  add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+  # transformers' TokenizersBackend.update_post_processor: BOS/EOS around each sequence.
+  single = ([tokens[bos]] if add_bos else []) + ["$A"] + ([tokens[eos]] if add_eos else [])
+  pair = single + ([f"{tokens[bos]}:1"] if add_bos else []) + ["$B:1"] + (
+      [f"{tokens[eos]}:1"] if add_eos else [])
+  specials = ([(tokens[bos], bos)] if add_bos else []) + ([(tokens[eos], eos)] if add_eos else [])
+  try:
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                           special_tokens=specials)
+  except Exception as e:
+    raise CheckpointError(f"{path}: cannot add BOS/EOS tokens {specials}: {e}") from e
+
+  template = _value(reader, path, "tokenizer.chat_template", None)
+  template = template if isinstance(template, str) else None
+  eos_ids = _end_of_generation_ids(tokens, types, template, eos,
+                                   [token_id("eot_token_id"), token_id("eom_token_id")])
+  special = {name: tokens[i] for name, i in
+             (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk))
+             if i is not None}
+  return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids, pad_token_id=pad,
+                   chat_template=template, special_tokens=special)
+
+
+def _end_of_generation_ids(tokens: Sequence[str], types: Sequence[int], template: str | None,
+                           eos: int | None, extra: Sequence[int | None]) -> list[int]:
+  """EOS first, then the file's end-of-turn/-message ids, then each control token the chat
+  template writes that llama.cpp takes as an end of turn (`<|im_end|>`, `<|eot_id|>` ...)."""
+  out = [i for i in (eos, *extra) if i is not None]
+  if template:
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+      if kind == TOKEN_TYPE_CONTROL and token in _END_OF_TURN_TOKENS and token in template:
+        out.append(i)
+  return list(dict.fromkeys(out))
