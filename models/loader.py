@@ -46,8 +46,17 @@ class CheckpointError(ValueError):
 
 
 def _resolve(path: str | os.PathLike | None) -> str:
+  """A checkpoint directory, a GGUF file or a model preset's name (configs/models.py:
+  `hisparse-tiny`, `smollm2-135m-instruct`) -> the path to read; None: the default model."""
   path = models.DEFAULT_MODEL_DIR if path is None else os.fspath(path)
   if not (os.path.isdir(path) or os.path.isfile(path)):
+    from configs.models import MODEL_PRESETS  # noqa: PLC0415 (configs imports models)
+
+    if path in MODEL_PRESETS:
+      try:
+        return MODEL_PRESETS[path].resolve()
+      except FileNotFoundError as e:  # its package is not installed
+        raise CheckpointError(str(e)) from None
     what = "GGUF file" if path.lower().endswith(".gguf") else "checkpoint directory"
     raise CheckpointError(f"{what} {path} does not exist")
   return path
