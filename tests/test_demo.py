@@ -1,6 +1,9 @@
-"""`hisparse-jax demo` (what `make demo` runs), smaller: 5 prompts of 99 tokens, in a subprocess.
+"""`hisparse-jax demo --model=hisparse-tiny` (the toy demo), smaller: 5 prompts of 99
+tokens, in a subprocess.
 
-The full demo (8 prompts of 1,026 tokens) is `make demo`; this run keeps its shape with
+`make demo` runs the real model (demo_real.py: a chat reply and passkey prompts of ~4k
+tokens; tests/test_readme_commands.py runs it small); the toy demo's full size is 8
+prompts of 1,026 tokens. This run keeps its shape with
 HiSparse settings scaled to the short prompts: more requests than the device pool holds
 once they decode, so decoding requests are offloaded (their KV written through to the
 host pool) and their selected blocks are loaded back from it into hot buffers.
@@ -22,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_demo_offloads_to_the_host_pool_and_marks_every_answer(tmp_path):
   metrics_json = tmp_path / "metrics.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "hisparse_jax", "demo", "--demo_num_prompts=5",
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax", "demo", "--model=hisparse-tiny",
+                      "--demo_num_prompts=5",
                       "--demo_context_len=100", "--max_num_batched_tokens=64",
                       "--top_k_tokens=32", "--hot_buffer_tokens=32", "--sink_tokens=16",
                       "--local_tokens=16", "--sparse_threshold_tokens=48",

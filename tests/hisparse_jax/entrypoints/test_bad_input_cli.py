@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 from absl import logging as absl_logging
@@ -213,6 +214,61 @@ def test_bad_checkpoint_exits_2_naming_model_and_the_library_raises_the_same(
   err = capsys.readouterr().err
   prefix = "hisparse-jax generate: error: --model: "
   _assert_one_line(err, prefix + str(info.value))
+
+
+def _gguf_without(prefix):
+  def edit(meta, tensors):
+    for key in [k for k in meta if k.startswith(prefix)]:
+      del meta[key]
+  return edit
+
+
+def _gguf_arch(meta, tensors):
+  for key in [k for k in meta if k.startswith("llama.")]:
+    meta["gpt_neox." + key[len("llama."):]] = meta.pop(key)
+
+
+# Ways to break a good GGUF file (models.testing writes it as llama.cpp's converter does),
+# and a part of the one line naming the file and the thing.
+BROKEN_GGUF = {
+    "truncated": (None, "is a truncated or corrupt GGUF file"),
+    "unsupported tensor type": (
+        lambda meta, tensors: tensors.update({"blk.1.ffn_up.weight": np.zeros((96, 64),
+                                                                              np.int32)}),
+        "blk.1.ffn_up.weight"),
+    "unknown architecture": (_gguf_arch, "unknown architecture 'gpt_neox'"),
+    "missing tokenizer": (_gguf_without("tokenizer.ggml"), "tokenizer.ggml.tokens"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BROKEN_GGUF))
+def test_bad_gguf_exits_2_naming_the_file_and_the_thing(what, tmp_path, capsys):
+  from models import testing  # noqa: PLC0415
+  from models.config import ModelConfig  # noqa: PLC0415
+
+  config = ModelConfig(model_type="llama", vocab_size=512, hidden_size=64,
+                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, rms_norm_eps=2.0 ** -17,
+                       rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0)
+  model, tokenizer = testing.random_model(config), testing.byte_level_tokenizer(512)
+  arch, meta, tensors = testing.gguf_contents(model, tokenizer)
+  edit, part = BROKEN_GGUF[what]
+  meta, tensors = dict(meta), dict(tensors)
+  if edit is not None:
+    edit(meta, tensors)
+  path = testing.write_gguf(tmp_path / "model.gguf", "gpt_neox" if edit is _gguf_arch
+                            else arch, meta, tensors)
+  if edit is None:
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+      f.write(data[:len(data) // 2])
+  with pytest.raises(CheckpointError) as info:
+    LLM(str(path), max_model_len=256, device_kv_gib=0.001, host_pool_gib=0.002)
+  assert str(path) in str(info.value) and part in str(info.value), str(info.value)
+  assert _main_in_process("generate", "--prompt=hi", f"--model={path}", *SMALL) == 2
+  _assert_one_line(capsys.readouterr().err,
+                   "hisparse-jax generate: error: --model: " + str(info.value))
 
 
 def test_capacity_refusals_name_the_flag(good_checkpoint, capsys):
