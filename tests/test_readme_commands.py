@@ -3,7 +3,7 @@
 The lines are read from README.md (a `\\` at a line's end continues it), so a line that
 stops working, or a new line that does not work, fails here. Each runs as
 `python -m hisparse_jax ARGS` in the repository root, two at a time. A line that ends in
-`# answers: WORD` must print an output whose first word is WORD, and a run with expected
+`# answers: WORDS` must print an output whose first words are WORDS, and a run with expected
 answers (a prompts file) must get them all right. Exceptions, each with why:
 
 - `SMALLER`: flags appended to a line (absl: a later flag wins) so that it runs in
@@ -93,10 +93,11 @@ def test_readme_line_runs_as_written(line, results):
   r = results[line]
   assert r.returncode == 0, f"{line}\n{r.stderr[-3000:]}"
   assert "Traceback" not in r.stderr
-  answer = re.search(r"#\s*answers:\s*(\S+)\s*$", line)
-  if answer:
+  answer = re.search(r"#\s*answers:\s*(.+?)\s*$", line)
+  if answer:  # the output's first words are the answer's
     first = re.match(r'\[0\] "(.*)" \(', r.stdout.splitlines()[0])
-    assert first and first.group(1).split()[0] == answer.group(1), r.stdout
+    want = answer.group(1).split()
+    assert first and first.group(1).split()[:len(want)] == want, r.stdout
   right = re.search(r"^(\d+)/(\d+) right$", r.stdout, flags=re.M)
   if right:
     assert right.group(1) == right.group(2), r.stdout
