@@ -230,3 +230,30 @@ def test_hisparse_at_the_default_flags_decodes_long_requests_sparse(tmp_path):
   assert "top-k 32 blocks" in r.stderr and "HiSparse runs" in r.stderr  # blocks of 16
   m = json.loads(metrics_json.read_text())
   assert m['hisparse_transfer_bytes_total{direction="d2h"}'] > 0
+
+
+def test_chat_renders_each_prompt_through_the_chat_template(tmp_path):
+  """--chat: a text prompt is one user message rendered by the model's chat template and
+  tokenized without special tokens again (LLM.chat's rendering); a model without a chat
+  template is refused naming the flag."""
+  from hisparse_jax.entrypoints.cli import generate as generate_cmd  # noqa: PLC0415
+  from models import testing  # noqa: PLC0415
+  from models.config import ModelConfig  # noqa: PLC0415
+  from models.loader import load_tokenizer  # noqa: PLC0415
+
+  config = ModelConfig(model_type="llama", vocab_size=512, hidden_size=64,
+                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+  model, tokenizer = testing.random_model(config), testing.byte_level_tokenizer(512)
+  path = testing.save_gguf(model, tmp_path / "chat.gguf", tokenizer)
+  spec = generate_cmd.PromptSpec(source="--prompt #1", prompt="hi there")
+  (ids,) = generate_cmd.checked_prompt_ids([spec], str(path), 512, chat=True)
+  tok = load_tokenizer(path)
+  text = tok.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                 add_generation_prompt=True)
+  assert text.endswith("<|im_start|>assistant\n") and "hi there" in text
+  assert ids == tok.encode(text, add_special_tokens=False) != tok.encode("hi there")
+  plain = testing.save_gguf(model, tmp_path / "plain.gguf", tokenizer, chat_template=None)
+  with pytest.raises(ValueError, match="^--chat: the model has no chat template$"):
+    generate_cmd.checked_prompt_ids([spec], str(plain), 512, chat=True)
