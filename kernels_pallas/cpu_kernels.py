@@ -7,9 +7,10 @@ keys), and a prefill as matmuls whose scores go through memory between the two p
 (vLLM's CPU backend runs C++ attention kernels the same way): `paged_decode` (one task
 per row) is what xla_attention's decode rows call when `available()`, `ragged_prefill`
 (one task per 32 queries of a row and KV head, flash attention over 16-key tiles) its
-prefill rows.
+prefill rows. `cpu_matmul.cc`: the matmul over packed weights (`kernels_pallas.packed`),
+what the engine's step multiplies float32 weights with on CPU.
 
-Build: the source is compiled once per source / jaxlib / compiler into
+Build: the sources are compiled (into one library) once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
 else c++ / g++ / clang++) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then
 loaded and registered as an FFI target. Without a compiler, or with
@@ -33,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = (os.path.join(_HERE, "cpu_attention.cc"), os.path.join(_HERE, "cpu_matmul.cc"))
 TARGET = "hisparse_paged_decode_f32"
 PREFILL_TARGET = "hisparse_ragged_prefill_f32"
+MATMUL_TARGET = "hisparse_packed_matmul_f32"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -70,8 +73,10 @@ def build() -> str:
   cxx = _compiler()
   if cxx is None:
     raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-  with open(SOURCE, "rb") as f:
-    source = f.read()
+  source = b""
+  for file in SOURCES:
+    with open(file, "rb") as f:
+      source += f.read()
   key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode()
                        + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
   path = os.path.join(_cache_dir(), f"cpu_attention_{key}.so")
@@ -82,7 +87,7 @@ def build() -> str:
   # own file, and the rename is atomic.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
   os.close(fd)
-  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", tmp]
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   if r.returncode != 0:
     os.unlink(tmp)
@@ -106,6 +111,8 @@ def available() -> bool:
                               platform="cpu")
   jax.ffi.register_ffi_target(PREFILL_TARGET,
                               jax.ffi.pycapsule(lib.HisparseRaggedPrefillF32), platform="cpu")
+  jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.HisparsePackedMatmulF32),
+                              platform="cpu")
   return True
 
 

@@ -64,7 +64,7 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
   if mesh is not None:
     attn_fn = functools.partial(sharded_attend, attn_fn, mesh, sparse is not None)
   forward = functools.partial(_forward, graphdef, attn_fn)
-  return jax.jit(forward, donate_argnums=(1, 2, 3),
+  return jax.jit(forward, donate_argnums=(2, 3, 4),
                  static_argnames=("greedy_only", "num_token_rows"))
 
 
@@ -127,10 +127,12 @@ def _copy_blocks(arrays, src, dst):
   return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
 
 
-def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
+def _forward(graphdef, attn_fn, params, head, kv_arrays, bounds, hot_state, host_arrays,
              input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
              logits_indices, temperature, top_p, top_k, seeds, counters,
              extras: SamplerExtras | None, *, greedy_only: bool, num_token_rows: int):
+  # head: the output projection packed for the CPU matmul (PackedWeight), or None: the
+  # model's own (`ModelRunner.packed_step_weights`).
   model = nnx.merge(graphdef, params)
   # Tokens still in flight on the host come from the previous step's output.
   input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
@@ -151,7 +153,7 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
     kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
-  logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
+  logits = model.compute_logits(hidden[0, logits_indices], head)  # [num_seqs, vocab]
   raw_logits = logits
   if extras is not None:
     logits = _process_logits(logits.astype(jnp.float32), extras, input_ids[logits_indices],
@@ -167,7 +169,7 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
     logprobs = token_logprobs(raw_logits, tokens, extras.num_logprobs)
   prompt_logprobs = ()
   if extras is not None and extras.num_prompt_logprobs >= 0:
-    prompt_logprobs = token_logprobs(model.compute_logits(hidden[0, extras.prompt_rows]),
+    prompt_logprobs = token_logprobs(model.compute_logits(hidden[0, extras.prompt_rows], head),
                                      extras.prompt_targets, extras.num_prompt_logprobs)
   logprobs = (logprobs, prompt_logprobs)
   # One shape for every step (the next step reads it as prev_tokens).
