@@ -1,6 +1,7 @@
 """The C++ attention kernels for XLA:CPU (kernels_pallas/cpu_attention.cc): the paged decode against
-`paged_attention_reference` and naive numpy attention: GQA 1:1 to 8:1, block sizes 4 to
-128, head_dim powers of 2 or not, key ranges that start past 0 (sliding windows), soft
+`paged_attention_reference` and naive numpy attention: GQA 1:1 to 9:1 (query heads in one
+pass or several), block sizes 4 to 128, head_dim 32 / 64 / 128 (the vectorized path) or
+others, key ranges that start past 0 (sliding windows), soft
 caps, empty rows, and pages poisoned with NaN / inf outside every range."""
 
 import os
@@ -28,7 +29,8 @@ def _case(rng, group, block_size, head_dim, lengths, num_kv_heads=2, num_blocks=
 
 
 @pytest.mark.parametrize("group,block_size,head_dim", [
-    (1, 4, 8), (2, 16, 32), (4, 128, 32), (8, 16, 64), (3, 8, 80), (5, 4, 40)])
+    (1, 4, 8), (2, 16, 32), (4, 128, 32), (8, 16, 64), (3, 8, 80), (5, 4, 40),
+    (3, 128, 64), (6, 16, 128), (9, 32, 32)])
 def test_matches_the_reference(rng, group, block_size, head_dim):
   lengths = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 0]
   q, pool, tables, lens = _case(rng, group, block_size, head_dim, lengths)
