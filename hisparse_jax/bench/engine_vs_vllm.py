@@ -252,33 +252,35 @@ class Worker:
     return json.loads(line)
 
   def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
+    cpu_before = self.cpu_seconds()
     self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
     self.proc.stdin.flush()
     result = self._read(CALL_TIMEOUT_S)
+    # CPU seconds of the engine's processes over the call (all its threads and child
+    # processes): what it costs the machine, whatever else runs there.
+    result["cpu_s"] = self.cpu_seconds() - cpu_before
     result["settle_s"] = self.settle()
     return result
+
+  def cpu_seconds(self) -> float:
+    total = 0.0
+    for p in [self._ps] + self._ps.children(recursive=True):
+      try:
+        t = p.cpu_times()
+        total += t.user + t.system
+      except psutil.Error:
+        pass
+    return total
 
   def settle(self, interval_s: float = 0.1, max_busy: float = 0.05,
              timeout_s: float = 10.0) -> float:
     """Waits until the worker's processes use under `max_busy` of a core over
     `interval_s`; returns the seconds waited."""
     start = time.perf_counter()
-    procs = [self._ps] + self._ps.children(recursive=True)
-
-    def cpu_seconds():
-      total = 0.0
-      for p in procs:
-        try:
-          t = p.cpu_times()
-          total += t.user + t.system
-        except psutil.Error:
-          pass
-      return total
-
-    before = cpu_seconds()
+    before = self.cpu_seconds()
     while time.perf_counter() - start < timeout_s:
       time.sleep(interval_s)
-      now = cpu_seconds()
+      now = self.cpu_seconds()
       if now - before < max_busy * interval_s:
         break
       before = now
@@ -308,6 +310,8 @@ def _summary(runs: list[dict], workload: Workload) -> dict:
   num_tokens = workload.num_prompts * workload.new_tokens
   median_s = common.median(seconds)
   return {"seconds": seconds, "median_s": median_s, "tokens_per_s": num_tokens / median_s,
+          "cpu_s": [r["cpu_s"] for r in runs], "median_cpu_s": common.median(
+              [r["cpu_s"] for r in runs]),
           "total_tokens_per_s": (num_tokens + workload.num_prompts * workload.prompt_len)
           / median_s,
           "ttft_p50_ms": 1e3 * float(np.median([t for r in runs for t in r["ttft_s"]])),
@@ -375,7 +379,8 @@ def _run_workload(wname: str, workload: Workload, prompts: list[list[int]],
     for name in names[r % 2:] + names[:r % 2]:
       runs[name].append(workers[name].generate(prompts, workload.new_tokens))
     print(f"engine_vs_vllm {wname} round {r + 1}/{reps}: "
-          + ", ".join(f"{n} {runs[n][-1]['seconds']:.2f} s" for n in names)
+          + ", ".join(f"{n} {runs[n][-1]['seconds']:.2f} s ({runs[n][-1]['cpu_s']:.1f} CPU-s)"
+                      for n in names)
           + f" (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
   for r in range(reps):
     diff = _first_difference(runs["hisparse_jax"][r]["token_ids"],
