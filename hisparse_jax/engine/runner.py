@@ -179,6 +179,12 @@ class ModelRunner:
     # output projection as `head`); `model` is the model the step runs (packed or not).
     self.model, self.head = packed_step_weights(model, self.ops, device_pool.mesh)
     self._graphdef, self.params = nnx.split(self.model)
+    # What each step passes: the state's leaves (flattened once here, not per call).
+    self._param_leaves, self._params_def = jax.tree.flatten(self.params)
+    self._param_leaves = tuple(self._param_leaves)
+    if self.head is not None:  # (CPU): the weights and pages a step streams, on huge pages
+      cpu_kernels.advise_huge_pages([*jax.tree.leaves(self.params), *jax.tree.leaves(self.head),
+                                     *device_pool.arrays()])
     self._step = self._step_for(self.ops, one_memory=None)
     self._copy = copy_program()
     self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size,
@@ -204,7 +210,7 @@ class ModelRunner:
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
         one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
-        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
+        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat, params_def=self._params_def)
 
   @property
   def reserved_bytes(self) -> int:
@@ -262,7 +268,7 @@ class ModelRunner:
 
   def _step_args(self, batch: StepBatch, prev_tokens: jax.Array) -> tuple:
     host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
-    return (self.params, self.head, self.pool.arrays(), self.bounds, self.hot_state,
+    return (self._param_leaves, self.head, self.pool.arrays(), self.bounds, self.hot_state,
             host_arrays,
             batch.input_ids, batch.token_src, prev_tokens, batch.positions, batch.metadata,
             batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,

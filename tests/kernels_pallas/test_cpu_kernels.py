@@ -153,3 +153,17 @@ def test_prefill_never_reads_past_the_context(rng):
                                    sm_scale=0.1)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+def test_huge_page_advice_keeps_every_value(monkeypatch):
+  """advise_huge_pages is a hint to Linux: the arrays read the same afterwards, only whole
+  2 MiB pages inside each buffer are advised, and HISPARSE_HUGE_PAGES=0 turns it off."""
+  big = jnp.arange(3 << 20, dtype=jnp.float32)  # 12 MiB: at least 4 whole huge pages
+  small = jnp.ones((16,), jnp.float32)
+  before = np.asarray(big).copy()
+  advised = cpu_kernels.advise_huge_pages([big, small, "not an array"])
+  assert 0 <= advised <= big.nbytes and advised % (2 << 20) == 0
+  np.testing.assert_array_equal(np.asarray(big), before)
+  np.testing.assert_array_equal(np.asarray(small), 1.0)
+  monkeypatch.setenv("HISPARSE_HUGE_PAGES", "0")
+  assert cpu_kernels.advise_huge_pages([big]) == 0
