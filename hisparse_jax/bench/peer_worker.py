@@ -112,7 +112,12 @@ def _vllm(args):
   info = {"engine": "vllm", "vllm_version": vllm.__version__,
           "max_num_seqs": config.max_num_seqs,
           "max_num_batched_tokens": config.max_num_batched_tokens,
-          "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+          "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+          # Its CPU threads: by default ("auto", reserved unset) vLLM keeps one core for
+          # its front end and binds its compute threads to the others (1 of 2 cores here).
+          "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+          "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                                         "default")}
   return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
 
 
