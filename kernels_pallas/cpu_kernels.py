@@ -7,9 +7,10 @@ keys), and a prefill as matmuls whose scores go through memory between the two p
 (vLLM's CPU backend runs C++ attention kernels the same way): `paged_decode` (one task
 per row) is what xla_attention's decode rows call when `available()`, `ragged_prefill`
 (one task per 32 queries of a row and KV head, flash attention over 16-key tiles) its
-prefill rows.
+prefill rows. `cpu_matmul.cc`: the matmul over packed weights (`kernels_pallas.packed`),
+what the engine's step multiplies float32 weights with on CPU.
 
-Build: the source is compiled once per source / jaxlib / compiler into
+Build: the sources are compiled (into one library) once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
 else c++ / g++ / clang++) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then
 loaded and registered as an FFI target. Without a compiler, or with
@@ -33,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = (os.path.join(_HERE, "cpu_attention.cc"), os.path.join(_HERE, "cpu_matmul.cc"))
 TARGET = "hisparse_paged_decode_f32"
 PREFILL_TARGET = "hisparse_ragged_prefill_f32"
+MATMUL_TARGET = "hisparse_packed_matmul_f32"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -70,8 +73,10 @@ def build() -> str:
   cxx = _compiler()
   if cxx is None:
     raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-  with open(SOURCE, "rb") as f:
-    source = f.read()
+  source = b""
+  for file in SOURCES:
+    with open(file, "rb") as f:
+      source += f.read()
   key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode()
                        + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
   path = os.path.join(_cache_dir(), f"cpu_attention_{key}.so")
@@ -82,7 +87,7 @@ def build() -> str:
   # own file, and the rename is atomic.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
   os.close(fd)
-  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", tmp]
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   if r.returncode != 0:
     os.unlink(tmp)
@@ -106,6 +111,8 @@ def available() -> bool:
                               platform="cpu")
   jax.ffi.register_ffi_target(PREFILL_TARGET,
                               jax.ffi.pycapsule(lib.HisparseRaggedPrefillF32), platform="cpu")
+  jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.HisparsePackedMatmulF32),
+                              platform="cpu")
   return True
 
 
@@ -141,3 +148,51 @@ def ragged_prefill(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
               kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
               scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
               window=np.int64(sliding_window or 0))
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+
+
+@functools.cache
+def _madvise():
+  if platform.system() != "Linux":
+    return None
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+  fn.restype = ctypes.c_int
+  return fn
+
+
+def advise_huge_pages(arrays) -> int:
+  """Asks Linux to back the memory of these CPU arrays with transparent huge pages
+  (madvise MADV_HUGEPAGE, then MADV_COLLAPSE to move what is already there): a decode
+  step reads its weights and KV blocks in long strides over hundreds of MB, and with
+  4 KiB pages a few rows apart is a TLB miss each (measured: the decode attention over 8
+  x 600 tokens x 30 layers 26% faster). A hint: memory it cannot advise (another OS, a
+  kernel without THP, a buffer under 2 MiB) stays as it is. Returns the bytes advised."""
+  madvise = _madvise()
+  if madvise is None or os.environ.get("HISPARSE_HUGE_PAGES", "1") == "0":
+    return 0
+  done = 0
+  for a in arrays:
+    if not isinstance(a, jax.Array) or a.is_deleted():
+      continue
+    for shard in a.addressable_shards:
+      if shard.device.platform != "cpu":
+        continue
+      try:
+        ptr = shard.data.unsafe_buffer_pointer()
+      except Exception:  # noqa: BLE001 (a buffer that exposes no pointer)
+        continue
+      lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+      hi = (ptr + shard.data.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+      if hi <= lo or madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
+        continue
+      madvise(lo, hi - lo, _MADV_COLLAPSE)  # (kernels before 6.1: khugepaged later)
+      done += hi - lo
+  return done

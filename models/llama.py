@@ -42,7 +42,9 @@ class ParamInit:
 
 
 class Linear(nnx.Module):
-  """y = x @ kernel (+ bias); kernel [in_features, out_features]."""
+  """y = x @ kernel (+ bias); kernel [in_features, out_features], or an object that
+  multiplies as that matrix (`x @ kernel`: the engine's packed CPU weights,
+  kernels_pallas.packed.PackedWeight)."""
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool, init: ParamInit,
                std: float = _INIT_STD):
@@ -50,7 +52,9 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(init.constant((out_features,), 0.0)) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+    kernel = self.kernel[...]
+    y = (jnp.einsum("...i,io->...o", x, kernel) if isinstance(kernel, jax.Array)
+         else x @ kernel)
     if self.bias is not None:
       y = y + self.bias[...]
     return y
@@ -198,12 +202,18 @@ class LlamaForCausalLM(nnx.Module):
       new_caches.append(cache)
     return self.norm(x), new_caches
 
-  def compute_logits(self, hidden: jax.Array) -> jax.Array:
-    """float32 logits [..., vocab] for hidden states [..., hidden] (any leading shape)."""
+  def compute_logits(self, hidden: jax.Array, head: Any = None) -> jax.Array:
+    """float32 logits [..., vocab] for hidden states [..., hidden] (any leading shape).
+    head: the output projection to multiply by instead of the model's own (an object that
+    multiplies as the [hidden, vocab] matrix, `hidden @ head`: the engine's packed copy)."""
+    if head is not None:
+      return (hidden @ head).astype(jnp.float32)
     if self.lm_head is None:
       kernel = self.embed_tokens[...].T
     else:
       kernel = self.lm_head.kernel[...]
+      if not isinstance(kernel, jax.Array):  # (a packed kernel, as Linear takes)
+        return (hidden @ kernel).astype(jnp.float32)
     return jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=jnp.float32)
 
   def __call__(self, input_ids: jax.Array, positions: jax.Array, *,

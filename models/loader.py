@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -37,6 +39,7 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_SAVE_DTYPES = {**_DTYPES, "float16": jnp.float16}
 # Buffers some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -313,9 +316,22 @@ def _load_tokenizer(path: str) -> Tokenizer:
 
 def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
                     dtype: str = "float32",
-                    generation_config: dict[str, Any] | None = None) -> None:
-  """Writes config.json, model.safetensors (and generation_config.json) in HF layout."""
+                    generation_config: dict[str, Any] | None = None,
+                    tokenizer: Tokenizer | None = None) -> None:
+  """Writes config.json, model.safetensors (and generation_config.json) in HF layout, as
+  transformers and vLLM read them: the weights in `dtype` (float32, bfloat16, float16;
+  `torch_dtype` names it), the tied output projection not written (config.json's
+  `tie_word_embeddings` says so).
+
+  tokenizer: also writes tokenizer.json + tokenizer_config.json (`save_tokenizer_files`:
+  BOS/EOS/pad tokens, chat template) and, unless `generation_config` is given, a
+  generation_config.json with its BOS / pad ids and every EOS id (end-of-turn tokens
+  included: a chat model stops on them)."""
   from safetensors.flax import save_file  # noqa: PLC0415 (only writers need it)
+
+  from models.tokenizer import save_tokenizer_files  # noqa: PLC0415
+  if dtype not in _SAVE_DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
   out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   config = model.config
@@ -323,17 +339,61 @@ def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
   for name, (param_path, transposed) in hf_param_map(config).items():
     value = _get_variable(model, param_path)[...]
     value = value.T if transposed else value
-    tensors[name] = jnp.asarray(jax.device_get(value)).astype(_DTYPES[dtype])
+    tensors[name] = jnp.asarray(jax.device_get(value)).astype(_SAVE_DTYPES[dtype])
   save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
   hf = config.to_hf_dict()
-  hf["torch_dtype"] = dtype
+  hf["torch_dtype"] = hf["dtype"] = dtype  # transformers 4 reads the first, 5 the second
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(hf, f, indent=2)
     f.write("\n")
+  if tokenizer is not None:
+    save_tokenizer_files(tokenizer, out_dir, model_max_length=config.max_position_embeddings)
+    if generation_config is None:
+      eos = list(tokenizer.eos_token_ids)
+      generation_config = {"bos_token_id": tokenizer.bos_token_id,
+                           "eos_token_id": eos[0] if len(eos) == 1 else eos,
+                           "pad_token_id": tokenizer.pad_token_id}
+      generation_config = {k: v for k, v in generation_config.items() if v not in (None, [])}
   if generation_config is not None:
     with open(os.path.join(out_dir, GENERATION_CONFIG_FILE), "w") as f:
       json.dump(generation_config, f, indent=2)
       f.write("\n")
+
+
+def convert(path: str | os.PathLike | None, out_dir: str | os.PathLike, *,
+            dtype: str = "auto") -> tuple[ModelConfig, str]:
+  """Writes the checkpoint at `path` (an HF directory, a GGUF file or a model preset's name;
+  None = the default model) as an HF-layout directory `out_dir` that this project,
+  transformers and vLLM load: `save_pretrained` of the model as loaded (GGUF tensors
+  dequantized, Q/K in HF's layout) with its tokenizer. dtype: "auto" (the checkpoint's,
+  `checkpoint_dtype`), float32, bfloat16 or float16. The files are written into a new
+  directory beside `out_dir`, renamed to it when complete (`out_dir` must not exist, or
+  be empty). Returns (config, dtype written)."""
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    raise ValueError(f"{out_dir} exists and is not an empty directory")
+  path = _resolve(path)
+  if dtype == "auto":
+    dtype = checkpoint_dtype(path)
+  if dtype not in _SAVE_DTYPES:
+    raise ValueError(f"dtype must be auto or one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
+  model, config, tokenizer = load_pretrained(path, dtype="float32" if dtype == "float16"
+                                             else dtype)
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+  try:
+    save_pretrained(model, staging, dtype=dtype, tokenizer=tokenizer)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # as os.makedirs would (mkdtemp: 0o700)
+    for name in os.listdir(staging):  # (safetensors writes 0o600)
+      os.chmod(os.path.join(staging, name), 0o666 & ~umask)
+    os.replace(staging, out_dir)  # an empty out_dir is replaced; a non-empty one refuses
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return config, dtype
 
 
 def param_count(model: nnx.Module) -> int:

@@ -236,16 +236,44 @@ def build_word_level_tokenizer(vocab: Sequence[str], *, bos: str, eos: str, pad:
   return tok
 
 
-def save_tokenizer_files(tok: tokenizers.Tokenizer, out_dir: str | os.PathLike, *, bos: str,
-                         eos: str, pad: str, unk: str, model_max_length: int,
-                         chat_template: str | None = None) -> None:
-  """Writes tokenizer.json and the tokenizer_config.json that AutoTokenizer needs."""
+def save_tokenizer_files(tok: tokenizers.Tokenizer | Tokenizer, out_dir: str | os.PathLike, *,
+                         bos: str | None = None, eos: str | None = None,
+                         pad: str | None = None, unk: str | None = None,
+                         model_max_length: int, chat_template: str | None = None,
+                         add_bos_token: bool | None = None) -> None:
+  """Writes tokenizer.json and the tokenizer_config.json that AutoTokenizer (and vLLM)
+  need. `tok`: a `tokenizers.Tokenizer`, or a `Tokenizer` (any checkpoint's, a GGUF file's
+  included), whose special tokens and chat template are the defaults of bos / eos / pad /
+  unk / chat_template. A special token left None is not written. add_bos_token (None:
+  whether the tokenizer's post-processor puts the BOS in front of a text) and add_eos_token
+  (whether it puts the EOS after it) are written, as transformers rebuilds the
+  post-processor from them."""
   out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
+  if isinstance(tok, Tokenizer):
+    special = tok.special_tokens
+    bos = bos if bos is not None else special.get("bos_token")
+    eos = eos if eos is not None else special.get("eos_token")
+    pad = pad if pad is not None else special.get("pad_token")
+    unk = unk if unk is not None else special.get("unk_token")
+    chat_template = chat_template if chat_template is not None else tok.chat_template
+    tok = tok.backend
+  # What the post-processor adds around a text (transformers rebuilds it from these flags).
+  with_special = tok.encode("a", add_special_tokens=True).ids
+  plain = tok.encode("a", add_special_tokens=False).ids
+  if add_bos_token is None:
+    bos_id = None if bos is None else tok.token_to_id(bos)
+    add_bos_token = bos_id is not None and with_special[:1] == [bos_id] != plain[:1]
+  eos_id = None if eos is None else tok.token_to_id(eos)
+  add_eos_token = eos_id is not None and with_special[-1:] == [eos_id] != plain[-1:]
   tok.save(os.path.join(out_dir, "tokenizer.json"))
-  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-            "pad_token": pad, "unk_token": unk, "add_bos_token": True,
-            "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+  config: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+  for key, token in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad),
+                     ("unk_token", unk)):
+    if token is not None:
+      config[key] = token
+  config.update({"add_bos_token": bool(add_bos_token), "add_eos_token": add_eos_token,
+                 "model_max_length": model_max_length, "clean_up_tokenization_spaces": False})
   if chat_template is not None:
     config["chat_template"] = chat_template
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:

@@ -61,8 +61,10 @@ def _hisparse(args):
   from hisparse_jax.engine.engine import Engine, EngineConfig
   from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
 
+  kv = {} if args.kv_cache_gib is None else {"device_kv_gib": float(args.kv_cache_gib)}
   engine = Engine(EngineConfig(model=args.model, dtype="float32",
-                               max_model_len=args.max_model_len, enable_prefix_caching=False))
+                               max_model_len=args.max_model_len, enable_prefix_caching=False,
+                               **kv))
   ids: dict[str, int] = {}
 
   def add(i, prompt, max_tokens):
@@ -76,12 +78,14 @@ def _hisparse(args):
       yield ids[out.request_id], list(out.outputs[0].token_ids)
 
   info = {"engine": "hisparse_jax", "max_num_seqs": engine.config.max_num_seqs,
-          "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+          "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+          "device_kv_gib": engine.config.device_kv_gib,
+          "package": os.path.dirname(sys.modules["hisparse_jax"].__file__)}
   return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
 
 
 def _vllm(args):
-  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
+  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib or 4))
   import vllm
   from vllm import LLM, SamplingParams
   from vllm.inputs import TokensPrompt
@@ -108,7 +112,12 @@ def _vllm(args):
   info = {"engine": "vllm", "vllm_version": vllm.__version__,
           "max_num_seqs": config.max_num_seqs,
           "max_num_batched_tokens": config.max_num_batched_tokens,
-          "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+          "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+          # Its CPU threads: by default ("auto", reserved unset) vLLM keeps one core for
+          # its front end and binds its compute threads to the others (1 of 2 cores here).
+          "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+          "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                                         "default")}
   return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
 
 
@@ -117,7 +126,9 @@ def main() -> None:
   parser.add_argument("--engine", choices=("hisparse", "vllm"), required=True)
   parser.add_argument("--model", required=True)
   parser.add_argument("--max_model_len", type=int, required=True)
-  parser.add_argument("--vllm_kv_cache_gib", type=int, default=4)
+  # KV cache GiB: vLLM's VLLM_CPU_KVCACHE_SPACE (whole GiB; default 4), this engine's
+  # device_kv_gib (default: EngineConfig's)
+  parser.add_argument("--kv_cache_gib", type=int, default=None)
   args = parser.parse_args()
   # The protocol gets its own copy of stdout; fd 1 becomes stderr, so nothing the engine
   # or its child processes print reaches the protocol stream.

@@ -57,7 +57,8 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
       shape = f"{w['workload']['num_prompts']} x {w['workload']['prompt_len']:,} + " \
               f"{w['workload']['new_tokens']}"
       rows.append(("engine_vs_vllm", f"`speed_vs_vllm` {name} ({shape})",
-                   _fmt(w["speed_vs_vllm"]), f">= {v['goal_speed_vs_vllm']}"))
+                   _fmt(w["speed_vs_vllm"]),
+                   f">= {w.get('goal_speed_vs_vllm', v['goal_speed_vs_vllm'])}"))
   if "scheduler_overhead" in suites:
     s = suites["scheduler_overhead"]
     rows.append(("scheduler_overhead", f"`host_us_per_seq_step` at {s['running_seqs']} seqs",

@@ -96,6 +96,7 @@ class Engine:
       self.kv_head_repeat = kv_head_repeat(unsplit, config.tensor_parallel_size)
     check_kv_cache_dtype_devices(
         config.kv_cache_dtype, jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+    loaded_here = model is None
     if model is None:
       model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype,
                                                        mesh=self.mesh)
@@ -140,6 +141,8 @@ class Engine:
                               host_pool=self.host_pool, eos_token_ids=self.eos_token_ids,
                               compile_in_background=config.compile_in_background,
                               kv_head_repeat=self.kv_head_repeat)
+    if loaded_here:  # the model the step runs (its weights packed on CPU); the loaded
+      self.model = self.runner.model  # arrays it replaced are not kept
     # Reserved bytes as allocated (the runner's arrays), not as planned.
     hisparse = None
     if config.hisparse is not None:

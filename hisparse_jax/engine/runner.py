@@ -50,6 +50,34 @@ from hisparse_jax.kv_cache.transfer import bucket_size
 from hisparse_jax.sparse import resolver
 from hisparse_jax.sparse.attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.sparse.config import HiSparseConfig
+from kernels_pallas import cpu_kernels, packed
+
+
+def packed_step_weights(model: nnx.Module, ops: kernels_pallas.KernelOps, mesh=None
+                        ) -> tuple[nnx.Module, packed.PackedWeight | None]:
+  """(the model the step runs, its packed output projection or None).
+
+  On CPU (the xla kernels, one device, float32 weights, the C++ kernels built): a copy of
+  `model` whose every `Linear` kernel is a `kernels_pallas.packed.PackedWeight` (the
+  matmul that streams a decode step's weights at the memory's bandwidth), and the output
+  projection packed (the tied embedding transposed: 1 x the embedding's bytes more, the
+  lookup still reads the embedding). `model` itself is left as it is. Elsewhere:
+  (`model`, None)."""
+  from models.llama import Linear  # noqa: PLC0415
+
+  weights = model.embed_tokens[...]
+  if (ops.backend != "xla" or mesh is not None or weights.dtype != jnp.float32
+      or not all(d.platform == "cpu" for d in weights.devices())
+      or not cpu_kernels.available()):
+    return model, None
+  graphdef, state = nnx.split(model)
+  copy = nnx.merge(graphdef, state)  # new variables over the same arrays
+  for _, node in nnx.iter_graph(copy):
+    if isinstance(node, Linear) and isinstance(node.kernel[...], jax.Array):
+      node.kernel.set_value(packed.pack_array(node.kernel[...]))  # (not packed already)
+  head = (packed.pack_array(weights.T) if copy.lm_head is None
+          else copy.lm_head.kernel[...])
+  return copy, head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +175,16 @@ class ModelRunner:
         max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, ops=self.ops,
         hisparse=hisparse, num_hot_rows=self.num_hot_rows, vocab_size=self.vocab_size,
         eos_token_ids=self.eos_token_ids)
-    self._graphdef, self.params = nnx.split(model)
+    # The step's weights: on CPU the float32 matrices packed for the C++ matmul (and the
+    # output projection as `head`); `model` is the model the step runs (packed or not).
+    self.model, self.head = packed_step_weights(model, self.ops, device_pool.mesh)
+    self._graphdef, self.params = nnx.split(self.model)
+    # What each step passes: the state's leaves (flattened once here, not per call).
+    self._param_leaves, self._params_def = jax.tree.flatten(self.params)
+    self._param_leaves = tuple(self._param_leaves)
+    if self.head is not None:  # (CPU): the weights and pages a step streams, on huge pages
+      cpu_kernels.advise_huge_pages([*jax.tree.leaves(self.params), *jax.tree.leaves(self.head),
+                                     *device_pool.arrays()])
     self._step = self._step_for(self.ops, one_memory=None)
     self._copy = copy_program()
     self._refresh = refresh_program(self.ops, device_pool.spec.dtype, self.block_size,
@@ -173,7 +210,7 @@ class ModelRunner:
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
         one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
-        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat)
+        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat, params_def=self._params_def)
 
   @property
   def reserved_bytes(self) -> int:
@@ -231,7 +268,8 @@ class ModelRunner:
 
   def _step_args(self, batch: StepBatch, prev_tokens: jax.Array) -> tuple:
     host_arrays = self.host_pool.arrays() if self.hisparse is not None else ()
-    return (self.params, self.pool.arrays(), self.bounds, self.hot_state, host_arrays,
+    return (self._param_leaves, self.head, self.pool.arrays(), self.bounds, self.hot_state,
+            host_arrays,
             batch.input_ids, batch.token_src, prev_tokens, batch.positions, batch.metadata,
             batch.logits_indices, batch.temperature, batch.top_p, batch.top_k, batch.seeds,
             batch.counters, batch.extras)

@@ -46,7 +46,7 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
                  blocks: HiSparseBlocks | None = None, selection: str | None = None,
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
                  one_memory: bool | None = None, bounds_dtype: str = "float32", *,
-                 mesh=None, kv_head_repeat: int = 1):
+                 mesh=None, kv_head_repeat: int = 1, params_def=None):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
@@ -63,8 +63,8 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
                               sparse)
   if mesh is not None:
     attn_fn = functools.partial(sharded_attend, attn_fn, mesh, sparse is not None)
-  forward = functools.partial(_forward, graphdef, attn_fn)
-  return jax.jit(forward, donate_argnums=(1, 2, 3),
+  forward = functools.partial(_forward, graphdef, params_def, attn_fn)
+  return jax.jit(forward, donate_argnums=(2, 3, 4),
                  static_argnames=("greedy_only", "num_token_rows"))
 
 
@@ -127,10 +127,17 @@ def _copy_blocks(arrays, src, dst):
   return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
 
 
-def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_arrays,
+def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot_state,
+             host_arrays,
              input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
              logits_indices, temperature, top_p, top_k, seeds, counters,
              extras: SamplerExtras | None, *, greedy_only: bool, num_token_rows: int):
+  # head: the output projection packed for the CPU matmul (PackedWeight), or None: the
+  # model's own (`ModelRunner.packed_step_weights`). params: the model's state, or its
+  # leaves when params_def (its tree structure) is given: a flat tuple of arrays is
+  # what the call passes fastest (the state's variables flatten in Python each call).
+  if params_def is not None:
+    params = jax.tree.unflatten(params_def, params)
   model = nnx.merge(graphdef, params)
   # Tokens still in flight on the host come from the previous step's output.
   input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
@@ -151,7 +158,7 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
     kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
-  logits = model.compute_logits(hidden[0, logits_indices])  # [num_seqs, vocab]
+  logits = model.compute_logits(hidden[0, logits_indices], head)  # [num_seqs, vocab]
   raw_logits = logits
   if extras is not None:
     logits = _process_logits(logits.astype(jnp.float32), extras, input_ids[logits_indices],
@@ -167,7 +174,7 @@ def _forward(graphdef, attn_fn, params, kv_arrays, bounds, hot_state, host_array
     logprobs = token_logprobs(raw_logits, tokens, extras.num_logprobs)
   prompt_logprobs = ()
   if extras is not None and extras.num_prompt_logprobs >= 0:
-    prompt_logprobs = token_logprobs(model.compute_logits(hidden[0, extras.prompt_rows]),
+    prompt_logprobs = token_logprobs(model.compute_logits(hidden[0, extras.prompt_rows], head),
                                      extras.prompt_targets, extras.num_prompt_logprobs)
   logprobs = (logprobs, prompt_logprobs)
   # One shape for every step (the next step reads it as prev_tokens).

@@ -1,6 +1,7 @@
 """The C++ attention kernels for XLA:CPU (kernels_pallas/cpu_attention.cc): the paged decode against
-`paged_attention_reference` and naive numpy attention: GQA 1:1 to 8:1, block sizes 4 to
-128, head_dim powers of 2 or not, key ranges that start past 0 (sliding windows), soft
+`paged_attention_reference` and naive numpy attention: GQA 1:1 to 9:1 (query heads in one
+pass or several), block sizes 4 to 128, head_dim 32 / 64 / 128 (the vectorized path) or
+others, key ranges that start past 0 (sliding windows), soft
 caps, empty rows, and pages poisoned with NaN / inf outside every range."""
 
 import os
@@ -28,7 +29,8 @@ def _case(rng, group, block_size, head_dim, lengths, num_kv_heads=2, num_blocks=
 
 
 @pytest.mark.parametrize("group,block_size,head_dim", [
-    (1, 4, 8), (2, 16, 32), (4, 128, 32), (8, 16, 64), (3, 8, 80), (5, 4, 40)])
+    (1, 4, 8), (2, 16, 32), (4, 128, 32), (8, 16, 64), (3, 8, 80), (5, 4, 40),
+    (3, 128, 64), (6, 16, 128), (9, 32, 32)])
 def test_matches_the_reference(rng, group, block_size, head_dim):
   lengths = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 0]
   q, pool, tables, lens = _case(rng, group, block_size, head_dim, lengths)
@@ -151,3 +153,17 @@ def test_prefill_never_reads_past_the_context(rng):
                                    sm_scale=0.1)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+def test_huge_page_advice_keeps_every_value(monkeypatch):
+  """advise_huge_pages is a hint to Linux: the arrays read the same afterwards, only whole
+  2 MiB pages inside each buffer are advised, and HISPARSE_HUGE_PAGES=0 turns it off."""
+  big = jnp.arange(3 << 20, dtype=jnp.float32)  # 12 MiB: at least 4 whole huge pages
+  small = jnp.ones((16,), jnp.float32)
+  before = np.asarray(big).copy()
+  advised = cpu_kernels.advise_huge_pages([big, small, "not an array"])
+  assert 0 <= advised <= big.nbytes and advised % (2 << 20) == 0
+  np.testing.assert_array_equal(np.asarray(big), before)
+  np.testing.assert_array_equal(np.asarray(small), 1.0)
+  monkeypatch.setenv("HISPARSE_HUGE_PAGES", "0")
+  assert cpu_kernels.advise_huge_pages([big]) == 0

@@ -198,3 +198,37 @@ def model_eos(hf) -> set[int]:
   """The EOS ids transformers' generation config gives the model."""
   eos = hf[1].generation_config.eos_token_id
   return {eos} if isinstance(eos, int) else set(eos)
+
+
+@pytest.mark.slow
+def test_converted_directory_equals_the_gguf_in_transformers(path, loaded, hf, tmp_path):
+  """`hisparse-jax convert`'s directory (models.loader.convert, float32): transformers'
+  `from_pretrained(dir)` gives the logits of its own GGUF load exactly (the same dequantized
+  weights) and the same greedy tokens; AutoTokenizer on the directory gives our ids where
+  transformers' GGUF tokenizer differs too (DIVERGENT); it loads back here bit-equal."""
+  from models_testlib import our_logits  # noqa: PLC0415
+
+  from models.loader import convert  # noqa: PLC0415
+
+  torch, gguf_model, _ = hf
+  transformers = pytest.importorskip("transformers")
+  ours, _, tok = loaded
+  out = str(tmp_path / "smollm2")
+  assert convert(path, out)[1] == "float32"
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  dir_tok = transformers.AutoTokenizer.from_pretrained(out)
+  for text in PROMPTS + TEXTS + DIVERGENT:
+    assert dir_tok(text)["input_ids"] == tok.encode(text), text
+  assert dir_tok.apply_chat_template(FRANCE, tokenize=False, add_generation_prompt=True) == (
+      tok.apply_chat_template(FRANCE))
+  ids = torch.as_tensor([tok.apply_chat_template(FRANCE, tokenize=True)])
+  with torch.no_grad():
+    np.testing.assert_array_equal(model(ids).logits.numpy(), gguf_model(ids).logits.numpy())
+    got = model.generate(ids, do_sample=False, max_new_tokens=NUM_GREEDY,
+                         min_new_tokens=NUM_GREEDY, eos_token_id=None, pad_token_id=2)
+    ref = gguf_model.generate(ids, do_sample=False, max_new_tokens=NUM_GREEDY,
+                              min_new_tokens=NUM_GREEDY, eos_token_id=None, pad_token_id=2)
+  np.testing.assert_array_equal(got.numpy(), ref.numpy())
+  assert set(np.atleast_1d(model.generation_config.eos_token_id)) == set(tok.eos_token_ids)
+  back = load_pretrained(out)[0]
+  np.testing.assert_array_equal(our_logits(back, ids.numpy()), our_logits(ours, ids.numpy()))

@@ -36,6 +36,8 @@ register("serve", "hisparse_jax.entrypoints.cli.serve",
          "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics).")
 register("bench", "hisparse_jax.entrypoints.cli.bench",
          "Benchmark suites (--suite=NAME|all): side-by-side ratios, table + --out JSON.")
+register("convert", "hisparse_jax.entrypoints.cli.convert",
+         "Write --model (a GGUF file, preset or directory) as a Hugging Face directory --out.")
 
 
 FLAGS = flags.FLAGS
@@ -159,7 +161,8 @@ flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the prompts' keys (the tr
 # bench (hisparse_jax.entrypoints.cli.bench); the decode suite also reads --block_size.
 flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_vs_dense, "
                     "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel) or all.")
-flags.DEFINE_string("out", None, "bench: write the JSON result here.")
+flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: the directory "
+                    "to write (new or empty).")
 flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
@@ -200,6 +203,7 @@ COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
              ("sampling", _SAMPLING), ("model and memory", _MODEL), ("engine", _ENGINE),
              ("HiSparse", _HISPARSE), ("parallel", _PARALLEL), ("output", _OUTPUT)),
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
+    "convert": (("convert", ("model", "out", "dtype")),),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
               ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
               ("parallel", ("tensor_parallel_size",))),  # (one process: requests reach one host)

@@ -2,6 +2,7 @@
 Results section and plot match the committed run. (No timing is asserted: a benchmark
 reports figures, it does not test them.)"""
 
+import dataclasses
 import json
 import math
 import os
@@ -108,18 +109,22 @@ def d_block_bytes(h):
 def test_engine_vs_vllm_fields(smoke):
   e = smoke[0]["suites"]["engine_vs_vllm"]
   assert e["peer"] == "hisparse" and set(e["engines"]) == {"hisparse_jax", "vllm"}
-  (name, w), = e["workloads"].items()
-  size = engine_vs_vllm.SIZES["smoke"].workloads[name]
-  assert w["workload"] == {"num_prompts": size.num_prompts, "prompt_len": size.prompt_len,
-                           "new_tokens": size.new_tokens}
-  assert w["tokens_identical"] is True
-  rows = w["rows"]
-  for row in rows.values():
-    assert _positive(row["median_s"], row["tokens_per_s"], row["ttft_p50_ms"])
-    assert row["tokens_per_s"] == pytest.approx(
-        size.num_prompts * size.new_tokens / row["median_s"])
-  assert w["speed_vs_vllm"] == pytest.approx(
-      rows["hisparse_jax"]["tokens_per_s"] / rows["vllm"]["tokens_per_s"])
+  sizes = engine_vs_vllm.SIZES["smoke"].workloads
+  assert list(e["workloads"]) == list(sizes) == ["tiny", "real_tiny"]
+  # the real model's stand-in went through the conversion both engines load
+  assert list(e["converted"]) == [engine_vs_vllm.SMOKE_GGUF]
+  assert set(e["engines_by_model"]["vllm"]) == {"hisparse-tiny", engine_vs_vllm.SMOKE_GGUF}
+  for name, w in e["workloads"].items():
+    size = sizes[name]
+    assert w["workload"] == dataclasses.asdict(size) and w["reps"] == 1
+    assert w["tokens_identical"] is True
+    rows = w["rows"]
+    for row in rows.values():
+      assert _positive(row["median_s"], row["tokens_per_s"], row["ttft_p50_ms"])
+      assert row["tokens_per_s"] == pytest.approx(
+          size.num_prompts * size.new_tokens / row["median_s"])
+    assert w["speed_vs_vllm"] == pytest.approx(
+        rows["hisparse_jax"]["tokens_per_s"] / rows["vllm"]["tokens_per_s"])
 
 
 def test_engine_vs_vllm_names_the_first_differing_token():
@@ -130,6 +135,21 @@ def test_engine_vs_vllm_names_the_first_differing_token():
   prompts = engine_vs_vllm.make_prompts(engine_vs_vllm.Workload(3, 40, 1), seed=0)
   assert [len(p) for p in prompts] == [40, 40, 40] and all(p[0] == 1 for p in prompts)
   assert prompts == engine_vs_vllm.make_prompts(engine_vs_vllm.Workload(3, 40, 1), seed=0)
+
+
+def test_engine_vs_vllm_text_prompts_are_english_cut_to_length():
+  from models import testing
+  from models.tokenizer import Tokenizer
+
+  tok = Tokenizer(testing.byte_level_tokenizer(320), bos_token_id=None, eos_token_ids=())
+  w = engine_vs_vllm.Workload(3, 200, 1, engine_vs_vllm.SMOKE_GGUF)
+  prompts = engine_vs_vllm.make_text_prompts(w, 5, tok)
+  assert [len(p) for p in prompts] == [200] * 3 and len({tuple(p) for p in prompts}) == 3
+  assert prompts == engine_vs_vllm.make_text_prompts(w, 5, tok)
+  text = tok.decode(prompts[0])
+  assert text[0].isupper() and ". " in text and text.count(" ") > 30
+  assert engine_vs_vllm.SIZES["full"].workloads["real_long"].converted
+  assert not engine_vs_vllm.SIZES["full"].workloads["long"].converted
 
 
 def test_bytes_bound_by_hand():

@@ -72,8 +72,16 @@ def capacity_figures(llm: LLM) -> dict:
       live_reserved={parallel.device_name(d): n for d, n in reserved.items()},
       lines=report.log_lines(256),
       devices=[parallel.device_name(d) for d in engine.device_pool.devices],
-      weight_shard_shapes=sorted({tuple(s.data.shape) for s in engine.runner.params[
-          "layers"][0]["self_attn"]["q_proj"]["kernel"][...].addressable_shards}))
+      weight_shard_shapes=_shard_shapes(
+          engine.runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]))
+
+
+def _shard_shapes(kernel) -> list[tuple[int, ...]]:
+  """The shapes of a weight's shards; one device packs it for the CPU matmul
+  (kernels_pallas.packed.PackedWeight, one whole matrix)."""
+  if not isinstance(kernel, jax.Array):
+    return [tuple(kernel.shape)]
+  return sorted({tuple(s.data.shape) for s in kernel.addressable_shards})
 
 
 def run(case: str, checkpoint: str | None) -> dict:
