@@ -41,7 +41,7 @@ needle), so a later request may reuse an earlier one's blocks; answers do not de
 Smallest top-k keeping dense accuracy (per length and block size): the smallest top-k T
 of the grid such that T and every larger top-k of the grid are at least as accurate as
 dense at that length (a covering top-k counts as dense); None when not even the largest
-one that was run is.
+one that was run is (only a covering top-k keeps it).
 
 Greedy agreement: AGREEMENT_PROMPTS (16 ordinary English requests) in the model's chat
 template (35-45 tokens), 32 greedy tokens, dense against HiSparse at small top-k with
@@ -231,6 +231,7 @@ def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, bloc
   row.update(status="run", num_right=right, accuracy=right / len(prompts), answers=answers,
              host=_host_figures(engine), capacity=_capacity(engine),
              engine_s=round(t1 - t0, 1), run_s=round(t2 - t1, 1),
+             load_avg_1=os.getloadavg()[0],
              hisparse=None if hisparse is None else _hisparse_fields(hisparse))
   print(f"passkey {length:>5} {row['config']:<22} {right}/{len(prompts)} "
         f"{' '.join(str(a['answer']) for a in answers)}  host loads "
@@ -367,7 +368,8 @@ def smallest_top_k(rows: list[dict], size: Size) -> dict:
           best = top_k
         else:
           break
-      by_block[str(block_size)] = best
+      # Only a top-k covering the sequence: none of the grid's sparse ones keeps it.
+      by_block[str(block_size)] = None if best is not None and best >= length else best
     out[str(length)] = by_block
   return out
 
