@@ -59,10 +59,13 @@ its answers are wrong: only the fields are tested), one 256-token prompt.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import math
 import os
 import time
+
+import jax
 
 from hisparse_jax.bench import common
 
@@ -173,6 +176,7 @@ def _length_rows(bundle, size: Size, length: int) -> list[dict]:
       raise ValueError(f"the passkey prompt does not end in the tokens of {FORCED_TAIL!r}")
   rows = [_passkey_row(bundle, size, length, prompts, len(tail), size.dense_block_size, None)]
   dense = rows[0]
+  _drop_programs()
   for top_k in size.top_ks:
     for block_size in size.block_sizes_of(length):
       if top_k >= length:
@@ -192,7 +196,27 @@ def _length_rows(bundle, size: Size, length: int) -> list[dict]:
           row["same_answer_as_dense"] = sum(
               a["answer"] == d["answer"] for a, d in zip(row["answers"], dense["answers"]))
       rows.append(row)
+      _drop_programs()
   return rows
+
+
+def _drop_programs() -> None:
+  """Drops every compiled program (a row's are not reused by the next: another top-k,
+  block size or length). XLA:CPU maps each executable's code into mappings of its own;
+  30 layers' programs of a few dozen engines pass Linux's vm.max_map_count (65,530), and
+  the next compile aborts inside LLVM ("Cannot allocate memory"), as tests/conftest.py
+  says of the test suite."""
+  jax.clear_caches()
+  gc.collect()
+
+
+def _num_mappings() -> int | None:
+  """Memory mappings of this process (Linux), None elsewhere."""
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
 
 
 def _row_head(length: int, prompts, block_size: int, top_k: int | None) -> dict:
@@ -236,7 +260,7 @@ def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, bloc
   print(f"passkey {length:>5} {row['config']:<22} {right}/{len(prompts)} "
         f"{' '.join(str(a['answer']) for a in answers)}  host loads "
         f"{row['host']['host_loads']:,.0f}, offloads {row['host']['offloads']:,.0f} "
-        f"({row['engine_s'] + row['run_s']:.0f} s)", flush=True)
+        f"({row['engine_s'] + row['run_s']:.0f} s, {_num_mappings()} mappings)", flush=True)
   return row
 
 
@@ -392,10 +416,14 @@ def _agreement(bundle, size: Size) -> dict:
       engine = _engine(bundle, size, max_model_len=max_model_len, block_size=block_size,
                        hisparse=None, num_requests=len(prompts), device_requests=len(prompts))
       dense_by_block[block_size] = [t for t, _ in forced_generate(engine, prompts, 1, n)]
+      del engine
+      _drop_programs()
     hisparse = HiSparseConfig(top_k_tokens=top_k, sparse_threshold_tokens=top_k)
     engine = _engine(bundle, size, max_model_len=max_model_len, block_size=block_size,
                      hisparse=hisparse, num_requests=len(prompts), device_requests=len(prompts))
     sparse = [t for t, _ in forced_generate(engine, prompts, 1, n)]
+    del engine
+    _drop_programs()
     dense = dense_by_block[block_size]
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
               for x, y in zip(sparse, dense)]
