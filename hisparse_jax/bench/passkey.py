@@ -26,9 +26,14 @@ The answer is the first number in the NEW_TOKENS generated tokens (models.passke
 
 Host loads. All depths of a length run in one batch (added together), and the device pool
 holds `device_requests` (1.5) requests of L tokens in blocks, with what HiSparse reserves
-(key bounds of every device and host block, hot-buffer state) added on top, so dense and
-HiSparse rows get the same number of blocks; the host pool holds every request. Dense
-rows run the requests about one at a time. HiSparse admits the next request by
+(key bounds of every device and host block, hot-buffer state) added on top; the host pool
+holds every request. Where a hot buffer is over a quarter of a request (top-k > L / 4)
+1.5 requests are too few for an offload to admit the next request (the scheduler offloads
+nobody when the running request's net gain, its dropped blocks less its hot buffer and the
+prefix blocks it shares, cannot make room for a whole request), so the requests would run
+one after another with no host load; there the pool holds one request plus a hot buffer
+plus OFFLOAD_SLACK (a quarter) of a request, the least that forces the offload. Dense
+rows (1.5 requests) run the requests about one at a time. HiSparse admits the next request by
 offloading sparse decoders (their written-through blocks dropped from the device, a hot
 buffer of top_k_tokens given instead: the smallest allowed, so an offload frees the most
 and every later selection of a dropped block is a host load); the selected blocks of an
@@ -270,6 +275,25 @@ def _hisparse_fields(hisparse) -> dict:
                                             "selection", "bounds_dtype")}
 
 
+# Device blocks beyond one request and one hot buffer (fraction of a request): the prefix
+# blocks an offloaded request shares with the next (its needle depth, 10% at the least)
+# stay on the device, plus a spare block per running request.
+OFFLOAD_SLACK = 0.25
+
+
+def device_pool_blocks(max_model_len: int, block_size: int, device_requests: float,
+                       hot_buffer_tokens: int | None) -> int:
+  """Usable device blocks of a row (module docstring, "Host loads"): `device_requests`
+  requests of max_model_len tokens, or for HiSparse, where more, one request plus an
+  offloaded request's hot buffer plus OFFLOAD_SLACK of a request."""
+  per_request = math.ceil(max_model_len / block_size)
+  blocks = math.ceil(device_requests * per_request)
+  if hot_buffer_tokens is not None:
+    blocks = max(blocks, per_request + math.ceil(hot_buffer_tokens / block_size)
+                 + math.ceil(OFFLOAD_SLACK * per_request))
+  return blocks
+
+
 def _engine(bundle, size: Size, *, max_model_len: int, block_size: int, hisparse,
             num_requests: int, device_requests: float):
   """An Engine over the loaded model: the device pool holds `device_requests` requests of
@@ -282,7 +306,9 @@ def _engine(bundle, size: Size, *, max_model_len: int, block_size: int, hisparse
   model, model_config, tokenizer = bundle
   spec = KVCacheSpec.from_model_config(model_config, "float32", block_size)
   blocks_per_request = math.ceil(max_model_len / block_size)
-  device_blocks = math.ceil(device_requests * blocks_per_request) + 1  # + the null block
+  device_blocks = device_pool_blocks(
+      max_model_len, block_size, device_requests,
+      None if hisparse is None else hisparse.hot_buffer_tokens) + 1  # + the null block
   host_blocks = (num_requests + 2) * blocks_per_request + 1
   max_num_seqs = max(8, num_requests)
   reserved = 0
