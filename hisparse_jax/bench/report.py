@@ -1,8 +1,9 @@
 """The README "Results" tables, made from one `hisparse-jax bench` JSON file.
 
 ``python -m hisparse_jax.bench.report results/bench_cpu.json`` prints the Markdown the
-README carries; tests/hisparse_jax/bench/test_bench.py checks that the README holds exactly
-this text for the committed JSON, so the README cannot drift from the recorded run.
+README carries (``results/passkey_cpu.json``: its passkey section);
+tests/hisparse_jax/bench/test_bench.py checks that the README holds exactly this text for
+the committed JSON, so the README cannot drift from the recorded run.
 """
 
 from __future__ import annotations
@@ -92,9 +93,11 @@ def markdown(result: dict) -> str:
   lines = [f"Machine: {m['cpu_model']}, {m['cpu_cores']} cores, {m['ram_gib']} GiB RAM, "
            f"{m['platform']} ({m['device_kind']}), jax {m['jax_version']}, load average "
            f"{load} at the start; {result['seconds']['total']:.0f} s in all, "
-           f"{m['date_utc']}.", "",
-           "| suite | figure | value | goal |", "|---|---|---|---|"]
-  lines += [f"| {s} | {f} | {v} | {g} |" for s, f, v, g in summary_rows(result)]
+           f"{m['date_utc']}."]
+  headline = summary_rows(result)
+  if headline:  # (a passkey-only run has none)
+    lines += ["", "| suite | figure | value | goal |", "|---|---|---|---|"]
+    lines += [f"| {s} | {f} | {v} | {g} |" for s, f, v, g in headline]
   if "engine_vs_vllm" in result["suites"]:
     v = result["suites"]["engine_vs_vllm"]
     engines = v["engines"]
@@ -155,7 +158,78 @@ def markdown(result: dict) -> str:
               f"{_fmt(r['step_ms'])} | {r['missed_blocks_per_step']:,} | "
               f"{r['loaded_blocks_per_step']:,} | {r['h2d_bytes_per_step'] / 2**20:.2f} |"
               for r in h["rates"]]
+  if "passkey" in result["suites"]:
+    lines += passkey_lines(result["suites"]["passkey"])
   return "\n".join(lines)
+
+
+def passkey_lines(p: dict) -> list[str]:
+  """The passkey suite: accuracy by length and configuration, the host loads of each row,
+  the smallest top-k keeping dense accuracy, greedy agreement."""
+  c = p["config"]
+  pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+  depth_sets = {}
+  for r in p["rows"]:
+    depth_sets.setdefault(r["length"], r["num_prompts"])
+  configs = [(k, b) for k in c["top_ks"] for b in c["block_sizes"]]
+  by_key = {(r["length"], r["top_k_tokens"], r["block_size"]): r for r in p["rows"]}
+
+  def cell(r):
+    if r is None:
+      return "-"
+    if r["status"] != "run":
+      return r["status"]
+    return f"{r['num_right']}/{r['num_prompts']}"
+
+  lines = ["", f"Passkey retrieval (`passkey`): {p['model']} ({p['checkpoint']['file']}, "
+           f"float32), Quest's template, {c['new_tokens']} greedy tokens, a 5-digit key per "
+           "prompt at depths "
+           f"{'/'.join(pct(d) for d in c['depths'])}; a length is prompt + generated tokens. "
+           f"The query's last tokens ({c['forced_tail'].strip()!r}) and the answer are "
+           "computed by decode steps, sparse ones with HiSparse (every request is longer than "
+           "its threshold, = top-k). All depths of a length run as one batch over a device "
+           f"pool of {c['device_requests']} requests' blocks; HiSparse offloads to admit the "
+           "next one (hot buffer = top-k) and loads the selected blocks back from the host "
+           "pool. `covers`: top-k >= length (every block selected: dense by construction, "
+           f"not run); `-`: not run. {p['seconds']:,.0f} s in all.", "",
+           "| length | prompts | dense | "
+           + " | ".join(f"top-k {k:,} b{b}" for k, b in configs)
+           + " | smallest top-k keeping dense |",
+           "|---" * (len(configs) + 4) + "|"]
+  for length, n in depth_sets.items():
+    dense = by_key[(length, None, c["dense_block_size"])]
+    smallest = ", ".join(f"b{b}: {'none' if k is None else f'{k:,}'}"
+                         for b, k in p["smallest_top_k"][str(length)].items())
+    lines.append(f"| {length:,} | {n} | {cell(dense)} | "
+                 + " | ".join(cell(by_key.get((length, k, b))) for k, b in configs)
+                 + f" | {smallest} |")
+  lines += ["", "Each row (answers in depth order, `*` wrong, `-` no number; host loads = "
+            "block-layers loaded from the host pool into hot buffers inside the steps):", "",
+            "| length | config | right | answers | host loads | offloads | hot-buffer hit "
+            "ratio | h2d MiB | s |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in p["rows"]:
+    if r["status"] != "run":
+      continue
+    h = r["host"]
+    answers = " ".join(f"{a['answer'] or '-'}{'' if a['right'] else '*'}" for a in r["answers"])
+    lines.append(f"| {r['length']:,} | {r['config']} | {r['num_right']}/{r['num_prompts']} | "
+                 f"{answers} | {h['host_loads']:,.0f} | {h['offloads']:,.0f} | "
+                 f"{pct(h['hot_buffer_hit_ratio']) if h['hot_buffer_lookups'] else '-'} | "
+                 f"{h['h2d_bytes'] / 2**20:,.1f} | "
+                 f"{r['engine_s'] + r['run_s']:,.0f} |")
+  a = p["agreement"]
+  lines += ["", f"Greedy agreement with dense: {len(a['prompts'])} ordinary English prompts "
+            f"in the chat template ({min(a['prompt_tokens'])}-{max(a['prompt_tokens'])} "
+            f"tokens), {a['new_tokens']} tokens each, every one from a decode step (the "
+            "prompt's last token fed as one); HiSparse with sparse_threshold_tokens = top-k, "
+            "so the steps are sparse:", "",
+            "| config | tokens equal to dense | identical | mean common prefix | sparse steps "
+            "| context attended |", "|---|---|---|---|---|---|"]
+  lines += [f"| {r['config']} | {r['tokens_equal']}/{r['tokens_compared']} | "
+            f"{r['identical']}/{len(a['prompts'])} | {r['common_prefix_mean']:.1f} | "
+            f"{pct(r['sparse_step_fraction'])} | {pct(r['context_attended_mean'])} |"
+            for r in a["rows"]]
+  return lines
 
 
 def main(argv: list[str]) -> int:

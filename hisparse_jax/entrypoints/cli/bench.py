@@ -16,6 +16,12 @@ Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
   scheduler_overhead      host microseconds per decode step per sequence
   kernel                  Pallas kernels vs their jnp references (kernels_pallas.bench)
 
+Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU):
+
+  passkey                 passkey retrieval on smollm2-135m-instruct, 1k-8k tokens, dense
+                          vs HiSparse top-k 256-2,048 at blocks 16 / 32 (the answer from
+                          sparse decode steps); --bench_plot: accuracy against length
+
 Every ratio is measured side by side in one run (the contenders interleaved); the JSON
 names the machine (CPU, cores, accelerator, jax version, load average at the start and
 the end). The JSON file is rewritten after each suite, so an interrupted `all` run
@@ -46,15 +52,21 @@ SUITES = {
     "scheduler_overhead": "scheduler_overhead",
     "serve_load": "serve_load",
 }
+# Suites that `all` leaves out (accuracy yardsticks on a real model: long runs); by name only.
+ACCURACY_SUITES = {
+    "passkey": "passkey",
+}
+# Suites whose module has plot(result, path), which --bench_plot draws.
+PLOTTED = ("decode_sparse_vs_dense", "passkey")
 
 
 def suite_names(suite: str) -> list[str]:
   """The suites `--suite` names, in run order; ValueError naming the flag otherwise."""
   if suite == "all":
     return list(SUITES)
-  if suite not in SUITES:
+  if suite not in SUITES and suite not in ACCURACY_SUITES:
     raise ValueError(f"--suite: unknown suite {suite!r}; choose all or one of: "
-                     f"{', '.join(SUITES)}")
+                     f"{', '.join([*SUITES, *ACCURACY_SUITES])}")
   return [suite]
 
 
@@ -71,7 +83,8 @@ def run_suites(names: list[str], size_name: str, block_size: int, out: str | Non
             "cpu_seconds": {}, "suites": {}}
   start = time.perf_counter()
   for name in names:
-    module = importlib.import_module(f"hisparse_jax.bench.{SUITES[name]}")
+    module = importlib.import_module(
+        f"hisparse_jax.bench.{SUITES.get(name) or ACCURACY_SUITES[name]}")
     print(f"== {name} ==", flush=True)
     t0, cpu0 = time.perf_counter(), time.process_time()
     kwargs = {"block_size": block_size} if name == "decode_sparse_vs_dense" else {}
@@ -83,7 +96,7 @@ def run_suites(names: list[str], size_name: str, block_size: int, out: str | Non
     print(module.format_table(suite_result), flush=True)
     print(f"({name}: {result['seconds'][name]:.1f} s, {result['cpu_seconds'][name]:.1f} s "
           "CPU)\n", flush=True)
-    if name == "decode_sparse_vs_dense" and plot_path:
+    if name in PLOTTED and plot_path:
       _makedirs_for(plot_path)
       module.plot(suite_result, plot_path)
       print(f"wrote {plot_path}")
@@ -112,9 +125,10 @@ def _write_json(result: dict, path: str) -> None:
 def main(argv: list[str]) -> int:
   del argv  # all input comes from the flags of hisparse_jax.entrypoints.cli.main
   names = suite_names(FLAGS.suite)
-  if FLAGS.bench_plot and "decode_sparse_vs_dense" not in names:
-    raise ValueError("--bench_plot: the plot comes from the decode_sparse_vs_dense suite, "
-                     f"which --suite={FLAGS.suite} does not run")
+  plotted = [n for n in names if n in PLOTTED]
+  if FLAGS.bench_plot and not plotted:
+    raise ValueError("--bench_plot: the plot comes from the decode_sparse_vs_dense or the "
+                     f"passkey suite, which --suite={FLAGS.suite} does not run")
   # --block_size sizes the HiSparse suite (decode_sparse_vs_dense); unset, HiSparse's
   # default block size.
   block_size = FLAGS.block_size if FLAGS.block_size is not None else 16

@@ -160,13 +160,15 @@ flags.DEFINE_integer("demo_seed", 4242, "demo: seed of the prompts' keys (the tr
                      "models.eval_retrieval use other seeds).")
 # bench (hisparse_jax.entrypoints.cli.bench); the decode suite also reads --block_size.
 flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_vs_dense, "
-                    "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel) or all.")
+                    "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel; passkey "
+                    "runs only by name) or all.")
 flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: the directory "
                     "to write (new or empty).")
 flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
-                    "against context here (when the decode_sparse_vs_dense suite runs).")
+                    "against context here (when the decode_sparse_vs_dense suite runs), or "
+                    "of passkey accuracy against length (--suite=passkey).")
 
 
 # serve (hisparse_jax.entrypoints.cli.serve); it also takes the engine flags of generate.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from matplotlib import image as plt_image
 
-from hisparse_jax.bench import common, decode, engine_vs_vllm, hot_buffer, report
+from hisparse_jax.bench import common, decode, engine_vs_vllm, hot_buffer, passkey, report
 from hisparse_jax.entrypoints.cli import bench as bench_cmd
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
 from kernels_pallas import bench as kernel_bench
@@ -21,6 +21,8 @@ from kernels_pallas import bench as kernel_bench
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 RESULTS_JSON = os.path.join(REPO, "results", "bench_cpu.json")
 RESULTS_PNG = os.path.join(REPO, "results", "decode_step_vs_context.png")
+PASSKEY_JSON = os.path.join(REPO, "results", "passkey_cpu.json")
+PASSKEY_PNG = os.path.join(REPO, "results", "passkey_cpu.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -278,3 +280,76 @@ def test_readme_results_match_committed_json(tmp_path):
   committed, fresh = plt_image.imread(RESULTS_PNG), plt_image.imread(redrawn)
   assert committed.shape == fresh.shape
   assert np.abs(committed - fresh).mean() < 0.01
+
+
+@pytest.fixture(scope="module")
+def passkey_smoke(tmp_path_factory):
+  """The passkey suite (run by name only, not by `all`) at smoke size: the toy model, one
+  length, two prompts (the second one's admission offloads the first)."""
+  out_dir = tmp_path_factory.mktemp("passkey")
+  out, plot = str(out_dir / "passkey.json"), str(out_dir / "passkey.png")
+  bench_cmd.run_suites(["passkey"], "smoke", 16, out, plot)
+  with open(out) as f:
+    return json.load(f), plot
+
+
+def test_passkey_is_run_by_name_only():
+  assert bench_cmd.suite_names("passkey") == ["passkey"]
+  assert "passkey" not in bench_cmd.suite_names("all")
+
+
+def test_passkey_fields(passkey_smoke):
+  result, plot = passkey_smoke
+  p = result["suites"]["passkey"]
+  size = passkey.SIZES["smoke"]
+  (length,) = size.lengths
+  assert p["model"] == size.model and p["checkpoint"]["sha256_12"]
+  assert [(r["config"], r["status"]) for r in p["rows"]] == [
+      ("dense", "run"), ("top-k 64 block 16", "run"), ("top-k 256 block 16", "covers")]
+  dense, sparse = p["rows"][:2]
+  for r in (dense, sparse):
+    assert r["num_prompts"] == len(size.depths) == len(r["answers"])
+    assert r["num_right"] == sum(a["right"] for a in r["answers"])
+    assert r["accuracy"] == r["num_right"] / r["num_prompts"]
+    assert [a["depth"] for a in r["answers"]] == list(size.depths)
+    assert r["prompt_tokens"][1] <= length - passkey.NEW_TOKENS
+  assert sparse["hisparse"]["sparse_threshold_tokens"] == sparse["top_k_tokens"] == 64
+  assert sparse["hisparse"]["hot_buffer_tokens"] == 64
+  # The device pool holds 1.5 requests: HiSparse offloads and loads from the host pool.
+  assert sparse["host"]["offloads"] >= 1 and sparse["host"]["host_loads"] > 0
+  assert dense["host"]["host_loads"] == dense["host"]["offloads"] == 0
+  assert sparse["capacity"]["device"]["blocks"] == dense["capacity"]["device"]["blocks"]
+  assert p["dense_accuracy"] == {str(length): dense["accuracy"]}
+  assert set(p["smallest_top_k"]) == {str(length)}
+  a = p["agreement"]
+  assert len(a["prompts"]) == size.agreement_prompts == len(a["prompt_tokens"])
+  (row,) = a["rows"]
+  assert row["tokens_compared"] == size.agreement_prompts * size.agreement_tokens
+  assert 0 <= row["tokens_equal"] <= row["tokens_compared"]
+  assert 0 < row["sparse_step_fraction"] <= 1 and 0 < row["context_attended_mean"] <= 1
+  table = passkey.format_table(p)
+  assert "covers" in table and "smallest top-k" in table
+  assert "Passkey retrieval" in report.markdown(result)
+  with open(plot, "rb") as f:
+    assert f.read(8) == PNG_MAGIC
+
+
+def test_passkey_smallest_top_k_keeps_dense_from_there_up():
+  """The smallest top-k from which on every larger one is as accurate as dense; a top-k
+  covering the sequence counts as dense; an error or a dip above breaks the run."""
+  size = passkey.Size(model="m", lengths=(1024,), depths=(0.5,), top_ks=(128, 256, 512, 1024),
+                      block_sizes=(16, 32), device_requests=1.5, agreement_prompts=1,
+                      agreement_tokens=1, agreement_rows=())
+
+  def row(top_k, block_size, accuracy, status="run"):
+    return {"length": 1024, "config": "dense" if top_k is None else f"{top_k} {block_size}",
+            "top_k_tokens": top_k, "block_size": block_size, "status": status,
+            "accuracy": accuracy}
+
+  rows = [row(None, 16, 0.8),
+          row(128, 16, 0.8), row(256, 16, 0.6), row(512, 16, 1.0), row(1024, 16, None, "covers"),
+          row(128, 32, 0.2), row(256, 32, None, "error"), row(512, 32, 0.8),
+          row(1024, 32, None, "covers")]
+  assert passkey.smallest_top_k(rows, size) == {"1024": {"16": 512, "32": 512}}
+  rows[3]["accuracy"] = 0.6  # 512 at block 16 drops too: only the covering top-k keeps it
+  assert passkey.smallest_top_k(rows, size)["1024"]["16"] is None
