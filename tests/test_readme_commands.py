@@ -36,6 +36,8 @@ SMALLER = {
     "demo": ("--demo_num_prompts=2", "--demo_context_len=300"),
 }
 PARSE_ONLY = {
+    "convert": "writes a new directory (the real model's: 540 MB); "
+               "tests/hisparse_jax/entrypoints/test_convert_cli.py runs it",
     "serve": "serves until SIGTERM; tests/hisparse_jax/entrypoints/test_serve.py runs it",
     "bench": "the suites take minutes and engine_vs_vllm needs `make peers` (vLLM's CPU "
              "build); tests/hisparse_jax/bench/test_bench.py runs every suite at "

@@ -16,6 +16,26 @@ def _fmt(x: float) -> str:
   return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
 
 
+def _vllm_setup(v: dict) -> str:
+  """What engine_vs_vllm's JSON says of the models and of vLLM's CPU threads ('' for runs
+  that recorded neither)."""
+  parts = []
+  if v.get("converted"):
+    parts.append(f"real_* workloads: {', '.join(v['converted'])} converted to a float32 HF "
+                 "directory that both engines load, the same KV bytes for both")
+  vllm = [e for e in v.get("engines_by_model", {}).get("vllm", {}).values()]
+  if vllm and "VLLM_CPU_NUM_OF_RESERVED_CPU" in vllm[0]:
+    reserved = vllm[0]["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    parts.append("vLLM's CPU threads at its default (one core kept for its front end, its "
+                 "compute threads on the others)" if reserved == "default" else
+                 f"vLLM with VLLM_CPU_NUM_OF_RESERVED_CPU={reserved} (its compute threads "
+                 "on every core)")
+  if v.get("workloads") and any("median_cpu_s" in r for w in v["workloads"].values()
+                                for r in w["rows"].values()):
+    parts.append("CPU s: median CPU seconds of the engine's processes per round")
+  return "; " + "; ".join(parts) if parts else ""
+
+
 def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
   """(suite, figure, value, goal) for each headline figure of the suites that ran."""
   suites = result["suites"]
@@ -101,17 +121,20 @@ def markdown(result: dict) -> str:
   if "engine_vs_vllm" in result["suites"]:
     v = result["suites"]["engine_vs_vllm"]
     engines = v["engines"]
+    reps = sorted({w.get("reps", v["reps"]) for w in v["workloads"].values()})
+    cpu = all("median_cpu_s" in r for w in v["workloads"].values() for r in w["rows"].values())
     lines += ["", f"Against vLLM {engines['vllm'].get('vllm_version', '')} (CPU build, its "
               f"own process and venv), greedy, prefix caching off, max_model_len "
-              f"{v['max_model_len']:,}, median of {v['reps']} alternated rounds, greedy tokens "
-              "identical in every round:", "",
-              "| workload | engine | s | output tokens/s | TTFT p50 ms | ITL p50 ms |",
-              "|---|---|---|---|---|---|"]
+              f"{v['max_model_len']:,}, median of {'/'.join(map(str, reps))} alternated "
+              "rounds, greedy tokens identical in every round" + _vllm_setup(v) + ":", "",
+              "| workload | engine | s | output tokens/s | TTFT p50 ms | ITL p50 ms |"
+              + (" CPU s |" if cpu else ""), "|---|---|---|---|---|---|" + ("---|" if cpu else "")]
     for name, w in v["workloads"].items():
       for engine, r in w["rows"].items():
         lines.append(f"| {name} | {engine} | {_fmt(r['median_s'])} | "
                      f"{_fmt(r['tokens_per_s'])} | {_fmt(r['ttft_p50_ms'])} | "
-                     f"{_fmt(r['itl_p50_ms'])} |")
+                     f"{_fmt(r['itl_p50_ms'])} |" + (f" {_fmt(r['median_cpu_s'])} |" if cpu
+                                                     else ""))
   if "serve_load" in result["suites"]:
     sl = result["suites"]["serve_load"]
     ms = lambda x: "-" if x is None else _fmt(1e3 * x)
