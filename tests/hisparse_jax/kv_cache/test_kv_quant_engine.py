@@ -125,9 +125,11 @@ def test_int8_hisparse_host_loads_give_the_all_resident_tokens():
   # 20 device blocks: 6 offloads and 33 block-layers loaded from the host pool. (At 17,
   # since the packed CPU matmul, one selection of request 2 flips between two blocks whose
   # scores nearly tie in this random model: 2 offloads, 17 loads, bit-identical logprobs
-  # until that step, then a 6.6e-3 logprob change; suspected: the block scores come from
-  # programs of different shapes in the two runs. Making the selection bit-invariant to
-  # them is open; before the packed matmul the runs differed by 4.8e-7 and did not flip.)
+  # until that step, then a 6.6e-3 logprob change. indexer.block_scores is not bit-
+  # invariant to the step's padded block width (the same row's scores at width 32 differ
+  # by 9.5e-7 from widths 8 / 16 / 40: XLA's dot picks its algorithm by shape), and the
+  # two runs pad differently. Making the selection invariant is open (#31); before the
+  # packed matmul the runs differed by 4.8e-7 and did not flip there.)
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=24, sink_tokens=8, local_tokens=8,
                        sparse_threshold_tokens=16)
   outputs = {}
