@@ -211,7 +211,10 @@ def passkey_lines(p: dict) -> list[str]:
            f"The query's last tokens ({c['forced_tail'].strip()!r}) and the answer are "
            "computed by decode steps, sparse ones with HiSparse (every request is longer than "
            "its threshold, = top-k). All depths of a length run as one batch over a device "
-           f"pool of {c['device_requests']} requests' blocks; HiSparse offloads to admit the "
+           f"pool of {c['device_requests']} requests' blocks (HiSparse rows whose hot buffer "
+           "is over a quarter of a request: one request + the hot buffer + "
+           f"{c.get('offload_slack', 0.25)} of a request, so that an offload can admit the "
+           "next request); HiSparse offloads to admit the "
            "next one (hot buffer = top-k) and loads the selected blocks back from the host "
            "pool. `covers`: top-k >= length (every block selected: dense by construction, "
            f"not run); `-`: not run. {p['seconds']:,.0f} s in all.", "",

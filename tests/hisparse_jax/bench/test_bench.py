@@ -355,6 +355,25 @@ def test_passkey_smallest_top_k_keeps_dense_from_there_up():
   assert passkey.smallest_top_k(rows, size)["1024"]["16"] is None
 
 
+def test_readme_passkey_matches_committed_json(tmp_path):
+  """README's passkey tables are the report of results/passkey_cpu.json (one recorded
+  `--suite=passkey` run) and results/passkey_cpu.png is its plot."""
+  with open(PASSKEY_JSON) as f:
+    result = json.load(f)
+  assert list(result["suites"]) == ["passkey"] and result["size"] == "full"
+  rows = result["suites"]["passkey"]["rows"]
+  run_rows = [r for r in rows if r["config"] != "dense" and r["status"] == "run"]
+  assert run_rows and all(r["host"]["host_loads"] > 0 for r in run_rows)  # offloaded rows
+  with open(os.path.join(REPO, "README.md")) as f:
+    readme = f.read()
+  assert report.markdown(result) in readme
+  redrawn = str(tmp_path / "redrawn.png")
+  passkey.plot(result["suites"]["passkey"], redrawn)
+  committed, fresh = plt_image.imread(PASSKEY_PNG), plt_image.imread(redrawn)
+  assert committed.shape == fresh.shape
+  assert np.abs(committed - fresh).mean() < 0.01
+
+
 def test_passkey_device_pool_forces_offloads_at_every_top_k():
   """1.5 requests of blocks while a hot buffer is at most a quarter of a request; past it
   one request + the hot buffer + a quarter (else an offload could not admit the next
