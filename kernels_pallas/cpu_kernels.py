@@ -36,6 +36,7 @@ import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = (os.path.join(_HERE, "cpu_attention.cc"), os.path.join(_HERE, "cpu_matmul.cc"))
+HEADERS = (os.path.join(_HERE, "cpu_tasks.h"),)  # in the cache key, not compiled alone
 TARGET = "hisparse_paged_decode_f32"
 PREFILL_TARGET = "hisparse_ragged_prefill_f32"
 MATMUL_TARGET = "hisparse_packed_matmul_f32"
@@ -74,7 +75,7 @@ def build() -> str:
   if cxx is None:
     raise RuntimeError("no C++ compiler (set CXX, or install g++)")
   source = b""
-  for file in SOURCES:
+  for file in SOURCES + HEADERS:
     with open(file, "rb") as f:
       source += f.read()
   key = hashlib.sha256(source + jaxlib.__version__.encode() + cxx.encode()

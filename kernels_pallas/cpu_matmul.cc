@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -38,29 +39,7 @@ inline v16 Load(const float* p) {
 
 inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename F>
-void RunTasks(ffi::ThreadPool& pool, int64_t num_tasks, F fn) {
-  if (num_tasks <= 0) return;
-  auto shared = std::make_shared<Shared>();
-  auto task = std::make_shared<F>(std::move(fn));
-  auto work = [shared, task, num_tasks]() {
-    for (;;) {
-      const int64_t i = shared->next.fetch_add(1);
-      if (i >= num_tasks) return;
-      (*task)(i);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
-  work();
-  while (shared->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
-}
+using hisparse_cpu::RunTasks;
 
 // Rows [m0, m0 + MB) of x against one panel (K x 16 NV, contiguous): y[m, n0 : n0 + cols].
 template <int MB, int NV>
