@@ -12,6 +12,9 @@ XLA:CPU, tested against the references):
 
 * ``paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale=None,
   soft_cap=None, interpret=None)`` -- decode, split-K with a log-sum-exp combine.
+* ``paged_attention_per_head(q, k_pages, v_pages, block_tables, kv_lens)`` -- decode
+  with a block table per head (HiSparse's per-head selections); XLA gather, no Pallas
+  kernel yet.
 * ``ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
   *, sm_scale=None, soft_cap=None, sliding_window=None, interpret=None)`` --
   prefill, chunked prefill and decode rows, causal with offset kv_len - q_len.
@@ -37,7 +40,11 @@ Scripts: ``python -m kernels_pallas.bench --out results/kernel_bench_<platform>.
 
 from kernels_pallas.backend import KernelOps, ops, resolve_backend, resolve_interpret
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
-from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from kernels_pallas.paged_attention import (
+    paged_attention,
+    paged_attention_per_head,
+    paged_attention_reference,
+)
 from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -51,6 +58,7 @@ __all__ = [
     "block_key_bounds_reference",
     "ops",
     "paged_attention",
+    "paged_attention_per_head",
     "paged_attention_reference",
     "paged_attention_xla",
     "ragged_paged_attention",

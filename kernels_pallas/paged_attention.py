@@ -278,3 +278,60 @@ def paged_attention_reference(
   v = jnp.where(valid[:, 0, 0, :, None, None], v, 0.0)
   o = jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST)
   return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_attention_per_head(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages,  # [num_blocks, block_size, num_kv_heads, head_dim] or QuantizedPages
+    v_pages,
+    block_tables: jax.Array,  # int32 [batch, num_heads, max_blocks_per_seq]
+    kv_lens: jax.Array,  # int32 [batch, num_heads]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+  """Decode attention where each head has its own block table (HiSparse's per-head
+  selections): `num_heads` is num_q_heads (each query head over its own blocks) or
+  num_kv_heads (a KV group's query heads share their KV head's blocks). Tables and
+  kv_lens per head follow `paged_attention`'s contract (attention order, padded with 0,
+  kv_lens counts the head's attended tokens).
+
+  XLA gather of each head's blocks of its own KV head only (no other head's bytes), then
+  a masked softmax in float32; no Pallas kernel yet. Returns [batch, num_q_heads,
+  head_dim] in q's dtype."""
+  from kernels_pallas.quant import QuantizedPages, dequantize  # noqa: PLC0415
+
+  batch, num_q_heads, head_dim = q.shape
+  _, block_size, num_kv_heads, _ = k_pages.shape
+  _, num_heads, width = block_tables.shape
+  if num_heads not in (num_q_heads, num_kv_heads) or num_q_heads % num_kv_heads:
+    raise ValueError(f"block_tables must have num_q_heads ({num_q_heads}) or num_kv_heads "
+                     f"({num_kv_heads}) heads, got {block_tables.shape}")
+  if kv_lens.shape != (batch, num_heads):
+    raise ValueError(f"kv_lens must be [{batch}, {num_heads}], got {kv_lens.shape}")
+  group = num_q_heads // num_heads  # query heads per table
+  kv_head = jnp.arange(num_heads) * num_kv_heads // num_heads  # each table's KV head
+  index = (block_tables, slice(None), kv_head[None, :, None])
+
+  def gather(pages):  # -> [batch, num_heads, width * block_size, head_dim] float32
+    if isinstance(pages, QuantizedPages):
+      x = dequantize(pages.values[index], pages.scales[index], jnp.float32)
+    else:
+      x = pages[index].astype(jnp.float32)
+    return x.reshape(batch, num_heads, width * block_size, head_dim)
+
+  k, v = gather(k_pages), gather(v_pages)
+  scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  qg = q.reshape(batch, num_heads, group, head_dim).astype(jnp.float32)
+  s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  valid = (jnp.arange(width * block_size) < kv_lens[..., None])[:, :, None, :]
+  s = jnp.where(valid, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  denom = p.sum(axis=-1, keepdims=True)
+  p = p / jnp.where(denom > 0, denom, 1.0)
+  v = jnp.where(valid[:, :, 0, :, None], v, 0.0)
+  o = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=lax.Precision.HIGHEST)
+  return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -56,12 +56,15 @@ from flax import nnx
 
 from hisparse_jax.bench import common
 from hisparse_jax.sparse import indexer
-from hisparse_jax.sparse.config import SELECTIONS, HiSparseBlocks, HiSparseConfig
+from hisparse_jax.sparse.config import HiSparseBlocks, HiSparseConfig
 from kernels_pallas.block_key_bounds import round_bounds
 from models.attention import dense_causal_attention
 from models.llama import LlamaForCausalLM
 
 _MASKED = -1e30
+# The selections this decode measures: a mask per KV head ("per_query_head" would need one
+# per query head; the passkey suite measures it through the engine).
+SELECTIONS = ("union", "shared", "per_kv_head")
 MAX_NEW_TOKENS = 2  # the answer word and what follows it (as sparse_accuracy)
 
 
@@ -113,13 +116,15 @@ def selection_mask(q: jax.Array, k: jax.Array, kv_lens: jax.Array,
   valid_keys = jnp.arange(capacity)[None, :] < kv_lens[:, None]  # [batch, capacity]
   if blocks is None:
     return jnp.broadcast_to(valid_keys[:, None, :], (batch, num_kv_heads, capacity))
+  if selection not in SELECTIONS:
+    raise ValueError(f"selection_accuracy measures selections {SELECTIONS}, not {selection!r}")
   block_size = blocks.block_size
   num_blocks = capacity // block_size
   sel = indexer.select(q, block_bounds(k, kv_lens, block_size, bounds_dtype), kv_lens, blocks,
                        selection)
   ids = jnp.where(sel.valid, sel.logical_ids, num_blocks)  # padding matches no block
   chosen = (ids[..., None] == jnp.arange(num_blocks)).any(axis=-2)  # [b, (h,) num_blocks]
-  if selection == "shared":
+  if chosen.ndim == 2:  # one selection for every head ("union", "shared")
     chosen = jnp.broadcast_to(chosen[:, None, :], (batch, num_kv_heads, num_blocks))
   return jnp.repeat(chosen, block_size, axis=-1) & valid_keys[:, None, :]
 

@@ -20,7 +20,8 @@ pages), and each layer of the step runs:
                  this program (GPU: one host gather under compute_on("device_host") sized
                  to the misses; CPU, one memory: a loop of exactly the misses' block
                  copies); no miss moves nothing
-        attend   paged_attention(q, pages, resolved table, selection kv_lens)
+        attend   paged_attention(q, pages, resolved table, selection kv_lens); per-head
+                 selections: paged_attention_per_head over a table per head
 
 `sparse_rows` (a per-row flag in StepMetadata) decides; shapes stay static (the
 selected table is [num_seqs, top_k_blocks]), so the step is still one program.
@@ -214,11 +215,16 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
       slot_block=jnp.where(fresh, -1, slot_block[state_row]),
       slot_last_used=jnp.where(fresh, resolver.NEVER, last_used[state_row]),
       evicted_at=jnp.where(fresh, resolver.NEVER, evicted_at[state_row, :width]))
-  valid = sel.valid & live[:, None]
-  res = resolver.resolve(jnp.where(valid, sel.logical_ids, 0), valid, state, tables,
-                         metadata.hot_slots[rows], host_tables, metadata.step,
+  # Per-head selections ([n, heads, k]) resolve as one row per sequence: a block several
+  # heads chose resolves and loads once; their union fits the hot buffer (indexer.select).
+  n = q_rows.shape[0]
+  per_head = sel.logical_ids.ndim == 3
+  valid = (sel.valid & live.reshape((n,) + (1,) * (sel.valid.ndim - 1))).reshape(n, -1)
+  res = resolver.resolve(jnp.where(valid, sel.logical_ids.reshape(n, -1), 0), valid, state,
+                         tables, metadata.hot_slots[rows], host_tables, metadata.step,
                          num_device_blocks=num_device_blocks,
-                         thrash_window_steps=sparse.thrash_window_steps)
+                         thrash_window_steps=sparse.thrash_window_steps,
+                         max_distinct=sparse.blocks.hot_buffer_blocks if per_head else None)
   # load: this layer's misses, host pool -> their slots; the bytes follow the misses
   # (none: nothing moves).
   # (An int8 cache's scales move with its values: they are pages too.)
@@ -228,8 +234,13 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
       one_memory=sparse.one_memory)
   # attend: the newest, partly filled block is last (indexer order).
   k_view, v_view = page_views(pages, kv_dtype)
-  out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables,
-                            jnp.where(live, sel.kv_lens, 0))
+  if per_head:
+    out = kernels_pallas.paged_attention_per_head(
+        q_rows, k_view, v_view, res.block_tables.reshape(sel.logical_ids.shape),
+        jnp.where(live[:, None], sel.kv_lens, 0))
+  else:
+    out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables,
+                              jnp.where(live, sel.kv_lens, 0))
   # The rows' new state goes back to their state rows (rows without one are dropped).
   dst = jnp.where(own_row, hot_rows, num_state_rows)
   new_state = (slot_block.at[dst].set(res.state.slot_block, mode="drop"),

@@ -28,7 +28,7 @@ MAX_DEFAULT_LOCAL_TOKENS = 256  # default local_tokens: min(this, top_k_tokens /
 # A derived top-k holds at least this many blocks, so that the default sink and local
 # windows (an eighth and a quarter of it, each rounded up to whole blocks) fit inside it.
 MIN_DEFAULT_TOP_K_BLOCKS = 4
-SELECTIONS = ("shared", "per_kv_head")
+SELECTIONS = ("union", "shared", "per_kv_head", "per_query_head")
 # Dtype of the indexer's key bounds (kept on the device for every device AND host block):
 # bfloat16 halves their bytes (rounded outward, so a block's score stays an upper bound).
 BOUNDS_DTYPES = ("bfloat16", "float32")
@@ -63,7 +63,9 @@ class HiSparseConfig:
   `sparse_threshold_tokens > 0` (default: `hot_buffer_tokens`; sequences up to this
   length take the dense path, exact and without host traffic); `indexer ==
   "block_bounds"` ("lightning" is reserved for models with a learned indexer);
-  `selection` in ("shared", "per_kv_head"); `thrash_window_steps >= 0`; `bounds_dtype`
+  `selection` in SELECTIONS (default "union": one set of blocks for all heads, the
+  union of each query head's best-ranked ones; sparse/indexer.py);
+  `thrash_window_steps >= 0`; `bounds_dtype`
   in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
   the selection accuracy of each).
   """
@@ -74,7 +76,7 @@ class HiSparseConfig:
   local_tokens: int | None = None
   sparse_threshold_tokens: int | None = None
   indexer: str = "block_bounds"
-  selection: str = "shared"
+  selection: str = "union"
   thrash_window_steps: int = 8
   bounds_dtype: str = "bfloat16"
 

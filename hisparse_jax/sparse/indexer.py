@@ -10,16 +10,23 @@ Score of a block for one query head (`bounds` from kernels_pallas.block_key_boun
 
 an upper bound of q . k for every key k of the block (each term bounds q_d * k_d).
 A KV group's score is the max over its query heads (the bound of the group's best
-head). Two selections:
+head). Four selections:
 
-- "per_kv_head": each KV head picks its own blocks from its own scores.
-- "shared" (default): one selection for all KV heads. Scores are first normalised per
-  (sequence, KV head) to [0, 1] over the sequence's valid blocks, then the max over KV
-  heads is taken. Why: raw bounds of different heads live on different scales (key
-  norms differ by head), so a raw max or sum lets one large-norm head decide alone;
-  after the normalisation, the max ranks a block high when it is among the best of ANY
-  head, which approximates the union of the per-head top sets (a sum would favour
-  blocks that are merely fair for every head and drop one head's single critical block).
+- "union" (default): one selection for all heads, the union of every QUERY head's
+  best blocks: each query head ranks the blocks by its own score, and blocks are taken
+  by their best rank in any head (every head's 1st choice, then every head's 2nd, ...)
+  until the budget is full. Ranks, not scores, are compared across heads: raw bounds of
+  different heads live on different scales (key norms differ by head), so a raw max lets
+  one large-norm head decide alone, and a per-head [0, 1] normalisation still lets a few
+  flat-scored heads crowd out the one head that reads the needle. Measured on the real
+  model's passkey prompts (4k tokens, block 16, top-k 512): "shared" 2/5, "union" 5/5
+  (WORKSPACE.md). Same cost as "shared": one table per sequence, one attention kernel.
+- "shared": one selection for all KV heads; scores normalised per (sequence, KV head)
+  to [0, 1] over the sequence's valid blocks, then the max over KV heads (wave 2's rule).
+- "per_kv_head" / "per_query_head": each KV head (or each query head) picks its own
+  blocks from its own scores and attends over them only; the union of one sequence's
+  heads is bounded by the hot buffer (`select_blocks`' max_union_blocks), since a block
+  holds every head and must be resident for any head to read it.
 
 `select_blocks` returns the blocks in attention order (ascending logical index, the
 newest, partly filled block last), as kernels_pallas.paged_attention requires.
@@ -33,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from hisparse_jax.sparse.config import HiSparseBlocks
+from hisparse_jax.sparse.config import SELECTIONS, HiSparseBlocks
 
 PAD = -1  # logical id of padding in a selection
 
@@ -67,10 +74,12 @@ def num_valid_blocks(kv_lens: jax.Array, block_size: int) -> jax.Array:
 def block_scores(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     bounds: jax.Array,  # [batch, max_blocks, 2, num_kv_heads, head_dim], 0 = min, 1 = max
+    per_query_head: bool = False,
 ) -> jax.Array:
   """float32 [batch, num_kv_heads, max_blocks]: per KV head, max over its query heads of
-  the upper bound of q . k over each block's keys. Padding blocks get whatever their
-  bounds say; `select_blocks` masks them."""
+  the upper bound of q . k over each block's keys (`per_query_head`: [batch,
+  num_q_heads, max_blocks], each query head's own bound, no max). Padding blocks get
+  whatever their bounds say; `select_blocks` masks them."""
   batch, num_q_heads, head_dim = q.shape
   _, max_blocks, two, num_kv_heads, bounds_dim = bounds.shape
   if two != 2 or bounds_dim != head_dim or bounds.shape[0] != batch:
@@ -93,6 +102,8 @@ def block_scores(
       batch, num_kv_heads * group, 2 * num_kv_heads * head_dim)
   flat = bounds.astype(jnp.float32).reshape(batch, max_blocks, 2 * num_kv_heads * head_dim)
   s = jnp.einsum("bxk,bmk->bxm", rows, flat, precision=lax.Precision.HIGHEST)
+  if per_query_head:
+    return s  # [batch, num_q_heads, max_blocks]: row h * group + g is query head h * group + g
   return s.reshape(batch, num_kv_heads, group, max_blocks).max(axis=2)
 
 
@@ -113,17 +124,65 @@ def shared_scores(
   return norm.max(axis=1)
 
 
+def union_priority(
+    scores: jax.Array,  # [batch, num_heads, max_blocks]
+    kv_lens: jax.Array,  # int32 [batch]
+    blocks: HiSparseBlocks,
+) -> jax.Array:
+  """float32 [batch, max_blocks]: scores for `select_blocks` that make it pick the
+  "union" selection (module docstring). The order it encodes over a sequence's valid
+  blocks: a block's best rank in any head (each head ranks all valid blocks by its own
+  score, ties to the lower block), then its highest score in any head, then the lower
+  block; the sink and local blocks are forced first by `select_blocks`, the free
+  budget (top-k minus those) goes down this order.
+
+  Cost: one top-k of `top_k_blocks` per head and two more over [batch, max_blocks], no
+  sort of all blocks (a double argsort of every head's scores was 10x "shared"'s select
+  at 4,096 blocks). Blocks past the budget's boundary rank get -inf; those before it
+  +inf (fewer than the free budget, so with the forced ones fewer than top-k); those at
+  the boundary rank their highest score."""
+  batch, num_heads, max_blocks = scores.shape
+  k = min(blocks.top_k_blocks, max_blocks)
+  n = num_valid_blocks(kv_lens.astype(jnp.int32), blocks.block_size)[:, None]  # [batch, 1]
+  idx = jnp.arange(max_blocks, dtype=jnp.int32)
+  valid = idx < n
+  forced = valid & ((idx < blocks.sink_blocks) | (idx >= n - blocks.local_blocks))
+  s = jnp.where(valid[:, None, :], scores.astype(jnp.float32), -jnp.inf)
+  top_s, top = lax.top_k(s, k)  # [batch, heads, k], best first, ties to the lower block
+  rank = jnp.where(top_s > -jnp.inf, jnp.arange(k, dtype=jnp.int32), k)
+  best = jnp.full((batch, max_blocks), k, jnp.int32).at[
+      jnp.arange(batch)[:, None, None], top].min(rank)
+  # level: k - best rank (higher first; 0: in no head's top-k). A head's top-k holds at
+  # most `forced` forced blocks, so at least the free budget of free blocks is listed.
+  level = jnp.where(valid & ~forced & (best < k), k - best, 0)
+  budget = k - forced.sum(axis=1)  # free slots of each row
+  levels, _ = lax.top_k(level, k)  # [batch, k] descending
+  boundary = jnp.take_along_axis(levels, jnp.clip(budget - 1, 0, k - 1)[:, None], axis=1)
+  highest = s.max(axis=1)  # [batch, max_blocks]: finite for every valid block
+  return jnp.where(level > boundary, jnp.inf,
+                   jnp.where((level == boundary) & (level > 0), highest, -jnp.inf))
+
+
 def select_blocks(
-    scores: jax.Array,  # float [batch, (num_kv_heads,) max_blocks]
+    scores: jax.Array,  # float [batch, (num_heads,) max_blocks]
     kv_lens: jax.Array,  # int32 [batch]: tokens in the cache, the query's own included
     blocks: HiSparseBlocks,
+    max_union_blocks: int | None = None,
 ) -> Selection:
   """Sink blocks, local blocks (the newest included) and the best-scored others, at
   most `blocks.top_k_blocks` per row, in attention order, padded with `PAD`.
 
-  Works on shared scores [batch, max_blocks] or per-KV-head scores
-  [batch, num_kv_heads, max_blocks] (a row per KV head). A sequence with at most
-  `top_k_blocks` valid blocks selects all of them.
+  Works on shared scores [batch, max_blocks] or per-head scores
+  [batch, num_heads, max_blocks] (a row per KV head or per query head). A sequence with
+  at most `top_k_blocks` valid blocks selects all of them.
+
+  max_union_blocks (per-head scores only): the distinct blocks the heads of one sequence
+  select together are at most this many (what one step may need resident: the hot
+  buffer's slots). When the heads' own top-k sets would exceed it, the union keeps the
+  blocks by their best rank in any head (every head's 1st choice, then every head's 2nd,
+  ...; ties: more heads, then the lower block), and each head selects its best-scored
+  blocks within that union. Sink and local blocks rank first in every head, so they are
+  always kept (`top_k_blocks <= max_union_blocks` is required).
   """
   if scores.ndim not in (2, 3) or scores.shape[0] != kv_lens.shape[0]:
     raise ValueError(f"scores must be [batch, (num_kv_heads,) max_blocks] with batch = "
@@ -139,7 +198,12 @@ def select_blocks(
   # Forced blocks outrank every score; invalid ones (NaN/inf bounds of padding) rank last.
   priority = jnp.where(valid, jnp.where(forced, jnp.inf, scores.astype(jnp.float32)),
                        -jnp.inf)
-  _, top = lax.top_k(priority, k)  # [batch, (num_kv_heads,) k]
+  if max_union_blocks is not None and scores.ndim == 3:
+    if max_union_blocks < k:
+      raise ValueError(f"max_union_blocks ({max_union_blocks}) must be >= top_k_blocks ({k})")
+    if scores.shape[1] * k > max_union_blocks and max_union_blocks < max_blocks:
+      priority = _within_union(priority, k, max_union_blocks)
+  _, top = lax.top_k(priority, k)  # [batch, (num_heads,) k]
   top_valid = top < n
   ordered = jnp.sort(jnp.where(top_valid, top, max_blocks), axis=-1)  # padding sorts last
   num_selected = top_valid.sum(axis=-1).astype(jnp.int32)
@@ -152,6 +216,26 @@ def select_blocks(
                    kv_lens=selected_lens.astype(jnp.int32))
 
 
+def _within_union(priority: jax.Array, k: int, max_union_blocks: int) -> jax.Array:
+  """priority [batch, num_heads, max_blocks] with the blocks outside the bounded union of
+  the heads' top-k sets set to -inf (`select_blocks`' max_union_blocks)."""
+  batch, num_heads, max_blocks = priority.shape
+  top_priority, top = lax.top_k(priority, k)  # [batch, heads, k], best first
+  listed = top_priority > -jnp.inf  # a valid block (padding ranks last, -inf)
+  rank = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), top.shape)
+  rows = jnp.arange(batch)[:, None, None]
+  best = jnp.full((batch, max_blocks), k, jnp.int32).at[rows, top].min(
+      jnp.where(listed, rank, k))
+  votes = jnp.zeros((batch, max_blocks), jnp.int32).at[rows, top].add(listed.astype(jnp.int32))
+  # Higher key = kept first: best rank, then the number of heads that listed the block;
+  # blocks no head listed get -1 and are never kept. (top_k keeps the lower index on ties.)
+  key = jnp.where(best < k, (k - best) * (num_heads + 1) + votes, -1)
+  key_kept, kept = lax.top_k(key, max_union_blocks)  # [batch, max_union_blocks]
+  allowed = jnp.zeros((batch, max_blocks), bool).at[jnp.arange(batch)[:, None], kept].set(
+      key_kept >= 0)
+  return jnp.where(allowed[:, None, :], priority, -jnp.inf)
+
+
 def select(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     bounds: jax.Array,  # [batch, max_blocks, 2, num_kv_heads, head_dim]
@@ -161,8 +245,10 @@ def select(
     axis_name: str | None = None,
     kv_head_repeat: int = 1,
 ) -> Selection:
-  """Scores and selection in one call: [batch, k] ("shared") or
-  [batch, num_kv_heads, k] ("per_kv_head").
+  """Scores and selection in one call: [batch, k] ("shared"), [batch, num_kv_heads, k]
+  ("per_kv_head") or [batch, num_q_heads, k] ("per_query_head"). The per-head selections
+  keep the union of one sequence's heads within `blocks.hot_buffer_blocks` blocks
+  (`select_blocks`' max_union_blocks): what a step loads fits the sequence's hot buffer.
 
   axis_name: the KV heads are split over this mesh axis (tensor parallel, inside
   shard_map): each device scores its own heads, then ONE all-gather of the scores
@@ -170,17 +256,19 @@ def select(
   selects the blocks the unsplit model selects. kv_head_repeat: each of the model's KV
   heads is held `kv_head_repeat` times (fewer KV heads than devices); the copies' scores
   (each over its own query heads) are maxed back into the head's score first."""
-  scores = block_scores(q, bounds)
+  if selection not in SELECTIONS:
+    raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+  if selection not in ("shared", "union") and axis_name is not None:
+    raise ValueError(f"selection={selection!r} is not supported with tensor parallelism")
+  scores = block_scores(q, bounds, per_query_head=selection in ("union", "per_query_head"))
   if axis_name is not None:
     scores = lax.all_gather(scores, axis_name, axis=1, tiled=True)
-    if kv_head_repeat > 1:
+    if kv_head_repeat > 1 and selection == "shared":
       batch, heads, max_blocks = scores.shape
       scores = scores.reshape(batch, heads // kv_head_repeat, kv_head_repeat,
                               max_blocks).max(axis=2)
+  if selection == "union":
+    return select_blocks(union_priority(scores, kv_lens, blocks), kv_lens, blocks)
   if selection == "shared":
-    scores = shared_scores(scores, kv_lens, blocks.block_size)
-  elif axis_name is not None:
-    raise ValueError("selection='per_kv_head' is not supported with tensor parallelism")
-  elif selection != "per_kv_head":
-    raise ValueError(f"selection must be 'shared' or 'per_kv_head', got {selection!r}")
-  return select_blocks(scores, kv_lens, blocks)
+    return select_blocks(shared_scores(scores, kv_lens, blocks.block_size), kv_lens, blocks)
+  return select_blocks(scores, kv_lens, blocks, max_union_blocks=blocks.hot_buffer_blocks)

@@ -41,10 +41,11 @@ How the engine plugs this in:
   read-only) beside the device pool arrays (donated) to the jitted step; `sparse.attention.attend`
   calls select -> resolve -> load_blocks -> paged_attention instead of the dense table,
   and the step returns the new state and the counts for the metrics.
-- selection="per_kv_head": flatten the [B, num_kv_heads, k] selection to one row per
-  sequence for `resolve` (a block chosen by several heads resolves and loads once; the
-  hot buffer needs num_kv_heads * k slots), reshape the table back, and attend per KV
-  head (paged_attention on the pages' head slice with its own table and kv_lens).
+- selection="per_kv_head" / "per_query_head": the [B, num_heads, k] selection is
+  flattened to one row per sequence for `resolve` (a block chosen by several heads
+  resolves and loads once; the indexer keeps the union within the hot buffer's slots),
+  the table reshaped back, and each head attends over its own table
+  (kernels_pallas.paged_attention_per_head).
 - Write-through: the newest (partly filled) block is always resident (it receives this
   step's K/V). When a block of a sparse sequence fills, the engine swaps it out to its
   host block after the step (TransferEngine.swap_out, batched with the others), so the
@@ -169,15 +170,21 @@ def resolve(
     *,
     num_device_blocks: int,
     thrash_window_steps: int,
+    max_distinct: int | None = None,
 ) -> Resolution:
   """Resolves every selected block to a device block id (module docstring); updates
-  the hot-buffer state; lists the host -> device loads of the misses."""
+  the hot-buffer state; lists the host -> device loads of the misses.
+
+  max_distinct: the most distinct blocks a row lists (default k; per-head selections
+  flattened into one row list up to num_heads x top-k entries, but the indexer bounds
+  their union, indexer.select_blocks' max_union_blocks); the hot buffer must hold it."""
   batch, k = logical_ids.shape
   num_slots = slot_device_ids.shape[1]
   max_blocks = resident_ids.shape[1]
-  if num_slots < k:
+  distinct = k if max_distinct is None else min(k, max_distinct)
+  if num_slots < distinct:
     raise ValueError(f"the hot buffer has {num_slots} slots per sequence, fewer than the "
-                     f"{k} blocks a step may select: raise hot_buffer_tokens")
+                     f"{distinct} blocks a step may select: raise hot_buffer_tokens")
   want = {"valid": (valid, (batch, k)),
           "slot_block": (state.slot_block, (batch, num_slots)),
           "slot_last_used": (state.slot_last_used, (batch, num_slots)),

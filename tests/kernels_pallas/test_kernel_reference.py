@@ -68,3 +68,43 @@ def test_paged_reference_soft_cap_and_scale(rng):
   assert lib.max_abs_err(out, want) <= 1e-5
   plain = lib.naive_attention(q, k, v, sm_scale=0.5)
   assert lib.max_abs_err(plain, want) > 1e-2  # the cap changed the answer
+
+
+@pytest.mark.parametrize("per", ["query_head", "kv_head"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_per_head_paged_attention_matches_naive_per_head(rng, per, quantized):
+  # Each head (a query head, or a KV head and its group) attends over its own table and
+  # length; the reference is naive attention of that head alone over its tokens.
+  from kernels_pallas import paged_attention_per_head
+  from kernels_pallas.quant import QuantizedPages, quantize
+
+  block_size, num_kv_heads, group, head_dim = 4, 2, 3, 16
+  num_q_heads = num_kv_heads * group
+  num_heads = num_q_heads if per == "query_head" else num_kv_heads
+  pool = lib.make_pool(rng, 30, block_size, num_kv_heads, head_dim, jnp.float32)
+  lengths = np.array([[13, 1, 0, 20, 7, 16], [5, 9, 12, 3, 1, 2]])[:, :num_heads]
+  tables = np.stack([lib.make_tables(rng, lengths[:, h], block_size, 5, 30)
+                     for h in range(num_heads)], axis=1)  # [batch, heads, 5]
+  q = rng.standard_normal((2, num_q_heads, head_dim)).astype(np.float32)
+  k_pages, v_pages, k_np, v_np = pool.k_pages, pool.v_pages, pool.k_np, pool.v_np
+  if quantized:
+    (kv, ks), (vv, vs) = quantize(k_pages, "int8"), quantize(v_pages, "int8")
+    k_pages, v_pages = QuantizedPages(kv, ks), QuantizedPages(vv, vs)
+    k_np, v_np = np.asarray(k_pages.dequantize()), np.asarray(v_pages.dequantize())
+  out = paged_attention_per_head(jnp.asarray(q), k_pages, v_pages, jnp.asarray(tables),
+                                 jnp.asarray(lengths, jnp.int32))
+  chex.assert_shape(out, q.shape)
+  per_table = num_q_heads // num_heads
+  for b in range(2):
+    for h in range(num_q_heads):
+      t = h // per_table
+      kv_head = h // group
+      n = lengths[b, t]
+      k = lib.gather_tokens(k_np, tables[b, t], n)[:, kv_head:kv_head + 1]
+      v = lib.gather_tokens(v_np, tables[b, t], n)[:, kv_head:kv_head + 1]
+      got = np.asarray(out[b, h], np.float32)
+      if n == 0:
+        np.testing.assert_array_equal(got, 0.0)
+        continue
+      want = lib.naive_attention(q[b:b + 1, h:h + 1], k, v)[0, 0]
+      np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

@@ -149,6 +149,12 @@ flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
                   "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
                   "device and host block (bfloat16: half the bytes of float32, rounded "
                   "outward so scores stay upper bounds). Default: bfloat16.")
+flags.DEFINE_enum("selection", None, ["union", "shared", "per_kv_head", "per_query_head"],
+                  "HiSparse: how the indexer picks blocks. union: one set for all heads, "
+                  "the union of each query head's best-ranked blocks; shared: one set from "
+                  "per-KV-head scores spread over [0, 1]; per_kv_head / per_query_head: "
+                  "each head its own top-k (their union within the hot buffer). Default: "
+                  "union.")
 flags.DEFINE_integer("demo_num_prompts", None,
                      "demo: number of passkey prompts (real model; default 3) or retrieval "
                      "prompts (--model=hisparse-tiny; default 8).")
@@ -189,7 +195,7 @@ _MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "ho
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
            "compile_in_background", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-             "sparse_threshold_tokens", "bounds_dtype")
+             "sparse_threshold_tokens", "bounds_dtype", "selection")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
 _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",

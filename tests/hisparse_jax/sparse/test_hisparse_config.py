@@ -11,7 +11,7 @@ def test_defaults_follow_top_k():
   config = HiSparseConfig(top_k_tokens=512)
   assert config.hot_buffer_tokens == 1024  # 2 x top_k, as SGLang's device buffer
   assert config.sparse_threshold_tokens == 1024  # the hot-buffer size
-  assert config.indexer == "block_bounds" and config.selection == "shared"
+  assert config.indexer == "block_bounds" and config.selection == "union"
   assert not config.is_sparse(1024) and config.is_sparse(1025)
 
 
@@ -69,7 +69,7 @@ def test_blocks_round_up_and_keep_one_local_block():
     ({"sparse_threshold_tokens": 0}, "sparse_threshold_tokens"),
     ({"thrash_window_steps": -1}, "thrash_window_steps"),
     ({"indexer": "random"}, "indexer"),
-    ({"selection": "per_query_head"}, "selection"),
+    ({"selection": "per_token"}, "selection"),
     ({"top_k_tokens": 64.0}, "top_k_tokens"),
     ({"sink_tokens": True}, "sink_tokens"),
 ])

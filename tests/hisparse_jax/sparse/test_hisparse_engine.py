@@ -306,14 +306,17 @@ def test_small_top_k_runs_every_request_to_completion(reference):
   assert_all_blocks_free(engine)
 
 
-def test_offloaded_decoding_gives_the_all_resident_tokens():
+@pytest.mark.parametrize("selection", ["shared", "per_kv_head", "per_query_head"])
+def test_offloaded_decoding_gives_the_all_resident_tokens(selection):
   # One HiSparse config (top-k 3 blocks: the sink, the newest and one chosen by the
-  # indexer each step), run twice: with a device pool that holds every block (nothing
-  # offloaded, every selected block resident) and with one that offloads (preempted
-  # requests come back with their blocks in the host pool and load the selected ones
-  # into hot buffers). The tokens are the same.
-  mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=24, sink_tokens=8, local_tokens=8,
-                       sparse_threshold_tokens=16)
+  # indexer each step, per sequence or per head), run twice: with a device pool that holds
+  # every block (nothing offloaded, every selected block resident) and with one that
+  # offloads (preempted requests come back with their blocks in the host pool and load the
+  # selected ones into hot buffers). The tokens are the same. Per-head selections get a
+  # hot buffer of 4 blocks: the union of their heads' blocks is bounded by it.
+  hot = 24 if selection == "shared" else 32
+  mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=hot, sink_tokens=8, local_tokens=8,
+                       sparse_threshold_tokens=16, selection=selection)
   outputs = {}
   for name, num_dense_blocks in (("resident", 64), ("offloaded", 17)):
     engine = _engine(mid, num_dense_blocks=num_dense_blocks)
@@ -335,9 +338,11 @@ def test_offloaded_decoding_gives_the_all_resident_tokens():
 
 
 def test_engine_config_validates_hisparse():
-  with pytest.raises(ValueError, match="per_kv_head"):
-    EngineConfig(hisparse=HiSparseConfig(top_k_tokens=64, sink_tokens=16, local_tokens=16,
-                                         selection="per_kv_head"))
+  with pytest.raises(ValueError, match="selection='per_query_head' is not available with "
+                                       "tensor_parallel_size=2"):
+    EngineConfig(tensor_parallel_size=2,
+                 hisparse=HiSparseConfig(top_k_tokens=64, sink_tokens=16, local_tokens=16,
+                                         selection="per_query_head"))
   with pytest.raises(ValueError, match="round to 1 \\+ 1 blocks"):
     EngineConfig(block_size=16, hisparse=HiSparseConfig(top_k_tokens=16, sink_tokens=8,
                                                         local_tokens=8))

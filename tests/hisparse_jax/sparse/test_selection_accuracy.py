@@ -15,8 +15,9 @@ selection_mask = jax.jit(sa.selection_mask, static_argnames=("blocks", "selectio
 
 
 def _blocks(top_k_blocks: int, block_size: int = BLOCK) -> HiSparseBlocks:
+  # A hot buffer of 2 x top-k (the default): room for two KV heads' own selections.
   return HiSparseBlocks(block_size=block_size, top_k_blocks=top_k_blocks,
-                        hot_buffer_blocks=top_k_blocks, sink_blocks=1, local_blocks=1,
+                        hot_buffer_blocks=2 * top_k_blocks, sink_blocks=1, local_blocks=1,
                         sparse_threshold_blocks=1)
 
 
