@@ -5,6 +5,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# The CLI's persistent compilation cache off (tests that use it give their own directory):
+# a test must not depend on what an earlier run left in ~/.cache.
+os.environ.setdefault("HISPARSE_COMPILATION_CACHE_DIR", "")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -160,7 +160,8 @@ def matches_expected(text: str, expected: str) -> bool:
 
 def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, Any]:
   """The `LLM` arguments the shared and engine flags give, checked as an `EngineConfig`
-  before any model loads (its fields are the flags' names, so errors name the flag).
+  before any model loads (its fields are the flags' names, so errors name the flag);
+  then turns on the persistent compilation cache (--compilation_cache_dir).
   `compile_in_background`: the command's default for that flag."""
   from hisparse_jax.engine.engine import EngineConfig  # noqa: PLC0415 (imports jax)
 
@@ -178,6 +179,13 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
     EngineConfig(**kwargs)
   except ValueError as e:
     raise ValueError(f"--{e}") from None
+  # The persistent compilation cache, once the flags are known good (its log line is the
+  # first of the engine's start, never before a bad flag's one-line error).
+  from hisparse_jax.engine import compilation_cache  # noqa: PLC0415
+
+  compilation_cache.enable(compilation_cache.default_dir()
+                           if FLAGS.compilation_cache_dir is None
+                           else FLAGS.compilation_cache_dir)
   return kwargs
 
 

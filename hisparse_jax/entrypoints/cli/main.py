@@ -102,6 +102,11 @@ flags.DEFINE_integer("max_num_batched_tokens", 2048,
                      "Most tokens (prefill chunks + decodes) computed in one step.")
 flags.DEFINE_bool("async_scheduling", True, "Plan and dispatch each step while the previous "
                   "one runs on the device (tokens come back one step later).")
+flags.DEFINE_string("compilation_cache_dir", None,
+                    "Directory of the persistent XLA compilation cache: a later run loads the "
+                    "step programs an earlier one compiled instead of compiling them again. "
+                    "Default: $HISPARSE_COMPILATION_CACHE_DIR, else "
+                    "~/.cache/hisparse_jax/xla; empty: off.")
 flags.DEFINE_bool("compile_in_background", None,
                   "Run a batch whose step shape is not compiled yet padded to a compiled "
                   "shape that covers it while its own program compiles in a background "
@@ -193,7 +198,7 @@ flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running 
 _MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "host_pool_gib",
           "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
-           "compile_in_background", "seed")
+           "compile_in_background", "compilation_cache_dir", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens", "bounds_dtype", "selection")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
