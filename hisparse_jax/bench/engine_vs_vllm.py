@@ -217,7 +217,8 @@ class Worker:
   """One engine process speaking peer_worker's JSON-lines protocol."""
 
   def __init__(self, name: str, python: str, engine: str, model: str, log_dir: str,
-               kv_cache_gib: float | None = None):
+               kv_cache_gib: float | None = None, max_model_len: int = MAX_MODEL_LEN,
+               extra_args: tuple[str, ...] = ()):
     if not os.path.exists(python):
       raise ValueError(f"engine_vs_vllm: no interpreter at {python} for the {name} engine; "
                        "run `make peers` (or set HISPARSE_VLLM_PYTHON)")
@@ -230,7 +231,7 @@ class Worker:
     kv = [] if kv_cache_gib is None else [f"--kv_cache_gib={kv_cache_gib}"]
     self.proc = subprocess.Popen(
         [python, WORKER, f"--engine={engine}", f"--model={model}",
-         f"--max_model_len={MAX_MODEL_LEN}", *kv],
+         f"--max_model_len={max_model_len}", *kv, *extra_args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         cwd=log_dir)
     self._ps = psutil.Process(self.proc.pid)

@@ -62,10 +62,21 @@ def _hisparse(args):
   from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
 
   kv = {} if args.kv_cache_gib is None else {"device_kv_gib": float(args.kv_cache_gib)}
+  if args.device_kv_gib is not None:
+    kv["device_kv_gib"] = args.device_kv_gib
+  if args.host_pool_gib is not None:
+    kv["host_pool_gib"] = args.host_pool_gib
+  if args.max_num_seqs is not None:
+    kv["max_num_seqs"] = args.max_num_seqs
+  if args.top_k_tokens is not None:  # HiSparse: its other settings at their defaults
+    from hisparse_jax.sparse.config import HiSparseConfig
+
+    kv["hisparse"] = HiSparseConfig(top_k_tokens=args.top_k_tokens)
   engine = Engine(EngineConfig(model=args.model, dtype="float32",
                                max_model_len=args.max_model_len, enable_prefix_caching=False,
                                **kv))
   ids: dict[str, int] = {}
+  running = [0]  # the most requests one step ran
 
   def add(i, prompt, max_tokens):
     rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
@@ -74,14 +85,28 @@ def _hisparse(args):
     ids[rid] = i
 
   def step():
-    for out in engine.step():
+    outs = engine.step()
+    running[0] = max(running[0], len(engine.scheduler.running))
+    for out in outs:
       yield ids[out.request_id], list(out.outputs[0].token_ids)
 
+  def generate(prompts, n):
+    running[0] = 0
+    return {**_drive(add, step, engine.has_unfinished_requests, prompts, n),
+            "max_running": running[0]}
+
+  hisparse = engine.config.hisparse
   info = {"engine": "hisparse_jax", "max_num_seqs": engine.config.max_num_seqs,
           "max_num_batched_tokens": engine.config.max_num_batched_tokens,
           "device_kv_gib": engine.config.device_kv_gib,
+          "host_pool_gib": engine.config.host_pool_gib,
+          "device_blocks": engine.device_pool.num_blocks,
+          "block_size": engine.config.block_size,
+          "hisparse": None if hisparse is None else {
+              f: getattr(hisparse, f) for f in ("top_k_tokens", "hot_buffer_tokens",
+                                                "sparse_threshold_tokens", "selection")},
           "package": os.path.dirname(sys.modules["hisparse_jax"].__file__)}
-  return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
+  return info, generate
 
 
 def _vllm(args):
@@ -129,6 +154,11 @@ def main() -> None:
   # KV cache GiB: vLLM's VLLM_CPU_KVCACHE_SPACE (whole GiB; default 4), this engine's
   # device_kv_gib (default: EngineConfig's)
   parser.add_argument("--kv_cache_gib", type=int, default=None)
+  # this engine only (suite hisparse_throughput): the host pool, the batch cap, HiSparse
+  parser.add_argument("--device_kv_gib", type=float, default=None)  # under a GiB (smoke)
+  parser.add_argument("--host_pool_gib", type=float, default=None)
+  parser.add_argument("--max_num_seqs", type=int, default=None)
+  parser.add_argument("--top_k_tokens", type=int, default=None)
   args = parser.parse_args()
   # The protocol gets its own copy of stdout; fd 1 becomes stderr, so nothing the engine
   # or its child processes print reaches the protocol stream.

@@ -21,6 +21,9 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
   passkey                 passkey retrieval on smollm2-135m-instruct, 1k-8k tokens, dense
                           vs HiSparse top-k 256-2,048 at blocks 16 / 32 (the answer from
                           sparse decode steps); --bench_plot: accuracy against length
+  hisparse_throughput     decode and end-to-end tokens/s on smollm2-135m-instruct at one
+                          device KV budget: device-only vs HiSparse vs vLLM, and a
+                          concurrency sweep 1-32 (~30 min)
 
 Every ratio is measured side by side in one run (the contenders interleaved); the JSON
 names the machine (CPU, cores, accelerator, jax version, load average at the start and
@@ -52,9 +55,11 @@ SUITES = {
     "scheduler_overhead": "scheduler_overhead",
     "serve_load": "serve_load",
 }
-# Suites that `all` leaves out (accuracy yardsticks on a real model: long runs); by name only.
+# Suites that `all` leaves out (accuracy yardsticks and throughput on a real model: long
+# runs); by name only.
 ACCURACY_SUITES = {
     "passkey": "passkey",
+    "hisparse_throughput": "hisparse_throughput",
 }
 # Suites whose module has plot(result, path), which --bench_plot draws.
 PLOTTED = ("decode_sparse_vs_dense", "passkey")

@@ -398,3 +398,30 @@ def test_readme_real_model_speed_matches_committed_json(name):
   assert all(w["tokens_identical"] for w in v["workloads"].values())
   with open(os.path.join(REPO, "README.md")) as f:
     assert report.markdown(result) in f.read()
+
+
+def test_hisparse_throughput_smoke_fields(tmp_path):
+  # By name only; at smoke size our two engines (no vLLM) on the tiny converted GGUF.
+  from hisparse_jax.bench import hisparse_throughput as ht
+
+  assert bench_cmd.suite_names("hisparse_throughput") == ["hisparse_throughput"]
+  assert "hisparse_throughput" not in bench_cmd.suite_names("all")
+  out = str(tmp_path / "ht.json")
+  bench_cmd.run_suites(["hisparse_throughput"], "smoke", 16, out)
+  with open(out) as f:
+    r = json.load(f)["suites"]["hisparse_throughput"]
+  size = ht.SIZES["smoke"]
+  assert set(r["rows"]) == {"device-only", "HiSparse"}
+  low, high = size.prompt_lens
+  assert len(r["prompt_tokens"]) == size.num_requests
+  assert all(low - 8 <= n <= high for n in r["prompt_tokens"])
+  dense, sparse = r["rows"]["device-only"], r["rows"]["HiSparse"]
+  for row in (dense, sparse):
+    assert _positive(row["e2e_tokens_per_s"], row["short_s"], row["long_s"],
+                     row["ttft_p50_ms"], row["itl_p99_ms"])
+    assert [int(c) for c in row["sweep"]] == list(size.sweep)
+  assert r["engines"]["HiSparse"]["hisparse"]["top_k_tokens"] == size.top_k_tokens
+  assert r["engines"]["device-only"]["hisparse"] is None
+  assert r["engines"]["HiSparse"]["host_pool_gib"] == size.host_pool_gib
+  assert sparse["max_running"] >= dense["max_running"] >= 1
+  assert r["device_only_tokens_identical_to_vllm"] is None  # no vLLM at smoke size

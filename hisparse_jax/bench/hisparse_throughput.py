@@ -1,0 +1,208 @@
+"""Suite `hisparse_throughput`: what HiSparse's host pool buys in tokens per second.
+
+One device KV budget, three engines on the real model (SmolLM2-135M-Instruct, converted
+to a float32 HF directory once per run, as `engine_vs_vllm` does), each in its own
+process (`peer_worker.py`), greedy, `ignore_eos`, prefix caching off:
+
+    device-only   this engine, device_kv_gib = KV_GIB, no HiSparse: requests that do not
+                  fit wait (or are preempted)
+    HiSparse      the same device budget + a host pool holding every request, top-k
+                  TOP_K_TOKENS (other settings at their defaults): long requests decode
+                  from their hot buffers while their KV lives in the pinned_host pool
+    vLLM          vLLM's CPU build with the same KV bytes (VLLM_CPU_KVCACHE_SPACE = KV_GIB;
+                  its own defaults otherwise)
+
+KV_GIB = 1 holds 23,301 tokens of SmolLM2's KV (46,080 bytes per token in float32): about
+7 requests of the workload's mean length. The workload has `num_requests` (24: ~3.4x
+that) requests of 2,000-3,900 prompt tokens (seeded English prose,
+engine_vs_vllm.make_text_prompts' sentences; lengths drawn uniformly).
+
+Decode tokens/s excludes prefill by differencing two output lengths over the same prompts:
+(long - short) x requests / (T_long - T_short). Every engine first runs the long call once
+to compile and warm up (untimed). Also per engine: end-to-end tokens/s of the long call
+(prompt + generated tokens over its wall time), TTFT and ITL p50/p99 of the long call,
+and (this engine) the most requests one step ran.
+
+Concurrency sweep: c = 1, 2, 4, 8, 16, 32 requests of SWEEP_PROMPT_LEN tokens at once,
+device-only against HiSparse (same budgets), decode tokens/s by the same differencing
+(each level warmed up by one short call). At c <= 8 the requests fit the device budget,
+so HiSparse's cost over dense shows; past it, device-only queues.
+
+Nothing is asserted on speed. The suite fails if device-only's greedy tokens differ from
+vLLM's (as engine_vs_vllm checks); HiSparse's are not compared (sparse attention may
+change a token: its accuracy is the passkey suite's).
+Smoke size: a tiny random GGUF through the same conversion, our two engines only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from hisparse_jax.bench import common
+from hisparse_jax.bench import engine_vs_vllm as evv
+
+KV_GIB = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  model: str
+  num_requests: int
+  prompt_lens: tuple[int, int]  # uniform in [low, high]
+  short_tokens: int
+  long_tokens: int
+  top_k_tokens: int
+  host_pool_gib: float
+  max_model_len: int
+  sweep: tuple[int, ...]
+  sweep_prompt_len: int
+  with_vllm: bool
+  kv_gib: float = KV_GIB
+
+
+SIZES = {
+    "full": Size(model=evv.REAL_MODEL, num_requests=24, prompt_lens=(2000, 3900),
+                 short_tokens=16, long_tokens=80, top_k_tokens=512, host_pool_gib=5.0,
+                 max_model_len=4096, sweep=(1, 2, 4, 8, 16, 32), sweep_prompt_len=2000,
+                 with_vllm=True),
+    # The tiny GGUF's KV is 512 bytes per token: a 1/1024 GiB budget holds 2,048 tokens.
+    "smoke": Size(model=evv.SMOKE_GGUF, num_requests=4, prompt_lens=(300, 500),
+                  short_tokens=2, long_tokens=6, top_k_tokens=64, host_pool_gib=0.01,
+                  max_model_len=512, sweep=(1, 2), sweep_prompt_len=300, with_vllm=False,
+                  kv_gib=1 / 1024),
+}
+
+
+def _prompts(size: Size, seed: int, tokenizer, count: int, lens: tuple[int, int]
+             ) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  out = []
+  for i, n in enumerate(rng.integers(lens[0], lens[1] + 1, size=count)):
+    w = evv.Workload(1, int(n), size.long_tokens, size.model)
+    out.append(evv.make_text_prompts(w, seed * 1000 + i, tokenizer)[0])
+  return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+  return 1e3 * float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def _measure(worker, prompts: list[list[int]], size: Size, warm: str) -> dict:
+  """Warm-up (`warm`: "long" or "short"), then the short and the long call."""
+  worker.generate(prompts, size.long_tokens if warm == "long" else size.short_tokens)
+  short = worker.generate(prompts, size.short_tokens)
+  long = worker.generate(prompts, size.long_tokens)
+  n = len(prompts)
+  dt = long["seconds"] - short["seconds"]
+  prompt_tokens = sum(len(p) for p in prompts)
+  return {
+      "decode_tokens_per_s": n * (size.long_tokens - size.short_tokens) / dt if dt > 0
+      else float("nan"),
+      "e2e_tokens_per_s": (prompt_tokens + n * size.long_tokens) / long["seconds"],
+      "generated_tokens_per_s": n * size.long_tokens / long["seconds"],
+      "short_s": short["seconds"], "long_s": long["seconds"],
+      "ttft_p50_ms": _pct(long["ttft_s"], 50), "ttft_p99_ms": _pct(long["ttft_s"], 99),
+      "itl_p50_ms": _pct(long["itl_s"], 50), "itl_p99_ms": _pct(long["itl_s"], 99),
+      "max_running": long.get("max_running"), "cpu_s": long["cpu_s"],
+      "token_ids": long["token_ids"]}
+
+
+def run(size_name: str = "full", seed: int = 0) -> dict:
+  from models import loader
+
+  size = SIZES[size_name]
+  log_dir = tempfile.mkdtemp(prefix="hisparse_throughput_")
+  checkpoint = evv.checkpoint_for(size.model, log_dir)
+  tokenizer = loader.load_tokenizer(checkpoint)
+  prompts = _prompts(size, seed, tokenizer, size.num_requests, size.prompt_lens)
+  base = (f"--max_num_seqs={max(64, 2 * size.num_requests)}",)
+  kv_gib = size.kv_gib
+  specs = {"device-only": ("hisparse", base),
+           "HiSparse": ("hisparse", (*base, f"--host_pool_gib={size.host_pool_gib}",
+                                     f"--top_k_tokens={size.top_k_tokens}"))}
+  if size.with_vllm:
+    specs["vLLM"] = ("vllm", ())
+  rows, infos = {}, {}
+  for name, (engine, extra) in specs.items():
+    python = evv.peer_python() if engine == "vllm" else sys.executable
+    # The worker's --kv_cache_gib is whole GiB (vLLM's unit); a smaller budget (smoke)
+    # goes to this engine as a float through the same flag's twin.
+    kv_args = ((f"--kv_cache_gib={int(kv_gib)}",) if float(kv_gib).is_integer()
+               else (f"--device_kv_gib={kv_gib}",))
+    worker = evv.Worker(name, python, engine, checkpoint, log_dir, None, size.max_model_len,
+                        (*kv_args, *extra))
+    try:
+      infos[name] = worker.info
+      rows[name] = _measure(worker, prompts, size, "long")
+      print(f"hisparse_throughput {name}: decode {rows[name]['decode_tokens_per_s']:.1f} "
+            f"tok/s, e2e {rows[name]['e2e_tokens_per_s']:.0f} tok/s, at once "
+            f"{rows[name]['max_running']} (load {os.getloadavg()[0]:.1f})", file=sys.stderr,
+            flush=True)
+      if name != "vLLM":
+        sweep = {}
+        for c in size.sweep:
+          p = _prompts(size, seed + 7, tokenizer, c, (size.sweep_prompt_len,) * 2)
+          sweep[c] = _measure(worker, p, size, "short")
+          sweep[c].pop("token_ids")
+          print(f"hisparse_throughput {name} sweep c={c}: decode "
+                f"{sweep[c]['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        rows[name]["sweep"] = sweep
+    finally:
+      worker.close()
+  identical = None
+  if "vLLM" in rows:
+    identical = rows["device-only"]["token_ids"] == rows["vLLM"]["token_ids"]
+    if not identical:
+      diff = evv._first_difference(rows["device-only"]["token_ids"],
+                                   rows["vLLM"]["token_ids"])
+      raise AssertionError(f"hisparse_throughput: device-only and vLLM greedy tokens differ: "
+                           f"{diff}")
+  for r in rows.values():
+    r.pop("token_ids")
+  dense, sparse = rows["device-only"], rows["HiSparse"]
+  ratios = {"decode_vs_device_only": sparse["decode_tokens_per_s"]
+            / dense["decode_tokens_per_s"],
+            "e2e_vs_device_only": sparse["e2e_tokens_per_s"] / dense["e2e_tokens_per_s"],
+            "sweep_decode_vs_device_only": {
+                c: sparse["sweep"][c]["decode_tokens_per_s"]
+                / dense["sweep"][c]["decode_tokens_per_s"] for c in size.sweep}}
+  if "vLLM" in rows:
+    ratios["decode_vs_vllm"] = sparse["decode_tokens_per_s"] / rows["vLLM"]["decode_tokens_per_s"]
+    ratios["e2e_vs_vllm"] = sparse["e2e_tokens_per_s"] / rows["vLLM"]["e2e_tokens_per_s"]
+  return {"size": dataclasses.asdict(size), "rows": rows, "ratios": ratios,
+          "engines": infos, "device_only_tokens_identical_to_vllm": identical,
+          "goals": {"decode_vs_device_only": 1.5, "decode_vs_vllm": 1.5,
+                    "sweep_batch_1_2": 0.95, "sweep_from_8": 1.0},
+          "prompt_tokens": [len(p) for p in prompts], "log_dir": log_dir,
+          "machine": common.machine()}
+
+
+def format_table(result: dict) -> str:
+  rows = []
+  for name, r in result["rows"].items():
+    rows.append([name, f"{r['decode_tokens_per_s']:.1f}", f"{r['e2e_tokens_per_s']:.0f}",
+                 "-" if r["max_running"] is None else r["max_running"],
+                 f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
+                 f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f}"])
+  table = common.format_table(["engine", "decode tok/s", "e2e tok/s", "at once",
+                               "TTFT p50/p99 ms", "ITL p50/p99 ms"], rows)
+  ratios = result["ratios"]
+  lines = [table, "HiSparse decode vs device-only: "
+           f"{ratios['decode_vs_device_only']:.2f}x; e2e {ratios['e2e_vs_device_only']:.2f}x"]
+  if "decode_vs_vllm" in ratios:
+    lines.append(f"HiSparse decode vs vLLM: {ratios['decode_vs_vllm']:.2f}x; e2e "
+                 f"{ratios['e2e_vs_vllm']:.2f}x")
+  sweep_rows = []
+  dense, sparse = result["rows"]["device-only"]["sweep"], result["rows"]["HiSparse"]["sweep"]
+  for c in dense:
+    sweep_rows.append([c, f"{dense[c]['decode_tokens_per_s']:.1f}",
+                       f"{sparse[c]['decode_tokens_per_s']:.1f}",
+                       f"{ratios['sweep_decode_vs_device_only'][c]:.2f}x"])
+  lines.append(common.format_table(["at once", "device-only decode tok/s",
+                                    "HiSparse decode tok/s", "ratio"], sweep_rows))
+  return "\n".join(lines)
