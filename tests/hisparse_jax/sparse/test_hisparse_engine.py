@@ -161,6 +161,21 @@ def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, 
   assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("selection", ["shared", "per_kv_head", "per_query_head"])
+def test_every_selection_at_full_top_k_gives_the_dense_tokens(reference, selection):
+  # Top-k covering max_model_len: every head of every selection attends to every block,
+  # offloaded requests loading theirs from the host pool; per-head selections go through
+  # paged_attention_per_head. ("union", the default, is the test above.)
+  engine = _engine(dataclasses.replace(FULL, selection=selection), num_dense_blocks=14)
+  sparse_rows = _count_sparse_rows(engine)
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine)
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+  assert sum(sparse_rows) > 50
+  assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
+  assert_all_blocks_free(engine)
+
+
 def test_host_loads_move_the_misses_and_metrics_count_them(reference):
   # Every step's in-step host loads move, per layer, exactly its misses on CPU (block
   # copies; GPU's host gather: the smallest load size holding them, as the resolver
