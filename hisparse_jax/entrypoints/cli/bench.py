@@ -24,6 +24,8 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
   hisparse_throughput     decode and end-to-end tokens/s on smollm2-135m-instruct at one
                           device KV budget: device-only vs HiSparse vs vLLM, and a
                           concurrency sweep 1-32 (~30 min)
+  cold_start              fresh `hisparse-jax generate` processes on the real model, dense
+                          vs HiSparse, compilation cache off and warm (~20 min)
 
 Every ratio is measured side by side in one run (the contenders interleaved); the JSON
 names the machine (CPU, cores, accelerator, jax version, load average at the start and
@@ -60,6 +62,7 @@ SUITES = {
 ACCURACY_SUITES = {
     "passkey": "passkey",
     "hisparse_throughput": "hisparse_throughput",
+    "cold_start": "cold_start",
 }
 # Suites whose module has plot(result, path), which --bench_plot draws.
 PLOTTED = ("decode_sparse_vs_dense", "passkey")

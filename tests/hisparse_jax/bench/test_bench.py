@@ -425,3 +425,20 @@ def test_hisparse_throughput_smoke_fields(tmp_path):
   assert r["engines"]["HiSparse"]["host_pool_gib"] == size.host_pool_gib
   assert sparse["max_running"] >= dense["max_running"] >= 1
   assert r["device_only_tokens_identical_to_vllm"] is None  # no vLLM at smoke size
+
+
+def test_cold_start_runs_generate_with_its_own_flags():
+  # The suite times `hisparse-jax generate` processes: every flag it passes is one of
+  # generate's (a typo would make each run exit 2), the two commands differ by HiSparse.
+  from hisparse_jax.bench import cold_start
+  from hisparse_jax.entrypoints.cli import main as cli
+
+  assert bench_cmd.suite_names("cold_start") == ["cold_start"]
+  size = cold_start.SIZES["full"]
+  dense = cold_start._command(size, "p.jsonl", "", False)
+  sparse = cold_start._command(size, "p.jsonl", "", True)
+  assert dense[2:4] == ["hisparse_jax", "generate"]
+  for arg in sparse[4:]:
+    assert arg.startswith("--") and arg[2:].split("=")[0] in cli.command_flags("generate")
+  assert set(sparse) - set(dense) == {"--hisparse", f"--top_k_tokens={size.top_k_tokens}"}
+  assert "--compilation_cache_dir=" in dense
