@@ -196,6 +196,8 @@ def passkey_lines(p: dict) -> list[str]:
     depth_sets.setdefault(r["length"], r["num_prompts"])
   configs = [(k, b) for k in c["top_ks"] for b in c["block_sizes"]]
   by_key = {(r["length"], r["top_k_tokens"], r["block_size"]): r for r in p["rows"]}
+  selection = ", ".join(sorted({f"`{r['hisparse']['selection']}`" for r in p["rows"]
+                                if r.get("hisparse")})) or "-"
 
   def cell(r):
     if r is None:
@@ -217,7 +219,8 @@ def passkey_lines(p: dict) -> list[str]:
            "next request); HiSparse offloads to admit the "
            "next one (hot buffer = top-k) and loads the selected blocks back from the host "
            "pool. `covers`: top-k >= length (every block selected: dense by construction, "
-           f"not run); `-`: not run. {p['seconds']:,.0f} s in all.", "",
+           f"not run); `-`: not run. HiSparse selection: {selection}. "
+           f"{p['seconds']:,.0f} s in all.", "",
            "| length | prompts | dense | "
            + " | ".join(f"top-k {k:,} b{b}" for k, b in configs)
            + " | smallest top-k keeping dense |",
