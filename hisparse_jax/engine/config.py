@@ -97,8 +97,9 @@ class EngineConfig:
         self.hisparse.blocks(self.block_size)  # top-k, sink, local in whole blocks
       except ValueError as e:
         raise ValueError(f"hisparse: {e}") from None
-      if self.hisparse.selection != "shared" and self.tensor_parallel_size > 1:
+      if (self.hisparse.selection not in ("union", "shared")
+          and self.tensor_parallel_size > 1):
         raise ValueError(
             f"hisparse: selection={self.hisparse.selection!r} is not available with "
             f"tensor_parallel_size={self.tensor_parallel_size} (the heads' selections would "
-            "need every head's scores on every device); use selection='shared'")
+            "need every head's scores on every device); use selection='union' or 'shared'")
