@@ -23,7 +23,7 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
                           sparse decode steps); --bench_plot: accuracy against length
   hisparse_throughput     decode and end-to-end tokens/s on smollm2-135m-instruct at one
                           device KV budget: device-only vs HiSparse vs vLLM, and a
-                          concurrency sweep 1-32 (~30 min)
+                          concurrency sweep 1-32 (~1.5 h on 2 cores)
   cold_start              fresh `hisparse-jax generate` processes on the real model, dense
                           vs HiSparse, compilation cache off and warm (~20 min)
 
