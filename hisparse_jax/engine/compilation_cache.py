@@ -26,6 +26,9 @@ from absl import logging
 
 ENV = "HISPARSE_COMPILATION_CACHE_DIR"  # the CLI default's override ("" turns it off)
 MIN_COMPILE_SECONDS = 1.0  # JAX's own default: programs faster to compile are not written
+# Overrides MIN_COMPILE_SECONDS (0 writes every program: the tests, whose toy programs may
+# compile in under a second on a fast machine).
+MIN_SECONDS_ENV = "HISPARSE_COMPILATION_CACHE_MIN_SECONDS"
 
 
 def default_dir() -> str:
@@ -35,6 +38,20 @@ def default_dir() -> str:
     return os.environ[ENV]
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(base, "hisparse_jax", "xla")
+
+
+def min_compile_seconds() -> float:
+  """MIN_COMPILE_SECONDS, or $HISPARSE_COMPILATION_CACHE_MIN_SECONDS (a number >= 0)."""
+  raw = os.environ.get(MIN_SECONDS_ENV, "")
+  if not raw:
+    return MIN_COMPILE_SECONDS
+  try:
+    value = float(raw)
+  except ValueError:
+    value = -1.0
+  if not value >= 0:  # also NaN
+    raise ValueError(f"${MIN_SECONDS_ENV}={raw!r}: expected a number of seconds >= 0")
+  return value
 
 
 def entries(path: str) -> tuple[int, int]:
@@ -68,7 +85,7 @@ def enable(path: str | None, flag: str = "compilation_cache_dir") -> str | None:
   if not os.access(path, os.W_OK):
     raise ValueError(f"--{flag}={path}: the directory is not writable")
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds())
   files, size = entries(path)
   logging.info("XLA compilation cache: %s (%d programs, %.1f MiB); "
                "--compilation_cache_dir= turns it off", path, files, size / 2**20)
