@@ -8,7 +8,8 @@ keys), and a prefill as matmuls whose scores go through memory between the two p
 per row) is what xla_attention's decode rows call when `available()`, `ragged_prefill`
 (one task per 32 queries of a row and KV head, flash attention over 16-key tiles) its
 prefill rows. `cpu_matmul.cc`: the matmul over packed weights (`kernels_pallas.packed`),
-what the engine's step multiplies float32 weights with on CPU.
+what the engine's step multiplies float32 weights with on CPU. `cpu_select.cc`: HiSparse's
+"union" block selection (`union_select`, what `indexer.select` calls on CPU).
 
 Build: the sources are compiled (into one library) once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
@@ -35,11 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = (os.path.join(_HERE, "cpu_attention.cc"), os.path.join(_HERE, "cpu_matmul.cc"))
+SOURCES = tuple(os.path.join(_HERE, f"cpu_{name}.cc")
+                for name in ("attention", "matmul", "select"))
 HEADERS = (os.path.join(_HERE, "cpu_tasks.h"),)  # in the cache key, not compiled alone
 TARGET = "hisparse_paged_decode_f32"
 PREFILL_TARGET = "hisparse_ragged_prefill_f32"
 MATMUL_TARGET = "hisparse_packed_matmul_f32"
+UNION_SELECT_TARGET = "hisparse_union_select_f32"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -114,6 +117,8 @@ def available() -> bool:
                               jax.ffi.pycapsule(lib.HisparseRaggedPrefillF32), platform="cpu")
   jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.HisparsePackedMatmulF32),
                               platform="cpu")
+  jax.ffi.register_ffi_target(UNION_SELECT_TARGET,
+                              jax.ffi.pycapsule(lib.HisparseUnionSelectF32), platform="cpu")
   return True
 
 
@@ -149,6 +154,23 @@ def ragged_prefill(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
               kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
               scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
               window=np.int64(sliding_window or 0))
+
+
+def union_select(scores, kv_lens, *, k: int, block_size: int, sink_blocks: int,
+                 local_blocks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The "union" selection of `indexer.select` from per-query-head scores [B, H, NB]:
+  (logical_ids int32 [B, k] ascending, padded with -1; num_selected int32 [B]; the
+  selected blocks' kv_lens int32 [B]), equal to `indexer.select_blocks(
+  indexer.union_priority(...))` (cpu_select.cc). k <= NB."""
+  batch, _, max_blocks = scores.shape
+  if not 1 <= k <= max_blocks:
+    raise ValueError(f"union_select: k={k} must be in [1, {max_blocks}]")
+  out = (jax.ShapeDtypeStruct((batch, k), jnp.int32),
+         jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+  call = jax.ffi.ffi_call(UNION_SELECT_TARGET, out, vmap_method="sequential")
+  return call(scores.astype(jnp.float32), kv_lens.astype(jnp.int32),
+              block_size=np.int64(block_size), sink_blocks=np.int64(sink_blocks),
+              local_blocks=np.int64(local_blocks))
 
 
 _HUGE_PAGE = 2 << 20

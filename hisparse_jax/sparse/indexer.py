@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hisparse_jax.sparse.config import SELECTIONS, HiSparseBlocks
+from kernels_pallas import cpu_kernels
 
 PAD = -1  # logical id of padding in a selection
 
@@ -244,6 +245,7 @@ def select(
     selection: str = "shared",
     axis_name: str | None = None,
     kv_head_repeat: int = 1,
+    cpu_kernel: bool = False,
 ) -> Selection:
   """Scores and selection in one call: [batch, k] ("shared"), [batch, num_kv_heads, k]
   ("per_kv_head") or [batch, num_q_heads, k] ("per_query_head"). The per-head selections
@@ -255,7 +257,10 @@ def select(
   ([batch, heads, max_blocks] float32, small) gives every device all heads, so each
   selects the blocks the unsplit model selects. kv_head_repeat: each of the model's KV
   heads is held `kv_head_repeat` times (fewer KV heads than devices); the copies' scores
-  (each over its own query heads) are maxed back into the head's score first."""
+  (each over its own query heads) are maxed back into the head's score first.
+
+  cpu_kernel: the program runs on XLA:CPU (the engine's "xla" kernels): "union" selects
+  with the C++ kernel (`cpu_kernels.union_select`, the same blocks) when it is built."""
   if selection not in SELECTIONS:
     raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
   if selection not in ("shared", "union") and axis_name is not None:
@@ -268,6 +273,12 @@ def select(
       scores = scores.reshape(batch, heads // kv_head_repeat, kv_head_repeat,
                               max_blocks).max(axis=2)
   if selection == "union":
+    k = min(blocks.top_k_blocks, scores.shape[-1])
+    if cpu_kernel and cpu_kernels.available():
+      ids, num, lens = cpu_kernels.union_select(
+          scores, kv_lens, k=k, block_size=blocks.block_size, sink_blocks=blocks.sink_blocks,
+          local_blocks=blocks.local_blocks)
+      return Selection(logical_ids=ids, num_selected=num, kv_lens=lens)
     return select_blocks(union_priority(scores, kv_lens, blocks), kv_lens, blocks)
   if selection == "shared":
     return select_blocks(shared_scores(scores, kv_lens, blocks.block_size), kv_lens, blocks)
