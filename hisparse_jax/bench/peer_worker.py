@@ -19,6 +19,14 @@ protocol.
 Both engines are driven the same way: every request added at once, then `step()` until
 none is unfinished, each new token timestamped when its step returns it (`output_kind=DELTA`
 in both, as their servers stream).
+
+Decode-only steps (the answer's `decode_s`, `decode_tokens`, `decode_steps`): the
+`step()` calls whose engine step scheduled no prompt token, nor did the step before it
+(both engines overlap a step with the next: a call's wall time may hold either). Each
+engine says what it scheduled: this engine's `last_step_prefill_tokens`, vLLM's
+per-iteration scheduler details (`enable_logging_iteration_details`: context tokens of
+the iteration, through a stat logger). Decode tokens/s = decode_tokens / decode_s: the
+rate of the steps that only decode, whatever else the run scheduled around them.
 Greedy, `ignore_eos`, prefix caching off in both.
 """
 
@@ -26,23 +34,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 
 
-def _drive(add, step, has_unfinished, prompts, max_tokens):
-  """Adds every prompt, steps to the end; `step()` yields (index, num new tokens, new
-  token ids) per request that advanced."""
+def _drive(add, step, has_unfinished, prompts, max_tokens, prefill_tokens):
+  """Adds every prompt, steps to the end; `step()` yields (index, new token ids) per
+  request that advanced; `prefill_tokens()` after it: the prompt tokens that engine step
+  scheduled (None: not known)."""
   start = time.perf_counter()
   for i, prompt in enumerate(prompts):
     add(i, prompt, max_tokens)
   token_ids = [[] for _ in prompts]
   last = [None] * len(prompts)
   ttft, itl = [None] * len(prompts), []
+  decode_s, decode_tokens, decode_steps, previous = 0.0, 0, 0, None
   while has_unfinished():
+    before = time.perf_counter()
     events = list(step())
     now = time.perf_counter()
+    prefill = prefill_tokens()
+    if prefill == 0 and previous == 0:
+      decode_s += now - before
+      decode_tokens += sum(len(new) for _, new in events)
+      decode_steps += 1
+    previous = prefill
     for i, new in events:
       if not new:
         continue
@@ -54,7 +72,8 @@ def _drive(add, step, has_unfinished, prompts, max_tokens):
       last[i] = now
       token_ids[i].extend(new)
   return {"seconds": time.perf_counter() - start, "token_ids": token_ids, "ttft_s": ttft,
-          "itl_s": itl}
+          "itl_s": itl, "decode_s": decode_s, "decode_tokens": decode_tokens,
+          "decode_steps": decode_steps}
 
 
 def _hisparse(args):
@@ -92,7 +111,8 @@ def _hisparse(args):
 
   def generate(prompts, n):
     running[0] = 0
-    return {**_drive(add, step, engine.has_unfinished_requests, prompts, n),
+    return {**_drive(add, step, engine.has_unfinished_requests, prompts, n,
+                     lambda: engine.last_step_prefill_tokens),
             "max_running": running[0]}
 
   hisparse = engine.config.hisparse
@@ -112,13 +132,36 @@ def _hisparse(args):
 def _vllm(args):
   os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib or 4))
   import vllm
-  from vllm import LLM, SamplingParams
+  from vllm import SamplingParams
+  from vllm.engine.arg_utils import EngineArgs
   from vllm.inputs import TokensPrompt
   from vllm.sampling_params import RequestOutputKind
+  from vllm.usage.usage_lib import UsageContext
+  from vllm.v1.engine.llm_engine import LLMEngine
+  from vllm.v1.metrics.loggers import StatLoggerBase
 
-  llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
-            enable_prefix_caching=False, seed=0)
-  engine = llm.llm_engine
+  iteration = {"prefill": None}  # the context (prompt) tokens of the last iteration
+
+  class IterationLogger(StatLoggerBase):
+    def __init__(self, vllm_config, engine_index=0):
+      pass
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+      details = getattr(scheduler_stats, "iteration_details", None)
+      if details is not None and not details.is_dummy:
+        iteration["prefill"] = details.num_ctx_tokens
+
+    def log_engine_initialized(self):
+      pass
+
+  # LLM's settings (as `LLM(...)` builds its engine), with stats on for the iteration
+  # details; vLLM's own logger of them is quieted (a line per iteration).
+  engine = LLMEngine.from_engine_args(
+      EngineArgs(model=args.model, dtype="float32", max_model_len=args.max_model_len,
+                 enable_prefix_caching=False, seed=0, disable_log_stats=False,
+                 enable_logging_iteration_details=True),
+      usage_context=UsageContext.LLM_CLASS, stat_loggers=[IterationLogger])
+  logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
   ids: dict[str, int] = {}
   counter = iter(range(1 << 62))
 
@@ -130,6 +173,7 @@ def _vllm(args):
         output_kind=RequestOutputKind.DELTA))
 
   def step():
+    iteration["prefill"] = None
     for out in engine.step():
       yield ids[out.request_id], list(out.outputs[0].token_ids)
 
@@ -143,7 +187,8 @@ def _vllm(args):
           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU",
                                                          "default")}
-  return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n)
+  return info, lambda prompts, n: _drive(add, step, engine.has_unfinished_requests, prompts, n,
+                                         lambda: iteration["prefill"])
 
 
 def main() -> None:

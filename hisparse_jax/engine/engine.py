@@ -180,6 +180,7 @@ class Engine:
     self._ids = itertools.count()
     self.num_steps = 0
     self.last_step_num_tokens = 0  # tokens the last step() scheduled
+    self.last_step_prefill_tokens = 0  # of those, prompt (or recomputed) tokens
 
   def _hisparse_capacity(self, spec: KVCacheSpec, num_device_blocks: int,
                          num_host_blocks: int) -> HiSparseCapacity:
@@ -287,6 +288,9 @@ class Engine:
     self.transfer.poll()
     out = self.scheduler.schedule()
     self.last_step_num_tokens = out.num_tokens
+    self.last_step_prefill_tokens = sum(
+        c.num_tokens for c in out.chunks
+        if c.num_tokens > 1 or c.start < c.request.num_prompt_tokens)
     dispatched = self._run(out)
     outputs: dict[str, Request] = {}
     previous, self._inflight = self._inflight, dispatched

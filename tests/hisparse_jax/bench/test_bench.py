@@ -417,14 +417,44 @@ def test_hisparse_throughput_smoke_fields(tmp_path):
   assert all(low - 8 <= n <= high for n in r["prompt_tokens"])
   dense, sparse = r["rows"]["device-only"], r["rows"]["HiSparse"]
   for row in (dense, sparse):
-    assert _positive(row["e2e_tokens_per_s"], row["short_s"], row["long_s"],
+    assert _positive(row["e2e_tokens_per_s"], row["seconds"], row["decode_tokens_per_s"],
                      row["ttft_p50_ms"], row["itl_p99_ms"])
+    assert row["decode_steps"] >= 1 and 0 < row["decode_share"] <= 1
+    # Decode-only steps give each running request at most one token.
+    assert row["decode_tokens"] <= row["decode_steps"] * size.num_requests
     assert [int(c) for c in row["sweep"]] == list(size.sweep)
   assert r["engines"]["HiSparse"]["hisparse"]["top_k_tokens"] == size.top_k_tokens
   assert r["engines"]["device-only"]["hisparse"] is None
   assert r["engines"]["HiSparse"]["host_pool_gib"] == size.host_pool_gib
   assert sparse["max_running"] >= dense["max_running"] >= 1
   assert r["device_only_tokens_identical_to_vllm"] is None  # no vLLM at smoke size
+
+
+def test_peer_worker_times_only_steps_that_decode():
+  # A step counts when neither it nor the step before scheduled a prompt token: the
+  # first decode after a prefill, and every step of a run that never stops prefilling,
+  # are left out.
+  from hisparse_jax.bench import peer_worker
+
+  # prompt tokens each step scheduled, and the tokens it returned (request 0, 1)
+  script = [(300, []), (200, [[1], [2]]), (0, [[3], [4]]), (0, [[5], [6]]), (50, [[7]]),
+            (0, [[8], [9]]), (0, [[10]]), (None, [[11]])]
+  steps = iter(script)
+  current = [None]
+
+  def step():
+    prefill, events = next(steps)
+    current[0] = prefill
+    return iter(list(enumerate(events)))
+
+  done = iter([True] * len(script) + [False])
+  r = peer_worker._drive(lambda *a: None, step, lambda: next(done), [[1], [2]], 8,
+                         lambda: current[0])
+  # Steps 4 and 7 (1-based): 3 and 6 follow a prefill, 8 scheduled what is not known.
+  assert r["decode_steps"] == 2
+  assert r["decode_tokens"] == 3
+  assert 0 < r["decode_s"] <= r["seconds"]
+  assert r["token_ids"] == [[1, 3, 5, 7, 8, 10, 11], [2, 4, 6, 9]]
 
 
 def test_cold_start_runs_generate_with_its_own_flags():
