@@ -9,7 +9,8 @@ per row) is what xla_attention's decode rows call when `available()`, `ragged_pr
 (one task per 32 queries of a row and KV head, flash attention over 16-key tiles) its
 prefill rows. `cpu_matmul.cc`: the matmul over packed weights (`kernels_pallas.packed`),
 what the engine's step multiplies float32 weights with on CPU. `cpu_select.cc`: HiSparse's
-"union" block selection (`union_select`, what `indexer.select` calls on CPU).
+"union" block selection (`union_select` from scores; `union_select_bounds` scores the key
+bounds in place too: what the engine's sparse rows call on CPU).
 
 Build: the sources are compiled (into one library) once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
@@ -43,6 +44,8 @@ TARGET = "hisparse_paged_decode_f32"
 PREFILL_TARGET = "hisparse_ragged_prefill_f32"
 MATMUL_TARGET = "hisparse_packed_matmul_f32"
 UNION_SELECT_TARGET = "hisparse_union_select_f32"
+UNION_SELECT_BOUNDS_TARGETS = {"float32": "hisparse_union_select_bounds_f32",
+                               "bfloat16": "hisparse_union_select_bounds_bf16"}
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -119,6 +122,10 @@ def available() -> bool:
                               platform="cpu")
   jax.ffi.register_ffi_target(UNION_SELECT_TARGET,
                               jax.ffi.pycapsule(lib.HisparseUnionSelectF32), platform="cpu")
+  for dtype, symbol in (("float32", "HisparseUnionSelectBoundsF32"),
+                        ("bfloat16", "HisparseUnionSelectBoundsBF16")):
+    jax.ffi.register_ffi_target(UNION_SELECT_BOUNDS_TARGETS[dtype],
+                                jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   return True
 
 
@@ -171,6 +178,29 @@ def union_select(scores, kv_lens, *, k: int, block_size: int, sink_blocks: int,
   return call(scores.astype(jnp.float32), kv_lens.astype(jnp.int32),
               block_size=np.int64(block_size), sink_blocks=np.int64(sink_blocks),
               local_blocks=np.int64(local_blocks))
+
+
+def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: int,
+                        sink_blocks: int, local_blocks: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`union_select` with the scores computed from the key bounds where they lie: q [B, Hq,
+  D], bounds [R, 2, Hkv, D] (float32 or bfloat16), bounds_rows int32 [B, NB] (each logical
+  block's row of `bounds`), kv_lens [B]. The selection `indexer.select(q,
+  bounds[bounds_rows], kv_lens, blocks, "union")` makes, without the gathered copy
+  (scores equal up to float32 rounding: the sums run in another order). k <= NB."""
+  batch, max_blocks = bounds_rows.shape
+  if not 1 <= k <= max_blocks:
+    raise ValueError(f"union_select_bounds: k={k} must be in [1, {max_blocks}]")
+  target = UNION_SELECT_BOUNDS_TARGETS.get(jnp.dtype(bounds.dtype).name)
+  if target is None:
+    raise ValueError(f"union_select_bounds: bounds must be float32 or bfloat16, got "
+                     f"{bounds.dtype}")
+  out = (jax.ShapeDtypeStruct((batch, k), jnp.int32),
+         jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+  call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+  return call(q.astype(jnp.float32), bounds, bounds_rows.astype(jnp.int32),
+              kv_lens.astype(jnp.int32), block_size=np.int64(block_size),
+              sink_blocks=np.int64(sink_blocks), local_blocks=np.int64(local_blocks))
 
 
 _HUGE_PAGE = 2 << 20

@@ -16,6 +16,15 @@
 //   at that level by their highest score in any head; what is left stays unfilled by
 //   listed blocks and takes the lowest-numbered valid blocks (lax.top_k's tie order).
 //
+// HisparseUnionSelectBounds{F32,BF16}: the same selection from the query and the key
+// bounds where they lie: q [B, Hq, D], the bounds array [R, 2, Hkv, D] (0 = min, 1 = max;
+// float32, or bfloat16 as the engine stores them by default), the bounds row of each
+// logical block [B, NB] and kv_lens [B]. Each query head's score of a valid block is
+// indexer.block_scores' upper bound sum_d min(q_d, 0) min_d + max(q_d, 0) max_d (float32,
+// d in order), computed here in place: the jnp path first gathers every row's bounds
+// into a [B, NB, 2, Hkv, D] copy (32 MB a layer at 8 x 4,096 blocks), then multiplies.
+// Blocks past a row's kv_len are not read.
+//
 // Why C++: XLA:CPU runs the jnp form as a top-k per head, a scatter-min into [B, NB], a
 // second top-k and the final top-k and sort, each a pass over [B, (H,) NB] in small ops:
 // ~7 ms a layer at 8 x 4,096 blocks x 8 heads, K = 128 (the same selection here: one
@@ -24,6 +33,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -113,6 +124,97 @@ void SelectRow(const float* s, int64_t H, int64_t NB, int64_t K, int32_t kv_len,
   *sel_len = count > 0 ? static_cast<int32_t>((count - 1) * block_size + last_tokens) : 0;
 }
 
+// float32 of a bound: float32 as it is, bfloat16 (its bits) shifted into a float32's.
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Blocks [j0, j1) of row b: scores[h, j] for every query head h.
+template <typename T>
+void ScoreBlocks(const float* q, const T* bounds, const int32_t* rows, int64_t R,
+                 int64_t Hq, int64_t Hkv, int64_t D, int64_t NB, int64_t j0, int64_t j1,
+                 float* scores) {
+  const int64_t group = Hq / Hkv;
+  std::vector<float> lo(2 * Hkv * D);
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t r = std::clamp<int64_t>(rows[j], 0, R - 1);
+    const T* bj = bounds + r * 2 * Hkv * D;
+    for (int64_t x = 0; x < 2 * Hkv * D; ++x) lo[x] = ToFloat(bj[x]);
+    const float* mn = lo.data();  // [Hkv, D] minima, then [Hkv, D] maxima
+    const float* mx = lo.data() + Hkv * D;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + h * D;
+      const float* mng = mn + g * D;
+      const float* mxg = mx + g * D;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        acc += std::min(qh[d], 0.0f) * mng[d] + std::max(qh[d], 0.0f) * mxg[d];
+      }
+      scores[h * NB + j] = acc;
+    }
+  }
+}
+
+// Blocks one scoring task reads (a row of 4,096 blocks splits into 8 tasks: a lone
+// request's row uses the whole pool).
+constexpr int64_t kBlocksPerTask = 512;
+
+template <ffi::DataType DT>
+ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                 ffi::Buffer<DT> bounds, ffi::Buffer<ffi::S32> rows,
+                                 ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::S32> ids,
+                                 ffi::ResultBuffer<ffi::S32> num_selected,
+                                 ffi::ResultBuffer<ffi::S32> sel_lens, int64_t block_size,
+                                 int64_t sink_blocks, int64_t local_blocks) {
+  const auto qd = q.dimensions();  // [B, Hq, D]
+  const auto bd = bounds.dimensions();  // [R, 2, Hkv, D]
+  const auto rd = rows.dimensions();  // [B, NB]
+  const auto id = ids->dimensions();  // [B, K]
+  if (qd.size() != 3 || bd.size() != 4 || rd.size() != 2 || id.size() != 2 ||
+      kv_lens.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument("union_select_bounds: bad ranks");
+  }
+  const int64_t B = qd[0], Hq = qd[1], D = qd[2], R = bd[0], Hkv = bd[2], NB = rd[1];
+  const int64_t K = id[1];
+  if (bd[1] != 2 || bd[3] != D || R < 1 || Hkv < 1 || Hq % Hkv != 0 || rd[0] != B ||
+      kv_lens.dimensions()[0] != B || id[0] != B || K > NB || K < 1 || block_size < 1 ||
+      num_selected->dimensions()[0] != B || sel_lens->dimensions()[0] != B) {
+    return ffi::Error::InvalidArgument("union_select_bounds: shapes do not match");
+  }
+  const float* qp = q.typed_data();
+  const auto* bp = bounds.typed_data();
+  const int32_t* rp = rows.typed_data();
+  const int32_t* lp = kv_lens.typed_data();
+  auto valid = [=](int64_t b) {
+    return std::clamp<int64_t>((static_cast<int64_t>(lp[b]) + block_size - 1) / block_size,
+                               0, NB);
+  };
+  std::vector<float> scores(B * Hq * NB);
+  float* sp = scores.data();
+  const int64_t chunks = (NB + kBlocksPerTask - 1) / kBlocksPerTask;
+  RunTasks(pool, B * chunks, [=](int64_t i) {
+    const int64_t b = i / chunks, j0 = (i % chunks) * kBlocksPerTask;
+    const int64_t j1 = std::min(valid(b), j0 + kBlocksPerTask);
+    if (j0 < j1) {
+      ScoreBlocks(qp + b * Hq * D, bp, rp + b * NB, R, Hq, Hkv, D, NB, j0, j1,
+                  sp + b * Hq * NB);
+    }
+  });
+  int32_t* ip = ids->typed_data();
+  int32_t* np = num_selected->typed_data();
+  int32_t* kp = sel_lens->typed_data();
+  RunTasks(pool, B, [=](int64_t b) {
+    SelectRow(sp + b * Hq * NB, Hq, NB, K, lp[b], block_size, sink_blocks, local_blocks,
+              ip + b * K, np + b, kp + b);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error UnionSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores,
                            ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::S32> ids,
                            ffi::ResultBuffer<ffi::S32> num_selected,
@@ -153,3 +255,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseUnionSelectF32, UnionSelectImpl,
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("sink_blocks")
                                   .Attr<int64_t>("local_blocks"));
+
+#define HISPARSE_UNION_SELECT_BOUNDS(name, DT)                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, UnionSelectBoundsImpl<DT>,         \
+                                ffi::Ffi::Bind()                         \
+                                    .Ctx<ffi::ThreadPool>()              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()        \
+                                    .Arg<ffi::Buffer<DT>>()              \
+                                    .Arg<ffi::Buffer<ffi::S32>>()        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::S32>>()        \
+                                    .Attr<int64_t>("block_size")         \
+                                    .Attr<int64_t>("sink_blocks")        \
+                                    .Attr<int64_t>("local_blocks"));
+
+HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsF32, ffi::F32)
+HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsBF16, ffi::BF16)

@@ -199,12 +199,13 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   host_tables = metadata.host_tables[rows]
   kv_lens = jnp.where(live, metadata.kv_lens[rows], 0)
   # select: key bounds of each logical block, from its device copy's row or, once it was
-  # dropped, its host copy's row (one gather).
+  # dropped, its host copy's row (read in place by the C++ kernel on CPU, else gathered).
   num_device_blocks = pages[0].shape[0]
   bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
-  sel = indexer.select(q_rows, bounds[bounds_rows], kv_lens, sparse.blocks, sparse.selection,
-                       axis_name=sparse.axis_name, kv_head_repeat=sparse.kv_head_repeat,
-                       cpu_kernel=ops.backend == "xla")
+  sel = indexer.select_rows(q_rows, bounds, bounds_rows, kv_lens, sparse.blocks,
+                            sparse.selection, axis_name=sparse.axis_name,
+                            kv_head_repeat=sparse.kv_head_repeat,
+                            cpu_kernel=ops.backend == "xla")
   # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
   slot_block, last_used, evicted_at = cache["state"]
   num_state_rows, width = slot_block.shape[0], tables.shape[1]

@@ -283,3 +283,31 @@ def select(
   if selection == "shared":
     return select_blocks(shared_scores(scores, kv_lens, blocks.block_size), kv_lens, blocks)
   return select_blocks(scores, kv_lens, blocks, max_union_blocks=blocks.hot_buffer_blocks)
+
+
+def select_rows(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    bounds: jax.Array,  # [rows, 2, num_kv_heads, head_dim]: every block's key bounds
+    bounds_rows: jax.Array,  # int32 [batch, max_blocks]: each logical block's row
+    kv_lens: jax.Array,  # int32 [batch]
+    blocks: HiSparseBlocks,
+    selection: str = "shared",
+    axis_name: str | None = None,
+    kv_head_repeat: int = 1,
+    cpu_kernel: bool = False,
+) -> Selection:
+  """`select(q, bounds[bounds_rows], ...)`: the selection from the bounds array the step
+  holds and each logical block's row of it. With `cpu_kernel` (XLA:CPU), "union" without
+  tensor parallelism and float32 / bfloat16 bounds, the C++ kernel scores the bounds in
+  place (`cpu_kernels.union_select_bounds`: no [batch, max_blocks, 2, heads, head_dim]
+  gathered copy; scores equal up to float32 rounding); otherwise the gather and `select`."""
+  if (cpu_kernel and selection == "union" and axis_name is None
+      and jnp.dtype(bounds.dtype).name in cpu_kernels.UNION_SELECT_BOUNDS_TARGETS
+      and cpu_kernels.available()):
+    ids, num, lens = cpu_kernels.union_select_bounds(
+        q, bounds, bounds_rows, kv_lens, k=min(blocks.top_k_blocks, bounds_rows.shape[1]),
+        block_size=blocks.block_size, sink_blocks=blocks.sink_blocks,
+        local_blocks=blocks.local_blocks)
+    return Selection(logical_ids=ids, num_selected=num, kv_lens=lens)
+  return select(q, bounds[bounds_rows], kv_lens, blocks, selection, axis_name=axis_name,
+                kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)

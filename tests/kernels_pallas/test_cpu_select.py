@@ -85,3 +85,74 @@ def test_select_takes_the_kernel_on_cpu_only_when_asked(monkeypatch):
   assert calls
   for a, b in zip(jax.tree.leaves(jnp_sel), jax.tree.leaves(cpp_sel), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def _dyadic(rng, shape, scale=8):
+  """Multiples of 1/8 below 32 in size: every sum of their products is exact in float32,
+  in any order, so the C++ and XLA scores are equal and so are their selections."""
+  return (rng.integers(-4 * scale, 4 * scale, size=shape) / scale).astype(np.float32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([1, 3, 4]),
+       kv_heads=st.sampled_from([1, 2, 3]), max_blocks=st.sampled_from([3, 17, 40]),
+       top_k=st.sampled_from([2, 4, 8]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       coarse=st.booleans())
+def test_in_place_scores_select_what_the_gathered_copy_selects(seed, group, kv_heads,
+                                                              max_blocks, top_k, dtype,
+                                                              coarse):
+  rng = np.random.default_rng(seed)
+  batch, head_dim, num_rows, block_size = 4, 8, 64, 4
+  q = jnp.asarray(_dyadic(rng, (batch, group * kv_heads, head_dim), 1 if coarse else 8))
+  bounds = np.sort(_dyadic(rng, (num_rows, 2, kv_heads, head_dim), 1 if coarse else 8),
+                   axis=1)  # coarse: many equal scores (ties within and across heads)
+  bounds = jnp.asarray(bounds).astype(dtype)
+  rows = jnp.asarray(rng.integers(0, num_rows, size=(batch, max_blocks)), jnp.int32)
+  capacity = max_blocks * block_size
+  lens = jnp.asarray([0, 1, capacity, int(rng.integers(1, capacity + 1))], jnp.int32)
+  blocks = _blocks(block_size, top_k, 1, 1)
+  ref = jax.jit(lambda q, b, r, n: indexer.select(q, b[r], n, blocks, "union"))(
+      q, bounds, rows, lens)
+  k = min(top_k, max_blocks)
+  got = jax.jit(lambda q, b, r, n: cpu_kernels.union_select_bounds(
+      q, b, r, n, k=k, block_size=block_size, sink_blocks=1, local_blocks=1))(
+          q, bounds, rows, lens)
+  _assert_equal(ref, got)
+  via = indexer.select_rows(q, bounds, rows, lens, blocks, "union", cpu_kernel=True)
+  _assert_equal(ref, (via.logical_ids, via.num_selected, via.kv_lens))
+
+
+def test_in_place_scores_at_engine_size():
+  # 8 rows x 4,096 blocks of 16 tokens (rows split into scoring tasks), 8 query heads on
+  # 2 KV heads of 64, bfloat16 bounds, rows spread over a pool of 40,000.
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(_dyadic(rng, (8, 8, 64)))
+  bounds = jnp.asarray(np.sort(_dyadic(rng, (40000, 2, 2, 64)), axis=1)).astype(jnp.bfloat16)
+  rows = jnp.asarray(rng.integers(0, 40000, size=(8, 4096)), jnp.int32)
+  lens = jnp.asarray([65536, 65530, 4096, 2049, 16, 0, 40000, 100], jnp.int32)
+  blocks = _blocks(16, 128, 4, 16)
+  ref = indexer.select(q, bounds[rows], lens, blocks, "union")
+  via = indexer.select_rows(q, bounds, rows, lens, blocks, "union", cpu_kernel=True)
+  _assert_equal(ref, (via.logical_ids, via.num_selected, via.kv_lens))
+
+
+def test_select_rows_takes_the_gather_where_the_kernel_does_not_apply(monkeypatch):
+  # Other selections, tensor parallelism, or not asked: the gathered copy and `select`.
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(_dyadic(rng, (2, 4, 8)))
+  bounds = jnp.asarray(np.sort(_dyadic(rng, (30, 2, 2, 8)), axis=1))
+  rows = jnp.asarray(rng.integers(0, 30, size=(2, 12)), jnp.int32)
+  lens = jnp.asarray([40, 7], jnp.int32)
+  blocks = _blocks(4, 4, 1, 1)
+  calls = []
+  real = cpu_kernels.union_select_bounds
+  monkeypatch.setattr(cpu_kernels, "union_select_bounds",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  for selection, cpu in (("union", False), ("shared", True), ("per_kv_head", True)):
+    got = indexer.select_rows(q, bounds, rows, lens, blocks, selection, cpu_kernel=cpu)
+    want = indexer.select(q, bounds[rows], lens, blocks, selection)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert not calls
+  indexer.select_rows(q, bounds, rows, lens, blocks, "union", cpu_kernel=True)
+  assert calls
