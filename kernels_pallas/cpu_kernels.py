@@ -163,6 +163,12 @@ def ragged_prefill(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *, sm_
               window=np.int64(sliding_window or 0))
 
 
+def _require() -> None:
+  if not available():
+    raise RuntimeError("the C++ CPU kernels are not built (no C++ compiler, or "
+                       "HISPARSE_CPU_KERNELS=0)")
+
+
 def union_select(scores, kv_lens, *, k: int, block_size: int, sink_blocks: int,
                  local_blocks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The "union" selection of `indexer.select` from per-query-head scores [B, H, NB]:
@@ -172,6 +178,7 @@ def union_select(scores, kv_lens, *, k: int, block_size: int, sink_blocks: int,
   batch, _, max_blocks = scores.shape
   if not 1 <= k <= max_blocks:
     raise ValueError(f"union_select: k={k} must be in [1, {max_blocks}]")
+  _require()
   out = (jax.ShapeDtypeStruct((batch, k), jnp.int32),
          jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
   call = jax.ffi.ffi_call(UNION_SELECT_TARGET, out, vmap_method="sequential")
@@ -191,6 +198,7 @@ def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: 
   batch, max_blocks = bounds_rows.shape
   if not 1 <= k <= max_blocks:
     raise ValueError(f"union_select_bounds: k={k} must be in [1, {max_blocks}]")
+  _require()
   target = UNION_SELECT_BOUNDS_TARGETS.get(jnp.dtype(bounds.dtype).name)
   if target is None:
     raise ValueError(f"union_select_bounds: bounds must be float32 or bfloat16, got "

@@ -21,7 +21,7 @@
 // float32, or bfloat16 as the engine stores them by default), the bounds row of each
 // logical block [B, NB] and kv_lens [B]. Each query head's score of a valid block is
 // indexer.block_scores' upper bound sum_d min(q_d, 0) min_d + max(q_d, 0) max_d (float32,
-// d in order), computed here in place: the jnp path first gathers every row's bounds
+// summed in vector lanes), computed here in place: the jnp path first gathers every row's bounds
 // into a [B, NB, 2, Hkv, D] copy (32 MB a layer at 8 x 4,096 blocks), then multiplies.
 // Blocks past a row's kv_len are not read.
 //
@@ -37,6 +37,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -124,37 +125,60 @@ void SelectRow(const float* s, int64_t H, int64_t NB, int64_t K, int32_t kv_len,
   *sel_len = count > 0 ? static_cast<int32_t>((count - 1) * block_size + last_tokens) : 0;
 }
 
-// float32 of a bound: float32 as it is, bfloat16 (its bits) shifted into a float32's.
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
+constexpr int64_t kPrefetch = 4;  // blocks ahead
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 Load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// Blocks [j0, j1) of row b: scores[h, j] for every query head h.
+// Blocks [j0, j1) of row b: scores[h, j] for every query head h. qn, qp: min(q, 0) and
+// max(q, 0) of the row's heads [Hq, D].
 template <typename T>
-void ScoreBlocks(const float* q, const T* bounds, const int32_t* rows, int64_t R,
-                 int64_t Hq, int64_t Hkv, int64_t D, int64_t NB, int64_t j0, int64_t j1,
-                 float* scores) {
+void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const int32_t* rows,
+                 int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB, int64_t j0,
+                 int64_t j1, float* scores) {
   const int64_t group = Hq / Hkv;
-  std::vector<float> lo(2 * Hkv * D);
+  const int64_t width = 2 * Hkv * D;
+  std::vector<float> buf(width);
+  std::vector<uint32_t> bits(width);
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t r = std::clamp<int64_t>(rows[j], 0, R - 1);
-    const T* bj = bounds + r * 2 * Hkv * D;
-    for (int64_t x = 0; x < 2 * Hkv * D; ++x) lo[x] = ToFloat(bj[x]);
-    const float* mn = lo.data();  // [Hkv, D] minima, then [Hkv, D] maxima
-    const float* mx = lo.data() + Hkv * D;
+    if (j + kPrefetch < j1) {  // rows are scattered (block tables): fetch ahead
+      const char* next = reinterpret_cast<const char*>(
+          bounds + std::clamp<int64_t>(rows[j + kPrefetch], 0, R - 1) * width);
+      for (int64_t c = 0; c < static_cast<int64_t>(width * sizeof(T)); c += 64) {
+        __builtin_prefetch(next + c);
+      }
+    }
+    const float* b;
+    if constexpr (std::is_same_v<T, float>) {
+      b = bounds + r * width;
+    } else {
+      const T* bj = bounds + r * width;  // bfloat16 bits: the high half of a float32's
+      for (int64_t x = 0; x < width; ++x) bits[x] = static_cast<uint32_t>(bj[x]) << 16;
+      std::memcpy(buf.data(), bits.data(), width * sizeof(float));
+      b = buf.data();
+    }
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t g = h / group;
-      const float* qh = q + h * D;
-      const float* mng = mn + g * D;
-      const float* mxg = mx + g * D;
+      const float* mn = b + g * D;  // [Hkv, D] minima, then [Hkv, D] maxima
+      const float* mx = b + (Hkv + g) * D;
+      const float* qnh = qn + h * D;
+      const float* qph = qp + h * D;
+      int64_t d = 0;
       float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        acc += std::min(qh[d], 0.0f) * mng[d] + std::max(qh[d], 0.0f) * mxg[d];
+      if (D >= 16) {
+        v16 a{};
+        for (; d + 16 <= D; d += 16) {
+          a += Load(qnh + d) * Load(mn + d) + Load(qph + d) * Load(mx + d);
+        }
+        for (int l = 0; l < 16; ++l) acc += a[l];
       }
+      for (; d < D; ++d) acc += qnh[d] * mn[d] + qph[d] * mx[d];
       scores[h * NB + j] = acc;
     }
   }
@@ -194,15 +218,21 @@ ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return std::clamp<int64_t>((static_cast<int64_t>(lp[b]) + block_size - 1) / block_size,
                                0, NB);
   };
-  std::vector<float> scores(B * Hq * NB);
+  std::vector<float> scores(B * Hq * NB), split(2 * B * Hq * D);
   float* sp = scores.data();
+  float* qn = split.data();  // min(q, 0), then max(q, 0)
+  float* qx = split.data() + B * Hq * D;
+  for (int64_t x = 0; x < B * Hq * D; ++x) {
+    qn[x] = std::min(qp[x], 0.0f);
+    qx[x] = std::max(qp[x], 0.0f);
+  }
   const int64_t chunks = (NB + kBlocksPerTask - 1) / kBlocksPerTask;
   RunTasks(pool, B * chunks, [=](int64_t i) {
     const int64_t b = i / chunks, j0 = (i % chunks) * kBlocksPerTask;
     const int64_t j1 = std::min(valid(b), j0 + kBlocksPerTask);
     if (j0 < j1) {
-      ScoreBlocks(qp + b * Hq * D, bp, rp + b * NB, R, Hq, Hkv, D, NB, j0, j1,
-                  sp + b * Hq * NB);
+      ScoreBlocks(qn + b * Hq * D, qx + b * Hq * D, bp, rp + b * NB, R, Hq, Hkv, D, NB, j0,
+                  j1, sp + b * Hq * NB);
     }
   });
   int32_t* ip = ids->typed_data();
