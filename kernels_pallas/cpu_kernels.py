@@ -10,7 +10,8 @@ per row) is what xla_attention's decode rows call when `available()`, `ragged_pr
 prefill rows. `cpu_matmul.cc`: the matmul over packed weights (`kernels_pallas.packed`),
 what the engine's step multiplies float32 weights with on CPU. `cpu_select.cc`: HiSparse's
 "union" block selection (`union_select` from scores; `union_select_bounds` scores the key
-bounds in place too: what the engine's sparse rows call on CPU).
+bounds in place too: what the engine's sparse rows call on CPU). `cpu_resolve.cc`: the
+hot-buffer resolve (`resolve`, what `resolver.resolve` calls on CPU).
 
 Build: the sources are compiled (into one library) once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
@@ -38,12 +39,13 @@ import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, f"cpu_{name}.cc")
-                for name in ("attention", "matmul", "select"))
+                for name in ("attention", "matmul", "select", "resolve"))
 HEADERS = (os.path.join(_HERE, "cpu_tasks.h"),)  # in the cache key, not compiled alone
 TARGET = "hisparse_paged_decode_f32"
 PREFILL_TARGET = "hisparse_ragged_prefill_f32"
 MATMUL_TARGET = "hisparse_packed_matmul_f32"
 UNION_SELECT_TARGET = "hisparse_union_select_f32"
+RESOLVE_TARGET = "hisparse_resolve"
 UNION_SELECT_BOUNDS_TARGETS = {"float32": "hisparse_union_select_bounds_f32",
                                "bfloat16": "hisparse_union_select_bounds_bf16"}
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
@@ -122,6 +124,8 @@ def available() -> bool:
                               platform="cpu")
   jax.ffi.register_ffi_target(UNION_SELECT_TARGET,
                               jax.ffi.pycapsule(lib.HisparseUnionSelectF32), platform="cpu")
+  jax.ffi.register_ffi_target(RESOLVE_TARGET, jax.ffi.pycapsule(lib.HisparseResolve),
+                              platform="cpu")
   for dtype, symbol in (("float32", "HisparseUnionSelectBoundsF32"),
                         ("bfloat16", "HisparseUnionSelectBoundsBF16")):
     jax.ffi.register_ffi_target(UNION_SELECT_BOUNDS_TARGETS[dtype],
@@ -209,6 +213,25 @@ def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: 
   return call(q.astype(jnp.float32), bounds, bounds_rows.astype(jnp.int32),
               kv_lens.astype(jnp.int32), block_size=np.int64(block_size),
               sink_blocks=np.int64(sink_blocks), local_blocks=np.int64(local_blocks))
+
+
+def resolve(sel, valid, slot_block, slot_last_used, evicted_at, resident_ids, slot_device_ids,
+            host_ids, step, *, num_device_blocks: int, thrash_window_steps: int):
+  """`resolver._resolve_row` for every row (cpu_resolve.cc): (table [B, K], load host ids
+  [B, K], load device ids [B, K], new slot_block [B, S], new slot_last_used [B, S], new
+  evicted_at [B, M], counts [B, 5]), all int32."""
+  _require()
+  batch, k = sel.shape
+  num_slots, max_blocks = slot_block.shape[1], evicted_at.shape[1]
+  i32 = jnp.int32
+  out = tuple(jax.ShapeDtypeStruct(shape, i32) for shape in (
+      (batch, k), (batch, k), (batch, k), (batch, num_slots), (batch, num_slots),
+      (batch, max_blocks), (batch, 5)))
+  call = jax.ffi.ffi_call(RESOLVE_TARGET, out, vmap_method="sequential")
+  return call(*(x.astype(i32) for x in (sel, valid, slot_block, slot_last_used, evicted_at,
+                                        resident_ids, slot_device_ids, host_ids)),
+              jnp.asarray(step, i32), num_device_blocks=np.int64(num_device_blocks),
+              thrash_window_steps=np.int64(thrash_window_steps))
 
 
 _HUGE_PAGE = 2 << 20

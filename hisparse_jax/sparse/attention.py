@@ -226,7 +226,8 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
                          tables, metadata.hot_slots[rows], host_tables, metadata.step,
                          num_device_blocks=num_device_blocks,
                          thrash_window_steps=sparse.thrash_window_steps,
-                         max_distinct=sparse.blocks.hot_buffer_blocks if per_head else None)
+                         max_distinct=sparse.blocks.hot_buffer_blocks if per_head else None,
+                         cpu_kernel=ops.backend == "xla")
   # load: this layer's misses, host pool -> their slots; the bytes follow the misses
   # (none: nothing moves).
   # (An int8 cache's scales move with its values: they are pages too.)

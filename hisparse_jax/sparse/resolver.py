@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hisparse_jax.kv_cache import transfer
+from kernels_pallas import cpu_kernels
 from kernels_pallas.common import packed_ids
 
 NEVER = -(2**30)  # step of "never used / never evicted"; far enough to never thrash
@@ -171,13 +172,17 @@ def resolve(
     num_device_blocks: int,
     thrash_window_steps: int,
     max_distinct: int | None = None,
+    cpu_kernel: bool = False,
 ) -> Resolution:
   """Resolves every selected block to a device block id (module docstring); updates
   the hot-buffer state; lists the host -> device loads of the misses.
 
   max_distinct: the most distinct blocks a row lists (default k; per-head selections
   flattened into one row list up to num_heads x top-k entries, but the indexer bounds
-  their union, indexer.select_blocks' max_union_blocks); the hot buffer must hold it."""
+  their union, indexer.select_blocks' max_union_blocks); the hot buffer must hold it.
+
+  cpu_kernel: the program runs on XLA:CPU (the engine's "xla" kernels): the C++ kernel
+  resolves (`cpu_kernels.resolve`, the same values as `_resolve_row`) when it is built."""
   batch, k = logical_ids.shape
   num_slots = slot_device_ids.shape[1]
   max_blocks = resident_ids.shape[1]
@@ -194,6 +199,17 @@ def resolve(
     if x.shape != shape:
       raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
   step = jnp.asarray(step, jnp.int32)
+  if cpu_kernel and cpu_kernels.available():
+    (table, load_host, load_device, slot_block, last_used, evicted_at,
+     counts) = cpu_kernels.resolve(
+         logical_ids, valid, state.slot_block, state.slot_last_used, state.evicted_at,
+         resident_ids, slot_device_ids, host_ids, step, num_device_blocks=num_device_blocks,
+         thrash_window_steps=thrash_window_steps)
+    return Resolution(
+        block_tables=table, load_host_ids=load_host.reshape(batch * k),
+        load_device_ids=load_device.reshape(batch * k),
+        state=HotBufferState(slot_block, last_used, evicted_at),
+        counts=ResolveCounts(*(counts[:, i] for i in range(5))))
   row = jax.vmap(_resolve_row, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, None, None, None))
   (table, load_host, load_device, slot_block, last_used, evicted_at, *counts) = row(
       logical_ids.astype(jnp.int32), valid, state.slot_block, state.slot_last_used,
