@@ -135,6 +135,23 @@ inline v16 Load(const float* p) {
   return v;
 }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The lanes' sum as a tree of vector adds (16 -> 8 -> 4 -> 1); the halves are taken with
+// memcpy (what compilers turn into lane extracts) to build with any GCC or Clang.
+inline float Sum(v16 a) {
+  v8 lo8, hi8;
+  std::memcpy(&lo8, &a, sizeof(v8));
+  std::memcpy(&hi8, reinterpret_cast<const char*>(&a) + sizeof(v8), sizeof(v8));
+  const v8 b = lo8 + hi8;
+  v4 lo4, hi4;
+  std::memcpy(&lo4, &b, sizeof(v4));
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&b) + sizeof(v4), sizeof(v4));
+  const v4 c = lo4 + hi4;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
 // Blocks [j0, j1) of row b: scores[h, j] for every query head h. qn, qp: min(q, 0) and
 // max(q, 0) of the row's heads [Hq, D].
 template <typename T>
@@ -176,7 +193,7 @@ void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const int32_
         for (; d + 16 <= D; d += 16) {
           a += Load(qnh + d) * Load(mn + d) + Load(qph + d) * Load(mx + d);
         }
-        for (int l = 0; l < 16; ++l) acc += a[l];
+        acc = Sum(a);
       }
       for (; d < D; ++d) acc += qnh[d] * mn[d] + qph[d] * mx[d];
       scores[h * NB + j] = acc;
