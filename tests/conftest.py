@@ -1,7 +1,10 @@
 """Shared test set-up: CPU only, deterministic, compiled programs released per module."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -15,6 +18,17 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# JAX's persistent compilation cache, in a directory of this session only (removed at
+# exit): the suite builds many engines of the same configuration, whose step programs are
+# the same; each is compiled once and loaded from the cache afterwards (also across
+# modules, whose in-memory programs are dropped). HISPARSE_TEST_COMPILATION_CACHE=0 turns
+# it off.
+if os.environ.get("HISPARSE_TEST_COMPILATION_CACHE", "1") != "0":
+  _CACHE_DIR = tempfile.mkdtemp(prefix="hisparse_test_xla_")
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("ci")
