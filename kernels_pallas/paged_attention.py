@@ -245,6 +245,18 @@ def paged_attention(
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
+def _masked_softmax(s: jax.Array, valid: jax.Array, soft_cap: float | None) -> jax.Array:
+  """softmax over the last axis of the scores `s` (soft-capped) where `valid`; 0 elsewhere,
+  and a row with no valid key all 0 (not NaN). The references' shared body."""
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  s = jnp.where(valid, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  denom = p.sum(axis=-1, keepdims=True)
+  return p / jnp.where(denom > 0, denom, 1.0)
+
+
 def paged_attention_reference(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -267,14 +279,8 @@ def paged_attention_reference(
   v = v_pages[block_tables].reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
   qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
   s = jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
   valid = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, None, None, :]
-  s = jnp.where(valid, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-  denom = p.sum(axis=-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
+  p = _masked_softmax(s, valid, soft_cap)
   v = jnp.where(valid[:, 0, 0, :, None, None], v, 0.0)
   o = jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST)
   return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
@@ -324,14 +330,8 @@ def paged_attention_per_head(
   scale = head_dim**-0.5 if sm_scale is None else sm_scale
   qg = q.reshape(batch, num_heads, group, head_dim).astype(jnp.float32)
   s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
   valid = (jnp.arange(width * block_size) < kv_lens[..., None])[:, :, None, :]
-  s = jnp.where(valid, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-  denom = p.sum(axis=-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
+  p = _masked_softmax(s, valid, soft_cap)
   v = jnp.where(valid[:, :, 0, :, None], v, 0.0)
   o = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=lax.Precision.HIGHEST)
   return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -213,3 +213,37 @@ def format_table(result: dict) -> str:
   lines.append(common.format_table(["at once", "device-only decode tok/s",
                                     "HiSparse decode tok/s", "ratio"], sweep_rows))
   return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+  """PNG: the concurrency sweep's decode tokens/s, device-only and HiSparse, and each
+  engine's decode tokens/s on the workload as a point at the requests it ran at once."""
+  import matplotlib  # optional dependency (the test extra): imported on use
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  styles = {"device-only": ("k", "o"), "HiSparse": ("tab:red", "s"), "vLLM": ("tab:blue", "^")}
+  for name, row in result["rows"].items():
+    color, marker = styles.get(name, ("tab:gray", "x"))
+    if "sweep" in row:
+      levels = sorted(row["sweep"], key=int)
+      ax.plot([int(c) for c in levels], [row["sweep"][c]["decode_tokens_per_s"] for c in levels],
+              "-", marker=marker, color=color, label=f"{name}, sweep")
+    if row.get("max_running"):
+      ax.plot([row["max_running"]], [row["decode_tokens_per_s"]], marker, color=color, ms=11,
+              mfc="none", mew=2, label=f"{name}, workload ({row['max_running']} at once)")
+    else:
+      ax.axhline(row["decode_tokens_per_s"], color=color, ls=":", label=f"{name}, workload")
+  size = result["size"]
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("requests decoding at once")
+  ax.set_ylabel("decode tokens/s (steps without prefill)")
+  ax.set_title(f"hisparse_throughput: {size['kv_gib']:g} GiB device KV, HiSparse top-k "
+               f"{size['top_k_tokens']:,} (+ host pool)", fontsize=10)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

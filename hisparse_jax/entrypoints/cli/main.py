@@ -178,8 +178,9 @@ flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: th
 flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
-                    "against context here (when the decode_sparse_vs_dense suite runs), or "
-                    "of passkey accuracy against length (--suite=passkey).")
+                    "against context here (when the decode_sparse_vs_dense suite runs), "
+                    "of passkey accuracy against length (--suite=passkey), or of decode "
+                    "tokens/s against concurrency (--suite=hisparse_throughput).")
 
 
 # serve (hisparse_jax.entrypoints.cli.serve); it also takes the engine flags of generate.

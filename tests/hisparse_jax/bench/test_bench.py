@@ -407,7 +407,9 @@ def test_hisparse_throughput_smoke_fields(tmp_path):
   assert bench_cmd.suite_names("hisparse_throughput") == ["hisparse_throughput"]
   assert "hisparse_throughput" not in bench_cmd.suite_names("all")
   out = str(tmp_path / "ht.json")
-  bench_cmd.run_suites(["hisparse_throughput"], "smoke", 16, out)
+  bench_cmd.run_suites(["hisparse_throughput"], "smoke", 16, out,
+                       str(tmp_path / "ht.png"))
+  assert (tmp_path / "ht.png").stat().st_size > 0
   with open(out) as f:
     r = json.load(f)["suites"]["hisparse_throughput"]
   size = ht.SIZES["smoke"]
