@@ -244,7 +244,6 @@ def paged_attention(
       interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
 def _masked_softmax(s: jax.Array, valid: jax.Array, soft_cap: float | None) -> jax.Array:
   """softmax over the last axis of the scores `s` (soft-capped) where `valid`; 0 elsewhere,
   and a row with no valid key all 0 (not NaN). The references' shared body."""
@@ -257,6 +256,7 @@ def _masked_softmax(s: jax.Array, valid: jax.Array, soft_cap: float | None) -> j
   return p / jnp.where(denom > 0, denom, 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
 def paged_attention_reference(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
