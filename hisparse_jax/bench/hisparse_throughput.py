@@ -121,6 +121,9 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
   from models import loader
 
   size = SIZES[size_name]
+  if size.with_vllm and not os.path.exists(evv.peer_python()):  # before an hour of rows
+    raise ValueError(f"hisparse_throughput: no interpreter at {evv.peer_python()} for the "
+                     "vLLM row; run `make peers` (or set HISPARSE_VLLM_PYTHON)")
   log_dir = tempfile.mkdtemp(prefix="hisparse_throughput_")
   checkpoint = evv.checkpoint_for(size.model, log_dir)
   tokenizer = loader.load_tokenizer(checkpoint)

@@ -52,6 +52,18 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
       rows.append(("decode_sparse_vs_dense",
                    f"`dense_over_sparse` at {r['context']:,} (`bytes_bound` "
                    f"{_fmt(r['bytes_bound'])})", _fmt(r["dense_over_sparse"]), goal))
+  if "hisparse_throughput" in suites:
+    r = suites["hisparse_throughput"]["ratios"]
+    rows.append(("hisparse_throughput", "HiSparse decode tok/s / device-only",
+                 _fmt(r["decode_vs_device_only"]), ">= 1.5"))
+    if "decode_vs_vllm" in r:
+      rows.append(("hisparse_throughput", "HiSparse decode tok/s / vLLM",
+                   _fmt(r["decode_vs_vllm"]), ">= 1.5"))
+    rows.append(("hisparse_throughput", "HiSparse e2e tok/s / device-only",
+                 _fmt(r["e2e_vs_device_only"]), "-"))
+    for c, x in r["sweep_decode_vs_device_only"].items():
+      rows.append(("hisparse_throughput", f"sweep: HiSparse / device-only decode at {c} at once",
+                   _fmt(x), ">= 0.95" if int(c) <= 2 else "> 1" if int(c) >= 8 else "-"))
   if "hisparse_hot_buffer" in suites:
     h = suites["hisparse_hot_buffer"]
     rows.append(("hisparse_hot_buffer", "step at 100% hot-buffer hits / step at 0% "
@@ -183,7 +195,42 @@ def markdown(result: dict) -> str:
               for r in h["rates"]]
   if "passkey" in result["suites"]:
     lines += passkey_lines(result["suites"]["passkey"])
+  if "hisparse_throughput" in result["suites"]:
+    lines += throughput_lines(result["suites"]["hisparse_throughput"])
   return "\n".join(lines)
+
+
+def throughput_lines(t: dict) -> list[str]:
+  """The hisparse_throughput suite: each engine on the workload, then the sweep."""
+  size = t["size"]
+  low, high = size["prompt_lens"]
+  vllm = t["engines"].get("vLLM")
+  lines = ["", f"HiSparse throughput (`hisparse_throughput`): {size['model']}, "
+           f"{size['kv_gib']:g} GiB of device KV for every engine, {size['num_requests']} "
+           f"requests of {low:,}-{high:,} prompt tokens + {size['long_tokens']} new, greedy; "
+           f"HiSparse top-k {size['top_k_tokens']:,} with a {size['host_pool_gib']:g} GiB host "
+           "pool; decode tokens/s over the steps that schedule no prompt token (each engine's "
+           "own step records), its share of the wall time, end-to-end tokens/s (prompt + "
+           "generated over the wall time)"
+           + (f"; vLLM {vllm.get('vllm_version', '')} CPU build, its threads at "
+              f"VLLM_CPU_NUM_OF_RESERVED_CPU={vllm.get('VLLM_CPU_NUM_OF_RESERVED_CPU')}"
+              if vllm else "") + ":", "",
+           "| engine | decode tok/s | time decoding | e2e tok/s | at once | TTFT p50 / p99 ms "
+           "| ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+  for name, r in t["rows"].items():
+    lines.append(f"| {name} | {_fmt(r['decode_tokens_per_s'])} | "
+                 f"{100 * r['decode_share']:.0f}% | {_fmt(r['e2e_tokens_per_s'])} | "
+                 f"{r['max_running'] if r['max_running'] is not None else '-'} | "
+                 f"{_fmt(r['ttft_p50_ms'])} / {_fmt(r['ttft_p99_ms'])} | "
+                 f"{_fmt(r['itl_p50_ms'])} / {_fmt(r['itl_p99_ms'])} |")
+  dense, sparse = t["rows"]["device-only"]["sweep"], t["rows"]["HiSparse"]["sweep"]
+  ratio = t["ratios"]["sweep_decode_vs_device_only"]
+  lines += ["", f"Concurrency sweep, {size['sweep_prompt_len']:,}-token prompts, the same "
+            "engines (decode tokens/s):", "",
+            "| at once | device-only | HiSparse | HiSparse / device-only |", "|---|---|---|---|"]
+  lines += [f"| {c} | {_fmt(dense[c]['decode_tokens_per_s'])} | "
+            f"{_fmt(sparse[c]['decode_tokens_per_s'])} | {_fmt(ratio[c])} |" for c in dense]
+  return lines
 
 
 def passkey_lines(p: dict) -> list[str]:
