@@ -411,8 +411,15 @@ def test_hisparse_throughput_smoke_fields(tmp_path):
                        str(tmp_path / "ht.png"))
   assert (tmp_path / "ht.png").stat().st_size > 0
   with open(out) as f:
-    r = json.load(f)["suites"]["hisparse_throughput"]
+    full = json.load(f)
+  r = full["suites"]["hisparse_throughput"]
   size = ht.SIZES["smoke"]
+  text = report.markdown(full)  # the README's tables of a recorded run
+  assert "HiSparse throughput (`hisparse_throughput`)" in text
+  assert "| hisparse_throughput | HiSparse decode tok/s / device-only |" in text
+  tables = text.split("HiSparse throughput")[1]
+  assert tables.count("\n| HiSparse | ") == 1 and "vLLM" not in tables  # our two rows
+  assert tables.count("\n| 1 | ") == tables.count("\n| 2 | ") == 1  # the sweep's levels
   assert set(r["rows"]) == {"device-only", "HiSparse"}
   low, high = size.prompt_lens
   assert len(r["prompt_tokens"]) == size.num_requests
