@@ -125,15 +125,15 @@ class Size:
 
 
 SIZES = {
-    # 8k at 3 depths and block 16 only: on the shared 2-core machine an 8k prompt prefills
-    # in ~1-2 min and each HiSparse engine compiles ~3 step programs of ~40 s (30 layers);
-    # the whole grid is ~1.5-2 h there.
+    # 8k at 3 depths: on the shared 2-core machine an 8k prompt prefills in ~1-2 min and
+    # each HiSparse engine compiles ~3 step programs of ~40 s (30 layers); the whole grid
+    # is ~1.5-2 h there. Block 32 at 8k too: one engine row of it (union, top-k 1,024,
+    # run alone in session 14) answered 3/3 where block 16 gave 2/3.
     "full": Size(model="smollm2-135m-instruct", lengths=(1024, 2048, 4096, 8192),
                  depths=(0.1, 0.3, 0.5, 0.7, 0.9), top_ks=(256, 512, 1024, 2048),
                  block_sizes=(16, 32), device_requests=1.5, agreement_prompts=16,
                  agreement_tokens=32, agreement_rows=((4, 16), (4, 32)),
-                 depths_by_length=((8192, (0.1, 0.5, 0.9)),),
-                 block_sizes_by_length=((8192, (16,)),)),
+                 depths_by_length=((8192, (0.1, 0.5, 0.9)),)),
     # Two prompts: the second one's admission offloads the first (host loads).
     "smoke": Size(model="hisparse-tiny", lengths=(256,), depths=(0.25, 0.75), top_ks=(64, 256),
                   block_sizes=(16,), device_requests=1.5, agreement_prompts=2,
