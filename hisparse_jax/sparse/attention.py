@@ -202,10 +202,13 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   # dropped, its host copy's row (read in place by the C++ kernel on CPU, else gathered).
   num_device_blocks = pages[0].shape[0]
   bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
+  # The C++ select / resolve: the xla kernels on a CPU target (TPU also takes the xla
+  # backend, and the FFI targets are registered for CPU only).
+  cpu_kernel = ops.backend == "xla" and kernels_pallas.backend.target_platform() == "cpu"
   sel = indexer.select_rows(q_rows, bounds, bounds_rows, kv_lens, sparse.blocks,
                             sparse.selection, axis_name=sparse.axis_name,
                             kv_head_repeat=sparse.kv_head_repeat,
-                            cpu_kernel=ops.backend == "xla")
+                            cpu_kernel=cpu_kernel)
   # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
   slot_block, last_used, evicted_at = cache["state"]
   num_state_rows, width = slot_block.shape[0], tables.shape[1]
@@ -227,7 +230,7 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
                          num_device_blocks=num_device_blocks,
                          thrash_window_steps=sparse.thrash_window_steps,
                          max_distinct=sparse.blocks.hot_buffer_blocks if per_head else None,
-                         cpu_kernel=ops.backend == "xla")
+                         cpu_kernel=cpu_kernel)
   # load: this layer's misses, host pool -> their slots; the bytes follow the misses
   # (none: nothing moves).
   # (An int8 cache's scales move with its values: they are pages too.)
