@@ -299,6 +299,32 @@ class BlockManager:
     slot_id = seq.block_ids[-1] * self.block_size + position % self.block_size
     return AppendResult(slot_id=slot_id, copy=copy)
 
+  def blocks_to_extend(self, seq_id: Hashable, num_tokens: int) -> int:
+    """Device blocks `extend` of `num_tokens` more tokens would allocate."""
+    seq = self._resident(seq_id)
+    return self._num_blocks(len(seq.token_ids) + num_tokens) - len(seq.block_ids)
+
+  def extend(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+    """Appends known tokens (more of a prompt) and the device blocks they fill.
+
+    A prompt longer than the device pool is allocated chunk by chunk (HiSparse streams
+    its prefill: `allocate` of its first chunk's tokens, then `extend` before each next
+    chunk, while its earlier blocks move to the host pool). The last block, if partly
+    filled, is filled first; it is never shared then (a prefix hit is a full block, and
+    a sequence forks only after its prefill).
+    """
+    seq = self._resident(seq_id)
+    if seq.pending is not None:
+      raise ValueError(f"cannot extend {seq_id!r}: it has a pending token")
+    num_new = self.blocks_to_extend(seq_id, len(token_ids))
+    if num_new > self.device_pool.num_free_blocks:
+      raise ValueError(f"cannot extend {seq_id!r}: {num_new} blocks needed, "
+                       f"{self.device_pool.num_free_blocks} device blocks free")
+    if len(seq.token_ids) % self.block_size and self.device_pool.ref_cnt(seq.block_ids[-1]) > 1:
+      raise ValueError(f"cannot extend {seq_id!r}: its last block is shared")
+    seq.block_ids.extend(self.device_pool.allocate(num_new))
+    seq.token_ids.extend(int(t) for t in token_ids)
+
   def pending_position(self, seq_id: Hashable) -> int | None:
     """Position of the sequence's pending token (None: none, or no such sequence)."""
     seq = self._seqs.get(seq_id)

@@ -285,3 +285,32 @@ def test_chunked_prefill_caches_only_computed_blocks():
   bm.device_pool.evict(4)  # Once b's copy of the second block is gone, a's is found.
   assert bm.allocate("d", prompt + [70]).block_ids[1] == 2
   bm.check_invariants()
+
+
+def test_extend_allocates_a_streamed_prompt_chunk_by_chunk():
+  # A prompt allocated 6 tokens at a time (HiSparse streams one longer than the device):
+  # the partly filled last block is filled first, then new blocks; the table, the slots and
+  # the prefix cache (blocks cached as their chunks are scheduled) follow.
+  bm = BlockManager(num_device_blocks=7, num_host_blocks=8, block_size=BS)
+  prompt = list(range(100, 120))
+  bm.allocate("a", prompt[:6], num_new_tokens=0)  # [1, 2]: 4 + 2 tokens
+  assert bm.blocks_to_extend("a", 2) == 0 and bm.blocks_to_extend("a", 3) == 1
+  bm.cache_blocks("a", 6)
+  bm.extend("a", prompt[6:12])  # fills block 2, then block 3
+  assert bm.block_table("a") == [1, 2, 3] and bm.num_tokens("a") == 12
+  assert _ids(bm.slot_ids("a", 6, 12)) == [10, 11, 12, 13, 14, 15]
+  bm.cache_blocks("a", 12)
+  bm.check_invariants()
+  assert bm.blocks_to_extend("a", 8) == 2 and bm.device_pool.num_free_blocks == 3
+  with pytest.raises(ValueError, match="cannot extend 'a': 4 blocks needed, 3 device"):
+    bm.extend("a", prompt[12:20] + [1] * 5)
+  bm.extend("a", prompt[12:20])
+  assert bm.block_table("a") == [1, 2, 3, 4, 5] and bm.token_ids("a") == prompt
+  bm.cache_blocks("a", 20)
+  bm.check_invariants()
+  # The blocks hash as if allocated at once: a second request hits all 4 leading blocks.
+  bm.free("a")
+  assert bm.allocate("b", prompt + [7]).num_cached_tokens == 20
+  bm.append_slot("b", -1)  # a pending token: nothing more may be extended
+  with pytest.raises(ValueError, match="pending token"):
+    bm.extend("b", [1])
