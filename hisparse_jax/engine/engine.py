@@ -42,6 +42,7 @@ from hisparse_jax.kv_cache.capacity import (
   hisparse_capacity,
   plan_capacity,
   plan_capacity_reserving,
+  streamed_device_blocks,
 )
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, check_kv_cache_dtype_devices
 from hisparse_jax.kv_cache.transfer import TransferEngine
@@ -129,6 +130,9 @@ class Engine:
     if config.hisparse is None:
       plan = plan_capacity(spec, **plan_args)
     else:
+      if config.enable_chunked_prefill:  # a prompt longer than the device pool streams
+        plan_args["streamed_device_blocks"] = streamed_device_blocks(
+            config.hisparse, spec.block_size, config.max_num_batched_tokens)
       # The indexer's key bounds (by device block and by host block) and the hot-buffer
       # state come out of the device budget, beside the blocks they serve.
       plan = plan_capacity_reserving(
@@ -188,7 +192,9 @@ class Engine:
     return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
                              num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
                              max_model_len=c.max_model_len,
-                             num_devices=parallel.tp_size(self.mesh))
+                             num_devices=parallel.tp_size(self.mesh),
+                             max_num_batched_tokens=(c.max_num_batched_tokens
+                                                     if c.enable_chunked_prefill else None))
 
   # --- Requests ------------------------------------------------------------------
 
@@ -223,6 +229,11 @@ class Engine:
     if n > self.config.max_num_seqs:
       raise ValueError(f"n={n} exceeds max_num_seqs={self.config.max_num_seqs} (the n "
                        "sequences of a request run together)")
+    device_tokens = self.block_manager.device_pool.num_usable_blocks * self.config.block_size
+    if n > 1 and len(token_ids) > device_tokens:  # (HiSparse streams only lone sequences)
+      raise ValueError(f"n={n}: the {n} sequences fork the prompt's blocks on the device, "
+                       f"which holds {device_tokens:,} tokens, and the prompt has "
+                       f"{len(token_ids):,}; use n=1 for prompts longer than the device pool")
     # Sequence i > 0 of a request with n > 1 runs as f"{i}_{request_id}" (vLLM's).
     seq_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, n)]
     if taken := [i for i in seq_ids[1:] if i in self.requests]:

@@ -76,6 +76,9 @@ class Request:
   status: RequestStatus = RequestStatus.WAITING
   num_computed_tokens: int = 0
   prefill_len: int = 0  # tokens allocated at admission: the prompt, or all (recomputation)
+  # HiSparse: the prompt's blocks are allocated chunk by chunk (its KV is longer than the
+  # device pool holds), and its earlier chunks may move to the host pool (Scheduler).
+  streamed: bool = False
   prompt: str | None = None  # the prompt's text, when it came as text
   num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
   finish_reason: str | None = None

@@ -43,7 +43,7 @@ from hisparse_jax.engine.step_batch import (  # noqa: F401 (re-exported)
   needs_extras,
 )
 from hisparse_jax.engine.step_program import copy_program, refresh_program, step_program
-from hisparse_jax.engine.step_shapes import StepCompiler
+from hisparse_jax.engine.step_shapes import StepCompiler, dense_q_lens
 from hisparse_jax.kv_cache.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
 from hisparse_jax.kv_cache.kv_pool import KVPool, device_full_fn, storage_dtype
 from hisparse_jax.kv_cache.transfer import bucket_size
@@ -289,9 +289,7 @@ class ModelRunner:
     # The dense call's static sizes are the target kernels' own (build_batch gave this
     # runner's).
     meta = batch.metadata
-    q_lens = np.diff(np.asarray(meta.cu_q_lens)[:batch.num_seqs + 1])
-    sparse = np.asarray(meta.sparse_rows)[:batch.num_seqs]
-    hints = tuple(sorted(ops.ragged_hints(q_lens[~sparse].tolist()).items()))
+    hints = tuple(sorted(ops.ragged_hints(dense_q_lens(batch)).items()))
     batch = dataclasses.replace(batch, metadata=dataclasses.replace(meta, ragged_hints=hints))
     greedy_only = not np.any(batch.temperature > 0)
     return step.trace(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,

@@ -30,6 +30,16 @@ write) and they keep only a hot buffer plus their newest blocks on the device, s
 running set is bounded by the host-backed capacity rather than the device's. A swapped
 sparse decoder comes back offloaded (its newest block and hot buffer only).
 
+A prompt of more blocks than the device pool has is STREAMED (HiSparse with chunked
+prefill; `Request.streamed`): admitted with the blocks of its first chunk only, it gets
+each next chunk's blocks as it is scheduled (`BlockManager.extend`), making room the way
+decodes do, by offloading sparse decoders and streamed prompts (itself included: its
+computed blocks are written through and dropped). An offloaded prompt's next chunk is a
+sparse prefill row (step_batch.py): it attends over the top-k of its earlier blocks,
+loaded into its hot buffer, and densely over its own (sparse/attention.py). The device
+then holds a hot buffer plus a chunk per streamed prompt, so one request may be as long as
+the host pool (the planner asks the device for `streamed_device_blocks` only).
+
 A request with n > 1 sequences is admitted as its first sequence, with seats for all n
 reserved; when its final prefill chunk is scheduled the others fork its blocks (shared,
 copied on write) and join the running set with a row that samples from the same logits.
@@ -161,13 +171,17 @@ class Scheduler:
       chunk.request.num_computed_tokens = chunk.start + chunk.num_tokens
     return out
 
-  def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
-    """The next prefill chunk of a resident request within `budget` tokens."""
+  def _chunk(self, request: Request, budget: int,
+             out: SchedulerOutput) -> ScheduledChunk | None:
+    """The next prefill chunk of a resident request within `budget` tokens (a streamed
+    prompt's: within the device blocks it can get, `_extend_streamed`)."""
     start = request.num_computed_tokens
     remaining = request.prefill_len - start
     if not self.enable_chunked_prefill and remaining > budget:
       return None
     n = min(remaining, budget)
+    if n > 0 and request.streamed:
+      n = self._extend_streamed(request, start + n, out) - start
     if n <= 0:
       return None
     # Full blocks of this chunk become prefix-cache hits now: the forward writes their
@@ -175,6 +189,32 @@ class Scheduler:
     self.bm.cache_blocks(request.request_id, start + n)
     return ScheduledChunk(request, start, n, self.bm.slot_ids(request.request_id, start,
                                                               start + n))
+
+  def _extend_streamed(self, request: Request, end: int, out: SchedulerOutput) -> int:
+    """Device blocks for a streamed prompt up to token `end`, or as far as the device
+    gives (offloading sparse decoders and streamed prompts, itself included, first).
+    Returns the end its blocks reach now."""
+    rid, bs = request.request_id, self.bm.block_size
+    have = self.bm.num_tokens(rid)
+    if end <= have:
+      return end
+    need = self.bm.blocks_to_extend(rid, end - have)
+    if not self._make_room(need, out):
+      self._make_room(1, out)  # what it can: a shorter chunk
+    room = (self.bm.num_table_blocks(rid) + self.bm.device_pool.num_free_blocks) * bs
+    end = min(end, room)
+    if end > have:  # (room >= have: the table's blocks hold them)
+      self.bm.extend(rid, request.all_token_ids[have:end])
+    return end
+
+  def _streams(self, request: Request, num_blocks: int) -> bool:
+    """Whether a waiting request is admitted with its prompt streamed: with HiSparse and
+    chunked prefill, a prompt of more blocks than the device pool has (its earlier chunks
+    move to the host pool as it prefills; `Request.streamed`). A request with n > 1
+    forks its blocks after the prefill, so it must fit (Engine.add_request refuses it)."""
+    return (self.hisparse is not None and self.enable_chunked_prefill
+            and not request.pending_children
+            and num_blocks > self.bm.device_pool.num_usable_blocks)
 
   def _fork(self, chunk: ScheduledChunk, out: SchedulerOutput) -> list[Request]:
     """Adds `chunk` to the step; when it is the final prefill chunk of a request with
@@ -205,13 +245,18 @@ class Scheduler:
     return (self.hisparse is not None and request.prefill_len > 0
             and not request.is_prefilling and self.hisparse.is_sparse(request.num_tokens))
 
+  def _offloadable(self, request: Request) -> bool:
+    """Whether `_make_room` may offload the request: a sparse decoder, or a streamed
+    prompt (its computed blocks)."""
+    return self.is_sparse_decoder(request) or (request.streamed and request.is_prefilling)
+
   def _write_through(self, request: Request, out: SchedulerOutput) -> None:
     plan = self.bm.write_through(request.request_id, request.num_computed_tokens)
     if plan.num_blocks:
       out.swap_out.append(plan)
 
   def _make_room(self, num_blocks: int, out: SchedulerOutput) -> bool:
-    """Offloads running sparse decoders (largest gain first) until `num_blocks` device
+    """Offloads running sparse decoders and streamed prompts (largest gain first) until `num_blocks` device
     blocks are free; returns whether they are. Offloads nobody when all of them together
     could not free enough (an offload costs host loads later)."""
     free = self.bm.device_pool.num_free_blocks
@@ -219,7 +264,7 @@ class Scheduler:
       return True
     gains = {}
     for request in self.running:  # (requests preempted in this step are not RUNNING)
-      if request.status == RequestStatus.RUNNING and self.is_sparse_decoder(request):
+      if request.status == RequestStatus.RUNNING and self._offloadable(request):
         self._write_through(request, out)
         gain = self.bm.offload_gain(request.request_id, self.hot_buffer_blocks)
         if gain > 0:
@@ -279,7 +324,7 @@ class Scheduler:
         kept.append(request)
         continue
       if request.is_prefilling:
-        chunk = self._chunk(request, budget)
+        chunk = self._chunk(request, budget, out)
         kept.append(request)
         if chunk is not None:
           kept.extend(self._fork(chunk, out))
@@ -313,8 +358,10 @@ class Scheduler:
       # a round trip per step with no progress.
       # Blocks of all its tokens, the next one's included (its last sampled token).
       num_blocks = -(-request.num_tokens // self.bm.block_size)
+      if request.streamed and request.is_prefilling:  # the blocks allocated so far
+        num_blocks = -(-self.bm.num_tokens(request.request_id) // self.bm.block_size)
       hot, kept = 0, 0
-      if self.is_sparse_decoder(request):  # comes back offloaded: newest blocks + hot buffer
+      if self._offloadable(request):  # comes back offloaded: newest blocks + hot buffer
         hot = self.hot_buffer_blocks
         kept = request.num_computed_tokens // self.bm.block_size
       needed = num_blocks - kept + (hot if kept else 0)
@@ -331,7 +378,7 @@ class Scheduler:
       request.status = RequestStatus.RUNNING
       self._insert_running(request)
       if request.is_prefilling:
-        chunk = self._chunk(request, budget)
+        chunk = self._chunk(request, budget, out)
       elif self.bm.can_append(request.request_id):
         chunk = self._decode(request, out)
       else:
@@ -352,17 +399,28 @@ class Scheduler:
       # fork its blocks (each copies the shared last block on write).
       spare = len(self.running) + self.num_reserved_seats + len(request.pending_children)
       needed = -(-len(tokens) // self.bm.block_size)
+      request.streamed = self._streams(request, needed)
+      allocated = tokens
+      if request.streamed:  # its first chunk's blocks now, the next ones as it runs
+        allocated = tokens[:budget]
+        needed = -(-len(allocated) // self.bm.block_size)
       if self.hisparse is not None:  # admission by host-backed capacity: offload first
         self._make_room(needed + spare if self.running else needed, out)
+      if request.streamed:  # what the device gives now (at least one block)
+        free = self.bm.device_pool.num_free_blocks - (spare if self.running else 0)
+        allocated = tokens[:max(0, min(len(allocated), free * self.bm.block_size))]
+        needed = -(-len(allocated) // self.bm.block_size)
+        if not allocated:
+          break
       read_cache = request.sampling_params.prompt_logprobs is None
-      if not self.bm.can_allocate(tokens, read_cache=read_cache):
+      if not self.bm.can_allocate(allocated, read_cache=read_cache):
         break
       if self.running and self.bm.device_pool.num_free_blocks < needed + spare:
         break
       if not self.enable_chunked_prefill and len(tokens) > budget:
         break
       self.waiting.popleft()
-      result = self.bm.allocate(request.request_id, tokens, num_new_tokens=0,
+      result = self.bm.allocate(request.request_id, allocated, num_new_tokens=0,
                                 read_cache=read_cache)
       request.prefill_len = len(tokens)
       if result.swap_in.num_blocks:
@@ -375,7 +433,7 @@ class Scheduler:
       request.status = RequestStatus.RUNNING
       self.num_reserved_seats += len(request.pending_children)
       self._insert_running(request)
-      chunk = self._chunk(request, budget)
+      chunk = self._chunk(request, budget, out)
       if chunk is not None:
         for child in self._fork(chunk, out):
           self._insert_running(child)

@@ -175,12 +175,22 @@ class BatchBuilder:
       num_blocks = -(-kv_lens[i] // self.block_size)
       # A sparse row decodes one token past the prefill (an output token); prefill
       # chunks, even of one token (after a prefix-cache hit), stay dense, so a prompt's
-      # KV does not depend on how much of it the prefix cache held.
-      sparse_rows[i] = (self.hisparse is not None and n == 1
-                        and chunk.start >= request.prefill_len
-                        and self.hisparse.is_sparse(int(kv_lens[i])))
-      blocks_attended[i] = (min(num_blocks, self.hisparse_blocks.top_k_blocks)
-                            if sparse_rows[i] else num_blocks)
+      # KV does not depend on how much of it the prefix cache held. Except a chunk of a
+      # streamed prompt that is offloaded (some earlier blocks only on the host): it
+      # attends over the top-k of its earlier blocks and densely over its own
+      # (sparse/attention.py).
+      offloaded = tiers is not None and tiers.hot_rows[i] >= 0
+      prefill_row = chunk.start < request.prefill_len
+      sparse_rows[i] = self.hisparse is not None and (
+          (n == 1 and not prefill_row and self.hisparse.is_sparse(int(kv_lens[i])))
+          or (prefill_row and offloaded))
+      if sparse_rows[i] and n > 1:  # top-k of the earlier full blocks + its own
+        earlier = chunk.start // self.block_size
+        blocks_attended[i] = (min(earlier, self.hisparse_blocks.top_k_blocks)
+                              + num_blocks - earlier)
+      else:
+        blocks_attended[i] = (min(num_blocks, self.hisparse_blocks.top_k_blocks)
+                              if sparse_rows[i] else num_blocks)
       offset += n
     cu_q_lens[len(chunks)] = offset
     hisparse_meta = {}
@@ -197,8 +207,10 @@ class BatchBuilder:
         hot_reset[:n] = tiers.hot_reset
       hisparse_meta = dict(host_tables=host_tables, hot_slots=hot_slots, hot_rows=hot_rows,
                            hot_reset=hot_reset, step=np.int32(step_clock))
-    # Sparse rows are not in the dense call (kv_len 0 there), so their query counts not.
-    dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows) if not sparse]
+    # Sparse decode rows are not in the dense call (kv_len 0 there), so their query
+    # counts not; sparse prefill chunks are (over their rewritten tables).
+    dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows)
+                    if not sparse or c.num_tokens > 1]
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints,

@@ -70,12 +70,12 @@ def shape_of(batch: StepBatch, greedy_only: bool) -> StepShape:
 
 
 def dense_q_lens(batch: StepBatch) -> list[int]:
-  """Query lengths of the batch's rows in the dense attention call (sparse rows are not
-  in it)."""
+  """Query lengths of the batch's rows in the dense attention call (sparse decode rows
+  are not in it; a sparse prefill chunk is, over its rewritten table)."""
   meta = batch.metadata
   q_lens = np.diff(np.asarray(meta.cu_q_lens)[:batch.num_seqs + 1])
   sparse = np.asarray(meta.sparse_rows)[:batch.num_seqs]
-  return q_lens[~sparse].tolist()
+  return q_lens[~sparse | (q_lens > 1)].tolist()
 
 
 def covers(big: StepShape, small: StepShape, q_lens: Sequence[int],

@@ -86,8 +86,13 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
                   device_kv_gib: float | None = None, device: jax.Device | None = None,
                   device_reserved_bytes: int = 0,
                   device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
-                  num_devices: int = 1) -> CapacityPlan:
+                  num_devices: int = 1,
+                  streamed_device_blocks: int | None = None) -> CapacityPlan:
   """Plans the block counts of both tiers; `ValueError` naming the flag when refused.
+
+  streamed_device_blocks: with HiSparse (and chunked prefill) one request's KV lives in
+  the host pool and streams through the device (`streamed_device_blocks`); the device
+  must then hold that many usable blocks, not the whole request.
 
   num_devices: tensor parallelism; each block is split over that many devices, the
   device budget (flag, memory_stats or default) is per device, and the plan's budget and
@@ -124,7 +129,13 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   if num_devices > 1:
     source += f", per device x {num_devices} devices"
   num_device_blocks = max(0, (budget - device_reserved_bytes) // spec.bytes_per_block)
-  if num_usable_blocks(num_device_blocks) < blocks_per_request:
+  device_need = blocks_per_request
+  if streamed_device_blocks is not None and streamed_device_blocks < blocks_per_request:
+    device_need = streamed_device_blocks
+    need = (f"HiSparse streams a request through {streamed_device_blocks:,} blocks of "
+            f"{spec.block_size} tokens (its hot buffer, one prefill chunk of "
+            "--max_num_batched_tokens, and 2 more)")
+  if num_usable_blocks(num_device_blocks) < device_need:
     raise ValueError(
         f"--device_kv_gib: the device KV budget of {budget:,} bytes = {_gib(budget)} "
         f"({source}) holds "
@@ -250,6 +261,9 @@ class HiSparseCapacity:
   top_k_blocks: int
   sparse_threshold_tokens: int
   bounds_dtype: str = "float32"  # of the key bounds (HiSparseConfig.bounds_dtype)
+  # Device blocks a prompt longer than the device pool streams through (chunked
+  # prefill); None: prompts must fit the device pool.
+  streamed_device_blocks: int | None = None
 
   @property
   def reserved_bytes(self) -> int:
@@ -270,15 +284,26 @@ def bounds_bytes_per_block(spec: KVCacheSpec, bounds_dtype: str = "float32") -> 
       bounds_dtype).itemsize
 
 
+def streamed_device_blocks(hisparse, block_size: int, max_num_batched_tokens: int) -> int:
+  """Device blocks one request needs with HiSparse when its prompt streams through the
+  device (Scheduler: a prompt longer than the device pool): its hot buffer, one prefill
+  chunk of `max_num_batched_tokens`, the partly filled block before the chunk and one
+  for the token after it. `hisparse`: a HiSparseConfig."""
+  return (hisparse.blocks(block_size).hot_buffer_blocks
+          + math.ceil(max_num_batched_tokens / block_size) + 2)
+
+
 def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
                       num_host_blocks: int, max_num_seqs: int,
-                      max_model_len: int, num_devices: int = 1) -> HiSparseCapacity:
+                      max_model_len: int, num_devices: int = 1,
+                      max_num_batched_tokens: int | None = None) -> HiSparseCapacity:
   """The device bytes HiSparse needs besides the pool, for pools of these block counts
   (null blocks included): key bounds of every device and host block, and hot-buffer
   state rows of [slots] x 2 + [max blocks] int32 per layer and running request (what
   hisparse_jax.engine.runner.ModelRunner allocates). `hisparse`: a HiSparseConfig.
   num_devices: tensor parallel; the key bounds are split by KV head, the state is
-  replicated (one copy per device, all counted)."""
+  replicated (one copy per device, all counted). max_num_batched_tokens: the prefill
+  chunk a prompt longer than the device pool streams through (None: no streaming)."""
   blocks = hisparse.blocks(spec.block_size)
   max_blocks = math.ceil(max_model_len / spec.block_size)
   state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
@@ -288,7 +313,9 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
       hot_state_bytes=state * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
       top_k_blocks=blocks.top_k_blocks,
       sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
-      bounds_dtype=hisparse.bounds_dtype)
+      bounds_dtype=hisparse.bounds_dtype,
+      streamed_device_blocks=None if max_num_batched_tokens is None else
+      streamed_device_blocks(hisparse, spec.block_size, max_num_batched_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +437,12 @@ class CapacityReport:
     if running is not None:
       line += (f"; HiSparse runs {running:,.2f}x at once (full KV on {PINNED_HOST}, hot "
                f"buffer + newest block on {DEVICE})")
+      device_tokens = self[DEVICE].num_tokens
+      if self.hisparse.streamed_device_blocks is not None and tokens_per_request > device_tokens:
+        line += (f"; one request may be up to {tokens_per_request:,} tokens, beyond the "
+                 f"{device_tokens:,} of {DEVICE}: its prefill streams through "
+                 f"{self.hisparse.streamed_device_blocks:,} device blocks, its KV to "
+                 f"{PINNED_HOST}")
     elif self.hisparse is not None:  # the threshold is at least the longest request
       line += (f"; HiSparse: requests up to {self.hisparse.sparse_threshold_tokens:,} tokens "
                f"decode dense, so none of up to {tokens_per_request:,} decodes sparse: lower "

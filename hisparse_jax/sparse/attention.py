@@ -26,6 +26,13 @@ pages), and each layer of the step runs:
 `sparse_rows` (a per-row flag in StepMetadata) decides; shapes stay static (the
 selected table is [num_seqs, top_k_blocks]), so the step is still one program.
 
+A sparse row of more than one query is a prefill chunk of a streamed prompt (one longer
+than the device pool; engine/scheduler.py) whose earlier blocks are partly on the host
+only. It is selected, resolved and loaded like a decode row, by its last query, over its
+E earlier full blocks; then it stays in the dense call over a rewritten table: the
+selected blocks, then its own blocks from block E on (`chunk_tables`), so its queries
+attend over top-k earlier blocks + every key of their own chunk, causally.
+
 Tier inputs of a step (`SparseTiers`, from the block manager): each row's host copies
 per logical block (`host_tables`), its hot-buffer device blocks (`hot_slots`), and its
 row of the hot-buffer state (`hot_rows`; `hot_reset` starts it empty). The runner owns
@@ -157,6 +164,11 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   is_sparse = metadata.sparse_rows  # bool [num_seqs]
   num_tokens, batch = q.shape[0], is_sparse.shape[0]
   tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
+  kv_lens = metadata.kv_lens
+  # Sparse prefill chunks (of a streamed prompt, some of whose earlier blocks are only on
+  # the host): selected like a decode row, by their last query, then attended in the
+  # dense call over a rewritten table (below).
+  is_chunk = is_sparse & (metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1] > 1)
   counts = jnp.zeros((batch, len(COUNT_FIELDS)), jnp.int32)
   loaded = jnp.int32(0)
   new_state = cache["state"]
@@ -165,18 +177,24 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   if num_sparse:
     rows, live = packed_ids(is_sparse, num_sparse)
     out_rows = jnp.where(live, rows, batch)  # for scatters back to the batch (padding dropped)
-    token = jnp.minimum(metadata.cu_q_lens[rows], num_tokens - 1)  # each row's query token
-    pages, new_state, row_counts, loaded, sparse_out = _sparse_rows(
-        sparse, kv_dtype, ops, q[token], pages, bounds, cache, metadata, rows, live)
+    # Each row's last query token (a decode row's only one).
+    token = jnp.clip(metadata.cu_q_lens[rows + 1] - 1, 0, num_tokens - 1)
+    chunk = live & is_chunk[rows]
+    pages, new_state, row_counts, loaded, sparse_out, (chunk_tables, chunk_lens) = (
+        _sparse_rows(sparse, kv_dtype, ops, q[token], pages, bounds, cache, metadata, rows,
+                     live, chunk))
     counts = counts.at[out_rows].set(row_counts, mode="drop")
+    chunk_rows = jnp.where(chunk, rows, batch)
+    tables = tables.at[chunk_rows].set(chunk_tables, mode="drop")
+    kv_lens = kv_lens.at[chunk_rows].set(chunk_lens, mode="drop")
   k_view, v_view = page_views(pages, kv_dtype)
-  # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse rows get
-  # no key there (their output is replaced below). A step with no dense row (a batch of
-  # long decodes) skips the call: the reference's and the Pallas kernel's cost follows
-  # the block-table width, not the lengths (measured: 408 of 463 ms per layer at 64k
-  # tokens for length-1 rows).
-  dense_lens = jnp.where(is_sparse, 0, metadata.kv_lens)
-  any_dense = jnp.any(~is_sparse & (metadata.kv_lens > 0))
+  # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse decode
+  # rows get no key there (their output is replaced below). A step with no dense row (a
+  # batch of long decodes) skips the call: the reference's and the Pallas kernel's cost
+  # follows the block-table width, not the lengths (measured: 408 of 463 ms per layer at
+  # 64k tokens for length-1 rows).
+  dense_lens = jnp.where(is_sparse & ~is_chunk, 0, kv_lens)
+  any_dense = jnp.any(dense_lens > 0)
   out = lax.cond(
       any_dense,
       lambda: ops.ragged_paged_attention(q, k_view, v_view, tables, dense_lens,
@@ -185,19 +203,58 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
                                          **dict(metadata.ragged_hints)).astype(q.dtype),
       lambda: jnp.zeros_like(q))
   if sparse_out is not None:
-    out = out.at[jnp.where(live, token, num_tokens)].set(sparse_out.astype(out.dtype),
-                                                         mode="drop")
+    decode = live & ~chunk
+    out = out.at[jnp.where(decode, token, num_tokens)].set(sparse_out.astype(out.dtype),
+                                                           mode="drop")
   return out, pages, new_state, (counts, loaded)
 
 
+def chunk_tables(selected, valid, tables, kv_lens, q_lens, block_size: int):
+  """Block tables of sparse prefill chunks for the dense attention call.
+
+  A chunk of q_len queries ending at kv_len attends over E = (kv_len - q_len) //
+  block_size earlier full blocks (whichever of them the selection picked) and over its
+  own blocks from block E on (block E may hold earlier tokens too: it is partly filled
+  and still on the device). The table is the selected blocks' distinct device ids
+  (`selected` [n, x] where `valid`; their order does not matter: every query sees them
+  all) followed by the tables' blocks E, E + 1, ...; the length m * block_size +
+  kv_len - E * block_size keeps the causal mask of the chunk's own keys, which the
+  kernels take from the row's last q_len positions. RoPE was applied when the keys were
+  written, so the compacted key positions change nothing else.
+  Returns (tables [n, width] int32, kv_lens [n] int32)."""
+  n, width = tables.shape
+  big = jnp.iinfo(jnp.int32).max
+  ids = jnp.sort(jnp.where(valid, selected, big).astype(jnp.int32), axis=1)
+  first = (ids != big) & jnp.concatenate(
+      [jnp.ones((n, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+  m = first.sum(axis=1, dtype=jnp.int32)
+  pos = jnp.where(first, jnp.cumsum(first, axis=1) - 1, width)
+  compact = jnp.zeros((n, width), jnp.int32).at[
+      jnp.arange(n)[:, None], pos].set(ids, mode="drop")
+  earlier = (kv_lens - q_lens) // block_size
+  src = earlier[:, None] + jnp.arange(width)[None, :] - m[:, None]
+  own = jnp.where(src < width,
+                  jnp.take_along_axis(tables, jnp.clip(src, 0, width - 1), axis=1), 0)
+  out = jnp.where(jnp.arange(width)[None, :] < m[:, None], compact, own)
+  return out, (m * block_size + kv_lens - earlier * block_size).astype(jnp.int32)
+
+
 def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, q_rows,
-                 pages, bounds, cache, metadata: StepMetadata, rows, live):
+                 pages, bounds, cache, metadata: StepMetadata, rows, live, chunk):
   """select -> resolve -> load -> attend for the batch rows `rows` (`live` False:
-  padding). q_rows [n, num_q_heads, head_dim]. Returns (new pages, new hot-buffer state,
-  counts [n, 5], blocks loaded, attention output [n, num_q_heads, head_dim])."""
+  padding; `chunk`: a sparse prefill chunk, selected over its earlier full blocks by its
+  last query and attended in the dense call). q_rows [n, num_q_heads, head_dim] (each
+  row's last query). Returns (new pages, new hot-buffer state, counts [n, 5], blocks
+  loaded, attention output of the decode rows [n, num_q_heads, head_dim], (tables,
+  kv_lens) of the chunk rows for the dense call: `chunk_tables`)."""
   tables = metadata.block_tables[rows]
   host_tables = metadata.host_tables[rows]
-  kv_lens = jnp.where(live, metadata.kv_lens[rows], 0)
+  block_size = pages[0].shape[1]
+  q_lens = metadata.cu_q_lens[rows + 1] - metadata.cu_q_lens[rows]
+  row_lens = metadata.kv_lens[rows]
+  # A chunk selects among its earlier full blocks only (its own are attended densely).
+  kv_lens = jnp.where(live, jnp.where(chunk, (row_lens - q_lens) // block_size * block_size,
+                                      row_lens), 0)
   # select: key bounds of each logical block, from its device copy's row or, once it was
   # dropped, its host copy's row (read in place by the C++ kernel on CPU, else gathered).
   num_device_blocks = pages[0].shape[0]
@@ -240,13 +297,16 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
       one_memory=sparse.one_memory)
   # attend: the newest, partly filled block is last (indexer order).
   k_view, v_view = page_views(pages, kv_dtype)
+  decode = live & ~chunk
   if per_head:
     out = kernels_pallas.paged_attention_per_head(
         q_rows, k_view, v_view, res.block_tables.reshape(sel.logical_ids.shape),
-        jnp.where(live[:, None], sel.kv_lens, 0))
+        jnp.where(decode[:, None], sel.kv_lens, 0))
   else:
     out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables,
-                              jnp.where(live, sel.kv_lens, 0))
+                              jnp.where(decode, sel.kv_lens, 0))
+  chunks = chunk_tables(res.block_tables.reshape(n, -1), valid, tables, row_lens, q_lens,
+                        block_size)
   # The rows' new state goes back to their state rows (rows without one are dropped).
   dst = jnp.where(own_row, hot_rows, num_state_rows)
   new_state = (slot_block.at[dst].set(res.state.slot_block, mode="drop"),
@@ -255,4 +315,4 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   c = res.counts
   counts = jnp.stack([c.resident_hits, c.hot_hits, c.misses, c.evictions, c.thrash], axis=-1)
   counts = jnp.where(live[:, None], counts, 0).astype(jnp.int32)
-  return pages, new_state, counts, loaded, out
+  return pages, new_state, counts, loaded, out, chunks

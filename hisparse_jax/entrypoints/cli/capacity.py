@@ -24,6 +24,7 @@ from hisparse_jax.kv_cache.capacity import (
   hisparse_capacity,
   plan_capacity,
   plan_capacity_reserving,
+  streamed_device_blocks,
 )
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, check_kv_cache_dtype
 
@@ -50,14 +51,18 @@ def main(argv: list[str]) -> int:
                                        FLAGS.kv_cache_dtype)
   plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
                    device_kv_gib=FLAGS.device_kv_gib)
-  plan = plan_capacity(spec, **plan_args)
   hisparse = hisparse_from_flags()
   if hisparse is None:
+    plan = plan_capacity(spec, **plan_args)
     pools = plan.allocate()
     _print(CapacityReport.from_pools(pools, plan.device_reserved_bytes))
     return 0
-  # As the engine does: the indexer and hot-buffer bytes come out of the device budget.
-  sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len)
+  # As the engine does: the indexer and hot-buffer bytes come out of the device budget,
+  # and a prompt longer than the device pool streams through it (chunked prefill).
+  sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len,
+               max_num_batched_tokens=FLAGS.max_num_batched_tokens)
+  plan_args["streamed_device_blocks"] = streamed_device_blocks(
+      hisparse, spec.block_size, FLAGS.max_num_batched_tokens)
   pools = plan_capacity_reserving(
       spec, lambda d, h: hisparse_capacity(spec, hisparse, num_device_blocks=d,
                                            num_host_blocks=h, **sizes).reserved_bytes,
