@@ -116,6 +116,9 @@ class Size:
   block_sizes_by_length: tuple[tuple[int, tuple[int, ...]], ...] = ()
   dense_block_size: int = 16
   seed: int = 30  # keys: seed + length
+  # Lengths whose HiSparse rows run a second time with a device pool of
+  # STREAMED_DEVICE_FRACTION of one request: each prompt streams through it (module doc).
+  streamed_lengths: tuple[int, ...] = ()
 
   def depths_of(self, length: int) -> tuple[float, ...]:
     return dict(self.depths_by_length).get(length, self.depths)
@@ -133,11 +136,16 @@ SIZES = {
                  depths=(0.1, 0.3, 0.5, 0.7, 0.9), top_ks=(256, 512, 1024, 2048),
                  block_sizes=(16, 32), device_requests=1.5, agreement_prompts=16,
                  agreement_tokens=32, agreement_rows=((4, 16), (4, 32)),
-                 depths_by_length=((8192, (0.1, 0.5, 0.9)),)),
+                 depths_by_length=((8192, (0.1, 0.5, 0.9)),), streamed_lengths=(8192,)),
+    # The 8k rows alone at top-k 1,024, all-resident and streamed (~40 min on 2 cores).
+    "streamed": Size(model="smollm2-135m-instruct", lengths=(8192,), depths=(0.1, 0.5, 0.9),
+                     top_ks=(1024,), block_sizes=(16, 32), device_requests=1.5,
+                     agreement_prompts=0, agreement_tokens=0, agreement_rows=(),
+                     streamed_lengths=(8192,)),
     # Two prompts: the second one's admission offloads the first (host loads).
     "smoke": Size(model="hisparse-tiny", lengths=(256,), depths=(0.25, 0.75), top_ks=(64, 256),
                   block_sizes=(16,), device_requests=1.5, agreement_prompts=2,
-                  agreement_tokens=8, agreement_rows=((4, 8),)),
+                  agreement_tokens=8, agreement_rows=((4, 8),), streamed_lengths=(256,)),
 }
 
 
@@ -203,7 +211,28 @@ def _length_rows(bundle, size: Size, length: int) -> list[dict]:
               a["answer"] == d["answer"] for a, d in zip(row["answers"], dense["answers"]))
       rows.append(row)
       _drop_programs()
+      if row["status"] == "run" and length in size.streamed_lengths:
+        rows.append(_streamed_row(bundle, size, length, prompts, len(tail), block_size,
+                                  hisparse, dense))
+        _drop_programs()
   return rows
+
+
+def _streamed_row(bundle, size: Size, length: int, prompts, num_forced: int, block_size: int,
+                  hisparse, dense: dict) -> dict:
+  """The HiSparse row again with a device pool of STREAMED_DEVICE_FRACTION of a request:
+  every prompt is longer than the device pool, so it streams (module doc)."""
+  try:
+    row = _passkey_row(bundle, size, length, prompts, num_forced, block_size, hisparse,
+                       streamed=True)
+  except Exception as e:  # noqa: BLE001 (an engine error is a finding of this row)
+    row = _row_head(length, prompts, block_size, hisparse.top_k_tokens, streamed=True)
+    row.update(status="error", error=f"{type(e).__name__}: {e}")
+    print(f"passkey {length:>5} {row['config']}: {row['error']}", flush=True)
+    return row
+  row["same_answer_as_dense"] = sum(
+      a["answer"] == d["answer"] for a, d in zip(row["answers"], dense["answers"]))
+  return row
 
 
 def _drop_programs() -> None:
@@ -225,20 +254,23 @@ def _num_mappings() -> int | None:
     return None
 
 
-def _row_head(length: int, prompts, block_size: int, top_k: int | None) -> dict:
+def _row_head(length: int, prompts, block_size: int, top_k: int | None,
+              streamed: bool = False) -> dict:
   lengths = [len(p.token_ids) for p in prompts]
-  return {"length": length, "config": "dense" if top_k is None else
-          f"top-k {top_k} block {block_size}", "block_size": block_size,
+  config = "dense" if top_k is None else f"top-k {top_k} block {block_size}"
+  if streamed:
+    config += f" streamed ({STREAMED_DEVICE_FRACTION:.0%})"
+  return {"length": length, "config": config, "block_size": block_size,
           "top_k_tokens": top_k, "num_prompts": len(prompts),
-          "prompt_tokens": [min(lengths), max(lengths)]}
+          "prompt_tokens": [min(lengths), max(lengths)], "streamed": streamed}
 
 
 def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, block_size: int,
-                 hisparse) -> dict:
+                 hisparse, streamed: bool = False) -> dict:
   from models import passkey  # noqa: PLC0415
 
   row = _row_head(length, prompts, block_size,
-                  None if hisparse is None else hisparse.top_k_tokens)
+                  None if hisparse is None else hisparse.top_k_tokens, streamed)
   if hisparse is not None:
     first_kv = min(len(p.token_ids) for p in prompts) - num_forced + 1
     if not hisparse.is_sparse(first_kv):
@@ -247,7 +279,12 @@ def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, bloc
   t0 = time.perf_counter()
   engine = _engine(bundle, size, max_model_len=length, block_size=block_size,
                    hisparse=hisparse, num_requests=len(prompts),
-                   device_requests=size.device_requests)
+                   device_requests=STREAMED_DEVICE_FRACTION if streamed
+                   else size.device_requests, streamed=streamed)
+  if streamed:  # every prompt longer than the device pool: each one streams
+    device_tokens = engine.capacity.tiers[0].num_tokens
+    if min(len(p.token_ids) for p in prompts) - num_forced <= device_tokens:
+      raise AssertionError(f"a prompt fits the {device_tokens} device tokens")
   t1 = time.perf_counter()
   outs = forced_generate(engine, [p.token_ids for p in prompts], num_forced, NEW_TOKENS)
   t2 = time.perf_counter()
@@ -276,6 +313,10 @@ def _hisparse_fields(hisparse) -> dict:
                                             "selection", "bounds_dtype")}
 
 
+# Streamed rows: the device pool holds this fraction of one request (in blocks), less than
+# half of each prompt's KV; the rest of the engine's settings as the row's.
+STREAMED_DEVICE_FRACTION = 0.45
+
 # Device blocks beyond one request and one hot buffer (fraction of a request): the prefix
 # blocks an offloaded request shares with the next (its needle depth, 10% at the least)
 # stay on the device, plus a spare block per running request.
@@ -296,9 +337,10 @@ def device_pool_blocks(max_model_len: int, block_size: int, device_requests: flo
 
 
 def _engine(bundle, size: Size, *, max_model_len: int, block_size: int, hisparse,
-            num_requests: int, device_requests: float):
+            num_requests: int, device_requests: float, streamed: bool = False):
   """An Engine over the loaded model: the device pool holds `device_requests` requests of
-  max_model_len tokens in blocks (+ HiSparse's reserved bytes), the host pool all of them."""
+  max_model_len tokens in blocks (+ HiSparse's reserved bytes), the host pool all of them.
+  `streamed`: exactly `device_requests` (< 1) of a request, no hot-buffer room added."""
   from hisparse_jax.engine.config import EngineConfig  # noqa: PLC0415
   from hisparse_jax.engine.engine import Engine  # noqa: PLC0415
   from hisparse_jax.kv_cache.capacity import hisparse_capacity  # noqa: PLC0415
@@ -310,6 +352,12 @@ def _engine(bundle, size: Size, *, max_model_len: int, block_size: int, hisparse
   device_blocks = device_pool_blocks(
       max_model_len, block_size, device_requests,
       None if hisparse is None else hisparse.hot_buffer_tokens) + 1  # + the null block
+  max_num_batched_tokens = 2048  # (EngineConfig's default)
+  if streamed:  # prefill chunks that fit beside the hot buffer (streamed_device_blocks)
+    device_blocks = math.floor(device_requests * blocks_per_request) + 1
+    hot_blocks = hisparse.blocks(block_size).hot_buffer_blocks
+    max_num_batched_tokens = min(max_num_batched_tokens,
+                                 (device_blocks - 1 - hot_blocks - 2) * block_size)
   host_blocks = (num_requests + 2) * blocks_per_request + 1
   max_num_seqs = max(8, num_requests)
   reserved = 0
@@ -320,6 +368,7 @@ def _engine(bundle, size: Size, *, max_model_len: int, block_size: int, hisparse
   config = EngineConfig(
       model=size.model, block_size=block_size, max_model_len=max_model_len,
       max_num_seqs=max_num_seqs, hisparse=hisparse,
+      max_num_batched_tokens=max_num_batched_tokens,
       device_kv_gib=(device_blocks * spec.bytes_per_block + reserved + 512) / GIB,
       host_pool_gib=(host_blocks * spec.bytes_per_block + 512) / GIB,
       # Teacher forcing overwrites a sampled token before the next step takes it.
@@ -413,7 +462,7 @@ def smallest_top_k(rows: list[dict], size: Size) -> dict:
       best = None
       for top_k in sorted(size.top_ks, reverse=True):
         row = next(r for r in rows if r["length"] == length and r["top_k_tokens"] == top_k
-                   and r["block_size"] == block_size)
+                   and r["block_size"] == block_size and not r.get("streamed"))
         if row["status"] == "covers" or (row["status"] == "run"
                                          and row["accuracy"] >= dense["accuracy"]):
           best = top_k
@@ -431,6 +480,8 @@ def smallest_top_k(rows: list[dict], size: Size) -> dict:
 def _agreement(bundle, size: Size) -> dict:
   from hisparse_jax.sparse.config import HiSparseConfig  # noqa: PLC0415
 
+  if not size.agreement_rows:
+    return None
   tokenizer = bundle[2]
   texts = AGREEMENT_PROMPTS[:size.agreement_prompts]
   prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
@@ -507,6 +558,8 @@ def format_table(result: dict) -> str:
                       for b, k in by_block.items())
     lines.append(f"  {int(length):,} (dense {result['dense_accuracy'][length]:.0%}): {cells}")
   a = result["agreement"]
+  if a is None:
+    return "\n".join(lines)
   lines += ["", f"greedy agreement with dense, {len(a['prompts'])} chat prompts x "
             f"{a['new_tokens']} tokens",
             common.format_table(("config", "tokens equal", "identical", "common prefix",
@@ -535,11 +588,19 @@ def plot(result: dict, path: str) -> None:
   for i, top_k in enumerate(result["config"]["top_ks"]):
     for j, block_size in enumerate(result["config"]["block_sizes"]):
       run = [r for r in result["rows"] if r["top_k_tokens"] == top_k
-             and r["block_size"] == block_size and r["status"] == "run"]
+             and r["block_size"] == block_size and r["status"] == "run"
+             and not r.get("streamed")]
       if run:
         ax.plot([r["length"] for r in run], [r["accuracy"] for r in run],
                 ("-", "--", ":")[j % 3], marker="os^"[j % 3], color=colors[i % len(colors)],
                 label=f"top-k {top_k:,}, block {block_size}")
+      streamed = [r for r in result["rows"] if r["top_k_tokens"] == top_k
+                  and r["block_size"] == block_size and r["status"] == "run"
+                  and r.get("streamed")]
+      if streamed:  # points only: one length
+        ax.plot([r["length"] for r in streamed], [r["accuracy"] for r in streamed],
+                linestyle="none", marker="*", markersize=11, color=colors[i % len(colors)],
+                label=f"top-k {top_k:,}, block {block_size}, streamed")
   ax.set_xscale("log", base=2)
   ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
   ax.minorticks_off()

@@ -242,7 +242,8 @@ def passkey_lines(p: dict) -> list[str]:
   for r in p["rows"]:
     depth_sets.setdefault(r["length"], r["num_prompts"])
   configs = [(k, b) for k in c["top_ks"] for b in c["block_sizes"]]
-  by_key = {(r["length"], r["top_k_tokens"], r["block_size"]): r for r in p["rows"]}
+  by_key = {(r["length"], r["top_k_tokens"], r["block_size"]): r for r in p["rows"]
+            if not r.get("streamed")}
   selection = ", ".join(sorted({f"`{r['hisparse']['selection']}`" for r in p["rows"]
                                 if r.get("hisparse")})) or "-"
 
@@ -293,7 +294,17 @@ def passkey_lines(p: dict) -> list[str]:
                  f"{pct(h['hot_buffer_hit_ratio']) if h['hot_buffer_lookups'] else '-'} | "
                  f"{h['h2d_bytes'] / 2**20:,.1f} | "
                  f"{r['engine_s'] + r['run_s']:,.0f} |")
+  streamed = [r for r in p["rows"] if r.get("streamed")]
+  if streamed:
+    lines += ["", "`streamed`: the same HiSparse row with a device pool of "
+              f"{streamed[0]['config'].rsplit('(', 1)[1].rstrip(')')} of one request's blocks, "
+              "less than half of each prompt's KV: every prompt streams through it (its "
+              "computed chunks written through to the host pool and dropped, each later chunk "
+              "attending over the top-k of its earlier blocks and densely over its own); dense "
+              "cannot start at that budget."]
   a = p["agreement"]
+  if a is None:
+    return lines
   lines += ["", f"Greedy agreement with dense: {len(a['prompts'])} ordinary English prompts "
             f"in the chat template ({min(a['prompt_tokens'])}-{max(a['prompt_tokens'])} "
             f"tokens), {a['new_tokens']} tokens each, every one from a decode step (the "
