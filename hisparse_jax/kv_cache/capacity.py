@@ -142,6 +142,8 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"{max(0, num_usable_blocks(num_device_blocks)):,} usable blocks after the null block and "
         f"{device_reserved_bytes:,} bytes reserved for the indexer and hot buffers, but "
         f"{need}; raise --device_kv_gib or lower --max_model_len"
+        + (", --hot_buffer_tokens or --max_num_batched_tokens" if device_need
+           < blocks_per_request else "")
         + (" (or lower --host_pool_gib or raise --block_size: the indexer keeps the key "
            "bounds of every host block on the device)" if device_reserved_bytes else ""))
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-  hisparse-jax bench [--suite=NAME|all] [--out=FILE.json] [--bench_size=full|smoke]
+  hisparse-jax bench [--suite=NAME|all] [--out=FILE.json] [--bench_size=full|smoke|streamed]
       [--bench_plot=FILE.png] [--block_size=16 (decode_sparse_vs_dense)]
 
 Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
@@ -134,6 +134,13 @@ def _write_json(result: dict, path: str) -> None:
 def main(argv: list[str]) -> int:
   del argv  # all input comes from the flags of hisparse_jax.entrypoints.cli.main
   names = suite_names(FLAGS.suite)
+  for name in names:  # (full and smoke: every suite's; others: a suite's own)
+    module = importlib.import_module(
+        f"hisparse_jax.bench.{SUITES.get(name) or ACCURACY_SUITES[name]}")
+    sizes = getattr(module, "SIZES", None)
+    if FLAGS.bench_size not in ("full", "smoke") and (sizes is None
+                                                      or FLAGS.bench_size not in sizes):
+      raise ValueError(f"--bench_size={FLAGS.bench_size}: the {name} suite has no such size")
   plotted = [n for n in names if n in PLOTTED]
   if FLAGS.bench_plot and not plotted:
     raise ValueError(f"--bench_plot: the plot comes from the {', '.join(PLOTTED)} suites, "

@@ -175,8 +175,10 @@ flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_v
                     "runs only by name) or all.")
 flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: the directory "
                     "to write (new or empty).")
-flags.DEFINE_enum("bench_size", "full", ["full", "smoke"],
-                  "bench: problem sizes; smoke = tiny, seconds per suite (tests).")
+flags.DEFINE_enum("bench_size", "full", ["full", "smoke", "streamed"],
+                  "bench: problem sizes; smoke = tiny, seconds per suite (tests); "
+                  "streamed (passkey only): the 8k rows at top-k 1,024, all-resident and "
+                  "streamed through a device pool of 45% of a prompt.")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
                     "against context here (when the decode_sparse_vs_dense suite runs), "
                     "of passkey accuracy against length (--suite=passkey), or of decode "
@@ -207,7 +209,8 @@ _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprob
 _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",
              "coordinator_timeout_s")
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "capacity": (("model and memory", _MODEL), ("engine", ("max_num_seqs",)),
+    "capacity": (("model and memory", _MODEL),
+                 ("engine", ("max_num_seqs", "max_num_batched_tokens")),
                  ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
     "generate": (("prompts", ("prompt", "prompts_file", "chat")),
                  ("sampling", _SAMPLING),
