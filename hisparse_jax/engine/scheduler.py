@@ -256,9 +256,9 @@ class Scheduler:
       out.swap_out.append(plan)
 
   def _make_room(self, num_blocks: int, out: SchedulerOutput) -> bool:
-    """Offloads running sparse decoders and streamed prompts (largest gain first) until `num_blocks` device
-    blocks are free; returns whether they are. Offloads nobody when all of them together
-    could not free enough (an offload costs host loads later)."""
+    """Offloads running sparse decoders and streamed prompts (largest gain first) until
+    `num_blocks` device blocks are free; returns whether they are. Offloads nobody when all
+    of them together could not free enough (an offload costs host loads later)."""
     free = self.bm.device_pool.num_free_blocks
     if free >= num_blocks:
       return True

@@ -10,7 +10,6 @@ blocks and a hot buffer of 4, so a 200-token prompt needs 25 blocks and streams.
 HiSparse the same budget is refused at start.
 """
 
-import numpy as np
 import pytest
 from engine_fixtures import (
   assert_all_blocks_free,
