@@ -378,8 +378,13 @@ class Engine:
       row_logprobs = None
       if result.logprobs is not None and request.sampling_params.logprobs is not None:
         row_logprobs = tuple(a[i] for a in result.logprobs)
+      own = 0
+      if sparse_rows[i] and chunk.num_tokens > 1:  # a sparse prefill chunk (streamed)
+        own = num_blocks - min(chunk.start // self.config.block_size,
+                               self.runner.hisparse_blocks.top_k_blocks)
       self._tally_blocks(request, num_blocks, tally,
-                         counts[:, i] if counts is not None and sparse_rows[i] else None)
+                         counts[:, i] if counts is not None and sparse_rows[i] else None,
+                         own)
       if chunk.samples:  # (a prompt chunk before the last has nothing to report)
         self._append_token(request, token, now, tally, row_logprobs)
         outputs[request.request_id] = request
@@ -435,11 +440,12 @@ class Engine:
 
   @staticmethod
   def _tally_blocks(request: Request, num_blocks: int, tally: engine_metrics.StepTally,
-                    sparse_counts: np.ndarray | None) -> None:
+                    sparse_counts: np.ndarray | None, own_blocks: int = 0) -> None:
     """Where a row's blocks came from, into the step's `tally` and the request's
     metrics. `num_blocks`: blocks the row's attention read (all of them, or the
     selected); `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row, per
-    layer (counted as the mean over layers)."""
+    layer (counted as the mean over layers); `own_blocks`: a sparse prefill chunk's own
+    blocks, read besides the selected ones (device-resident)."""
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
     selected = request.blocks_selected
@@ -450,6 +456,7 @@ class Engine:
       return
     layers = sparse_counts.shape[0]
     device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
+    device += own_blocks * layers  # a sparse prefill chunk's own blocks (on the device)
     tally.add_blocks(device / layers, hot / layers, host / layers)
     tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
     selected["device"] += device / layers

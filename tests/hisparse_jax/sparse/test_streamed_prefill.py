@@ -42,14 +42,15 @@ def _engine(hisparse=HISPARSE, **overrides):
 
 def _record_rows(engine):
   """Wraps build_batch; returns a list that gets, per step, (device blocks in use, rows
-  of prefill chunks that are sparse)."""
+  of prefill chunks that are sparse, blocks the rows' attention reads)."""
   seen, build = [], engine.runner.build_batch
 
   def recording(chunks, tables, tiers=None):
     batch = engine_build(chunks, tables, tiers)
     sparse = batch.metadata.sparse_rows[:len(chunks)]
     seen.append((engine.block_manager.device_pool.num_used_blocks,
-                 sum(bool(s) and c.num_tokens > 1 for c, s in zip(chunks, sparse))))
+                 sum(bool(s) and c.num_tokens > 1 for c, s in zip(chunks, sparse)),
+                 int(batch.blocks_attended.sum())))
     return batch
 
   engine_build = build
@@ -78,8 +79,13 @@ def test_a_prompt_longer_than_the_device_pool_is_served():
   m = engine.metrics()
   assert m["hisparse_offloads_total"] >= 1
   assert m["hisparse_hot_buffer_loads_total"] > 0  # earlier chunks read back from the host
-  assert sum(rows for _, rows in seen) >= 5  # the later chunks attended sparse
-  assert max(used for used, _ in seen) <= 16
+  assert sum(rows for _, rows, _ in seen) >= 5  # the later chunks attended sparse
+  assert max(used for used, _, _ in seen) <= 16
+  # The request's blocks by source add up to what its rows read (a sparse chunk: the
+  # selected earlier blocks from device / hot buffer / host, its own from the device).
+  selected = outputs["long"].metrics.blocks_selected
+  assert sum(selected.values()) == pytest.approx(sum(b for _, _, b in seen))
+  assert selected["host"] > 0 and selected["hot"] > 0
   assert_all_blocks_free(engine)
   # The first token comes from the streamed prefill alone (its last chunk attended over
   # 4 of its 23 earlier blocks): on this model it is the dense one (the later tokens
