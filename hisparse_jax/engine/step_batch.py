@@ -23,7 +23,10 @@ import numpy as np
 
 from hisparse_jax.engine.scheduler import ScheduledChunk
 from hisparse_jax.kv_cache.transfer import bucket_size
-from hisparse_jax.sparse.attention import StepMetadata  # noqa: F401 (re-exported)
+from hisparse_jax.sparse.attention import (
+  CHUNK_QUERIES,
+  StepMetadata,  # noqa: F401 (re-exported)
+)
 from kernels_pallas.xla_attention import decode_rows_bucket
 
 
@@ -212,9 +215,16 @@ class BatchBuilder:
     dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows)
                     if not sparse or c.num_tokens > 1]
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
+    # A step with a sparse prefill chunk selects by CHUNK_QUERIES queries per row (per
+    # query head selections attend per selecting head: one query, theirs).
+    chunk_queries = 1
+    if (self.hisparse is not None and self.hisparse.selection != "per_query_head"
+        and any(s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows))):
+      chunk_queries = CHUNK_QUERIES
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints,
-                        num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())))
+                        num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())),
+                        chunk_queries=chunk_queries)
     extras, spans = None, ()
     if any(needs_extras(c.request.sampling_params) for c in chunks):
       extras, spans = self._sampler_extras(chunks, b_pad, cu_q_lens)

@@ -49,6 +49,7 @@ class StepShape:
   # Shapes and static fields of the sampler extras (None: no extras). Only an equal
   # signature covers: extras are rare and their shapes many.
   extras: Any = None
+  chunk_queries: int = 1  # StepMetadata.chunk_queries (queries a sparse chunk selects by)
 
   @property
   def cost(self) -> tuple:
@@ -66,7 +67,8 @@ def shape_of(batch: StepBatch, greedy_only: bool) -> StepShape:
   meta = batch.metadata
   return StepShape(int(batch.input_ids.shape[0]), int(batch.logits_indices.shape[0]),
                    int(meta.block_tables.shape[1]), tuple(meta.ragged_hints),
-                   int(meta.num_sparse_rows), bool(greedy_only), extras)
+                   int(meta.num_sparse_rows), bool(greedy_only), extras,
+                   int(meta.chunk_queries))
 
 
 def dense_q_lens(batch: StepBatch) -> list[int]:
@@ -91,6 +93,7 @@ def covers(big: StepShape, small: StepShape, q_lens: Sequence[int],
           # A sampling program samples greedy rows greedily; not the other way round.
           and (big.greedy_only <= small.greedy_only)
           and big.extras == small.extras
+          and big.chunk_queries == small.chunk_queries
           and hints_cover(dict(big.ragged_hints), q_lens))
 
 
@@ -122,7 +125,8 @@ def pad_to(batch: StepBatch, shape: StepShape, num_hot_rows: int) -> StepBatch:
       kv_lens=_pad(np.asarray(meta.kv_lens), b, 0),
       cu_q_lens=_pad(cu, b + 1, cu[-1]),
       sparse_rows=_pad(np.asarray(meta.sparse_rows), b, False),
-      ragged_hints=shape.ragged_hints, num_sparse_rows=shape.num_sparse_rows, **hisparse)
+      ragged_hints=shape.ragged_hints, num_sparse_rows=shape.num_sparse_rows,
+      chunk_queries=shape.chunk_queries, **hisparse)
   return dataclasses.replace(
       batch, input_ids=_pad(batch.input_ids, t, 0), token_src=_pad(batch.token_src, t, -1),
       positions=_pad(batch.positions, t, 0), metadata=meta,

@@ -28,10 +28,11 @@ selected table is [num_seqs, top_k_blocks]), so the step is still one program.
 
 A sparse row of more than one query is a prefill chunk of a streamed prompt (one longer
 than the device pool; engine/scheduler.py) whose earlier blocks are partly on the host
-only. It is selected, resolved and loaded like a decode row, by its last query, over its
-E earlier full blocks; then it stays in the dense call over a rewritten table: the
-selected blocks, then its own blocks from block E on (`chunk_tables`), so its queries
-attend over top-k earlier blocks + every key of their own chunk, causally.
+only. It is selected, resolved and loaded like a decode row, over its E earlier full
+blocks, by CHUNK_QUERIES of its queries spread over it (its last included); then it stays
+in the dense call over a rewritten table: the selected blocks, then its own blocks from
+block E on (`chunk_tables`), so its queries attend over top-k earlier blocks + every key
+of their own chunk, causally.
 
 Tier inputs of a step (`SparseTiers`, from the block manager): each row's host copies
 per logical block (`host_tables`), its hot-buffer device blocks (`hot_slots`), and its
@@ -54,6 +55,11 @@ from hisparse_jax.sparse import indexer, resolver
 from hisparse_jax.sparse.config import HiSparseBlocks
 from kernels_pallas.common import packed_ids
 from kernels_pallas.quant import QuantizedPages, kind_of, quantize
+
+# Queries a sparse prefill chunk's selection ranks the blocks by: each of its query heads at
+# this many positions, evenly spaced over the chunk (its last query included), as that many
+# more query heads of the union (a decode row's one query, repeated, selects as alone).
+CHUNK_QUERIES = 8
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
@@ -84,6 +90,9 @@ class StepMetadata:
   # HiSparse: rows the sparse path computes (a multiple of 8 holding the sparse rows; 0:
   # no sparse path in the program).
   num_sparse_rows: int = dataclasses.field(default=0, metadata={"static": True})
+  # HiSparse: the queries a sparse prefill chunk is selected by (CHUNK_QUERIES, evenly
+  # spaced over the chunk, its last one included) in a step that has one; else 1.
+  chunk_queries: int = dataclasses.field(default=1, metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +175,8 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   tables = metadata.block_tables  # device ids; 0 = dropped (or padding)
   kv_lens = metadata.kv_lens
   # Sparse prefill chunks (of a streamed prompt, some of whose earlier blocks are only on
-  # the host): selected like a decode row, by their last query, then attended in the
-  # dense call over a rewritten table (below).
+  # the host): selected like a decode row (by CHUNK_QUERIES of their queries), then
+  # attended in the dense call over a rewritten table (below).
   is_chunk = is_sparse & (metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1] > 1)
   counts = jnp.zeros((batch, len(COUNT_FIELDS)), jnp.int32)
   loaded = jnp.int32(0)
@@ -180,9 +189,20 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
     # Each row's last query token (a decode row's only one).
     token = jnp.clip(metadata.cu_q_lens[rows + 1] - 1, 0, num_tokens - 1)
     chunk = live & is_chunk[rows]
+    q_select = q[token]
+    if metadata.chunk_queries > 1:  # queries evenly spaced over each row, the last included
+      s = metadata.chunk_queries
+      first = metadata.cu_q_lens[rows]
+      q_len = jnp.maximum(token + 1 - first, 1)
+      picks = first[:, None] + (jnp.arange(1, s + 1)[None, :] * q_len[:, None]) // s - 1
+      picked = q[jnp.clip(picks, 0, num_tokens - 1)]  # [n, s, heads, d]
+      # [n, heads * s] with head h's queries together: query head h * s + i is still in
+      # KV group h // group (indexer: heads map to KV heads in order).
+      q_select = jnp.swapaxes(picked, 1, 2).reshape(
+          picked.shape[0], -1, picked.shape[-1])
     pages, new_state, row_counts, loaded, sparse_out, (chunk_tables, chunk_lens) = (
-        _sparse_rows(sparse, kv_dtype, ops, q[token], pages, bounds, cache, metadata, rows,
-                     live, chunk))
+        _sparse_rows(sparse, kv_dtype, ops, q[token], q_select, pages, bounds, cache,
+                     metadata, rows, live, chunk))
     counts = counts.at[out_rows].set(row_counts, mode="drop")
     chunk_rows = jnp.where(chunk, rows, batch)
     tables = tables.at[chunk_rows].set(chunk_tables, mode="drop")
@@ -240,13 +260,15 @@ def chunk_tables(selected, valid, tables, kv_lens, q_lens, block_size: int):
 
 
 def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, q_rows,
-                 pages, bounds, cache, metadata: StepMetadata, rows, live, chunk):
+                 q_select, pages, bounds, cache, metadata: StepMetadata, rows, live, chunk):
   """select -> resolve -> load -> attend for the batch rows `rows` (`live` False:
-  padding; `chunk`: a sparse prefill chunk, selected over its earlier full blocks by its
-  last query and attended in the dense call). q_rows [n, num_q_heads, head_dim] (each
-  row's last query). Returns (new pages, new hot-buffer state, counts [n, 5], blocks
-  loaded, attention output of the decode rows [n, num_q_heads, head_dim], (tables,
-  kv_lens) of the chunk rows for the dense call: `chunk_tables`)."""
+  padding; `chunk`: a sparse prefill chunk, selected over its earlier full blocks and
+  attended in the dense call). q_rows [n, num_q_heads, head_dim] (each row's last query);
+  q_select [n, num_q_heads * s, head_dim]: the queries the selection ranks by (q_rows, or
+  s per head spread over a chunk: StepMetadata.chunk_queries). Returns (new pages, new
+  hot-buffer state, counts [n, 5], blocks loaded, attention output of the decode rows
+  [n, num_q_heads, head_dim], (tables, kv_lens) of the chunk rows for the dense call:
+  `chunk_tables`)."""
   tables = metadata.block_tables[rows]
   host_tables = metadata.host_tables[rows]
   block_size = pages[0].shape[1]
@@ -262,7 +284,7 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   # The C++ select / resolve: the xla kernels on a CPU target (TPU also takes the xla
   # backend, and the FFI targets are registered for CPU only).
   cpu_kernel = ops.backend == "xla" and kernels_pallas.backend.target_platform() == "cpu"
-  sel = indexer.select_rows(q_rows, bounds, bounds_rows, kv_lens, sparse.blocks,
+  sel = indexer.select_rows(q_select, bounds, bounds_rows, kv_lens, sparse.blocks,
                             sparse.selection, axis_name=sparse.axis_name,
                             kv_head_repeat=sparse.kv_head_repeat,
                             cpu_kernel=cpu_kernel)

@@ -65,7 +65,7 @@ def _sparse_static(hisparse):
       bounds_dtype="float32")
 
 
-def _chunk_case(rng, hisparse, dropped):
+def _chunk_case(rng, hisparse, dropped, chunk_queries=1):
   """One sequence: 26 earlier tokens (6 full blocks + 2 tokens of block 6) and a chunk of
   10 new tokens (26..35), blocks 6-8 on the device. Earlier blocks in `dropped` are only
   in the host pool (table entry 0, a host copy); the others are resident. Returns
@@ -127,7 +127,8 @@ def _chunk_case(rng, hisparse, dropped):
       sparse_rows=jnp.array([True, False]),
       host_tables=jnp.asarray(np.stack([host_table, np.zeros(WIDTH, np.int32)])),
       hot_slots=jnp.asarray(hot_slots), hot_rows=jnp.array([0, ROWS], jnp.int32),
-      hot_reset=jnp.array([True, False]), step=jnp.int32(0), num_sparse_rows=8, **meta)
+      hot_reset=jnp.array([True, False]), step=jnp.int32(0), num_sparse_rows=8,
+      chunk_queries=chunk_queries, **meta)
   sparse, new_cache = attention.attend(
       ops, "float32", jnp.float32, _sparse_static(hisparse), jnp.asarray(q)[None], k_new,
       v_new, layer_idx=0, kv_cache=cache, metadata=sparse_meta, config=config)
@@ -148,16 +149,21 @@ def test_chunk_over_every_earlier_block_equals_dense(selection, dropped):
   assert int(cache["loaded"]) == len(dropped)
 
 
-def test_chunk_with_a_small_top_k_attends_over_the_selection_and_its_own_blocks():
+@pytest.mark.parametrize("chunk_queries", [1, 5])
+def test_chunk_with_a_small_top_k_attends_over_the_selection_and_its_own_blocks(
+    chunk_queries):
   # top-k 3 blocks: the sink (block 0), the newest earlier one (5) and one scored; the
   # chunk's queries see exactly those 12 tokens, then tokens 24..35 causally.
   hisparse = HiSparseConfig(top_k_tokens=3 * BS, hot_buffer_tokens=3 * BS, sink_tokens=BS,
                             local_tokens=BS)
   sparse, _, cache, (keys, values, q, bounds) = _chunk_case(
-      np.random.default_rng(7), hisparse, (0, 1, 2, 3, 4, 5))
-  # The indexer's choice for the chunk's last query over the 6 earlier blocks.
+      np.random.default_rng(7), hisparse, (0, 1, 2, 3, 4, 5), chunk_queries)
+  # The indexer's choice over the 6 earlier blocks: by the chunk's last query, or by its
+  # queries 1, 3, 5, 7 and 9 of 10 (each query head's 5, together).
+  picks = [9] if chunk_queries == 1 else [1, 3, 5, 7, 9]
+  q_select = np.swapaxes(q[picks], 0, 1).reshape(1, -1, HEAD_DIM)
   rows = jnp.asarray(NUM_DEVICE_BLOCKS + np.arange(1, 13)[None, :6])
-  sel = indexer.select_rows(jnp.asarray(q[-1:]), jnp.asarray(bounds), rows,
+  sel = indexer.select_rows(jnp.asarray(q_select), jnp.asarray(bounds), rows,
                             jnp.array([24], jnp.int32), hisparse.blocks(BS), "union")
   chosen = sorted(np.asarray(sel.logical_ids[0])[np.asarray(sel.valid[0])].tolist())
   assert len(chosen) == 3 and chosen[0] == 0 and chosen[-1] == 5
@@ -171,3 +177,23 @@ def test_chunk_with_a_small_top_k_attends_over_the_selection_and_its_own_blocks(
       np.testing.assert_allclose(sparse[i, h], (p / p.sum()) @ values[toks, h // group],
                                  rtol=2e-5, atol=2e-5)
   assert np.asarray(cache["counts"])[0][2] == 3  # all three from the host
+
+
+@pytest.mark.parametrize("selection", ["union", "shared", "per_kv_head"])
+def test_a_repeated_query_selects_as_one(selection):
+  # A decode row in a step with a sparse chunk is selected by its one query repeated
+  # CHUNK_QUERIES times per head: the same blocks as by the query alone.
+  rng = np.random.default_rng(11)
+  blocks = HiSparseConfig(top_k_tokens=5 * BS, hot_buffer_tokens=8 * BS, sink_tokens=BS,
+                          local_tokens=BS).blocks(BS)
+  keys = rng.standard_normal((3, 10, BS, KV_HEADS, HEAD_DIM)).astype(np.float32)
+  bounds = jnp.asarray(np.stack([keys.min(2), keys.max(2)], axis=2).reshape(
+      30, 2, KV_HEADS, HEAD_DIM))
+  rows = jnp.arange(30, dtype=jnp.int32).reshape(3, 10)
+  kv_lens = jnp.array([38, 21, 7], jnp.int32)
+  q = rng.standard_normal((3, Q_HEADS, HEAD_DIM)).astype(np.float32)
+  repeated = np.repeat(q, attention.CHUNK_QUERIES, axis=1)  # head h's copies together
+  one = indexer.select_rows(jnp.asarray(q), bounds, rows, kv_lens, blocks, selection)
+  many = indexer.select_rows(jnp.asarray(repeated), bounds, rows, kv_lens, blocks, selection)
+  np.testing.assert_array_equal(np.asarray(many.logical_ids), np.asarray(one.logical_ids))
+  np.testing.assert_array_equal(np.asarray(many.kv_lens), np.asarray(one.kv_lens))
