@@ -178,15 +178,16 @@ class BatchBuilder:
       num_blocks = -(-kv_lens[i] // self.block_size)
       # A sparse row decodes one token past the prefill (an output token); prefill
       # chunks, even of one token (after a prefix-cache hit), stay dense, so a prompt's
-      # KV does not depend on how much of it the prefix cache held. Except a chunk of a
-      # streamed prompt that is offloaded (some earlier blocks only on the host): it
-      # attends over the top-k of its earlier blocks and densely over its own
-      # (sparse/attention.py).
+      # KV does not depend on how much of it the prefix cache held. Except the rows of an
+      # offloaded sequence (some earlier blocks only on the host), whatever its length: a
+      # streamed prompt's chunk attends over the top-k of its earlier blocks and densely
+      # over its own (sparse/attention.py), and its decode rows are sparse even under
+      # sparse_threshold_tokens (a dense row would read the dropped blocks' null entries).
       offloaded = tiers is not None and tiers.hot_rows[i] >= 0
       prefill_row = chunk.start < request.prefill_len
       sparse_rows[i] = self.hisparse is not None and (
-          (n == 1 and not prefill_row and self.hisparse.is_sparse(int(kv_lens[i])))
-          or (prefill_row and offloaded))
+          offloaded or (n == 1 and not prefill_row
+                        and self.hisparse.is_sparse(int(kv_lens[i]))))
       if sparse_rows[i] and n > 1:  # top-k of the earlier full blocks + its own
         earlier = chunk.start // self.block_size
         blocks_attended[i] = (min(earlier, self.hisparse_blocks.top_k_blocks)

@@ -23,6 +23,7 @@ from engine_fixtures import (
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.sampling import SamplingParams
+from hisparse_jax.engine.scheduler import Scheduler
 
 MAX_MODEL_LEN = 256
 HISPARSE = HiSparseConfig(top_k_tokens=32, hot_buffer_tokens=32, sink_tokens=8,
@@ -42,7 +43,8 @@ def _engine(hisparse=HISPARSE, **overrides):
 
 def _record_rows(engine):
   """Wraps build_batch; returns a list that gets, per step, (device blocks in use, rows
-  of prefill chunks that are sparse, blocks the rows' attention reads)."""
+  of prefill chunks that are sparse, blocks the rows' attention reads, sparse rows of one
+  token)."""
   seen, build = [], engine.runner.build_batch
 
   def recording(chunks, tables, tiers=None):
@@ -50,7 +52,8 @@ def _record_rows(engine):
     sparse = batch.metadata.sparse_rows[:len(chunks)]
     seen.append((engine.block_manager.device_pool.num_used_blocks,
                  sum(bool(s) and c.num_tokens > 1 for c, s in zip(chunks, sparse)),
-                 int(batch.blocks_attended.sum())))
+                 int(batch.blocks_attended.sum()),
+                 sum(bool(s) and c.num_tokens == 1 for c, s in zip(chunks, sparse))))
     return batch
 
   engine_build = build
@@ -79,12 +82,12 @@ def test_a_prompt_longer_than_the_device_pool_is_served():
   m = engine.metrics()
   assert m["hisparse_offloads_total"] >= 1
   assert m["hisparse_hot_buffer_loads_total"] > 0  # earlier chunks read back from the host
-  assert sum(rows for _, rows, _ in seen) >= 5  # the later chunks attended sparse
-  assert max(used for used, _, _ in seen) <= 16
+  assert sum(rows for _, rows, _, _ in seen) >= 5  # the later chunks attended sparse
+  assert max(used for used, _, _, _ in seen) <= 16
   # The request's blocks by source add up to what its rows read (a sparse chunk: the
   # selected earlier blocks from device / hot buffer / host, its own from the device).
   selected = outputs["long"].metrics.blocks_selected
-  assert sum(selected.values()) == pytest.approx(sum(b for _, _, b in seen))
+  assert sum(selected.values()) == pytest.approx(sum(b for _, _, b, _ in seen))
   assert selected["host"] > 0 and selected["hot"] > 0
   assert_all_blocks_free(engine)
   # The first token comes from the streamed prefill alone (its last chunk attended over
@@ -129,3 +132,35 @@ def test_a_device_pool_below_the_streamed_working_set_is_refused():
   # hot buffer 4 + a 16-token chunk (2 blocks) + 2 = 8 blocks; plan 7 usable.
   with pytest.raises(ValueError, match="HiSparse streams a request through 8 blocks"):
     _engine(device_kv_gib=gib_for_blocks(tiny_model().config, 7 + 1 + 4))
+
+
+def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeypatch):
+  # The engine's streamed path end to end, made exact: a 100-token prompt streamed in
+  # 16-token chunks, offloaded before every chunk (its computed blocks written through and
+  # dropped: every chunk reads its earlier blocks back from the host pool), with a top-k
+  # covering every block. Its sparse_threshold_tokens (256) is above the request's
+  # length, so only the offload makes its decode rows sparse (a dense row would read the
+  # dropped blocks' null entries). The greedy tokens equal the dense reference's.
+  extend = Scheduler._extend_streamed
+
+  def offload_first(self, request, end, out):
+    if request.num_computed_tokens >= self.bm.block_size:
+      self._write_through(request, out)
+      self.bm.offload(request.request_id, self.hot_buffer_blocks)
+    return extend(self, request, end, out)
+
+  monkeypatch.setattr(Scheduler, "_streams", lambda self, request, num_blocks: True)
+  monkeypatch.setattr(Scheduler, "_extend_streamed", offload_first)
+  covering = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
+                            sink_tokens=8, local_tokens=8, sparse_threshold_tokens=256)
+  engine = _engine(covering, device_kv_gib=gib_for_blocks(tiny_model().config, 80))
+  seen = _record_rows(engine)
+  prompt = random_prompts([100], seed=3)[0]
+  engine.add_request("a", prompt_token_ids=prompt,
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=10))
+  outputs = run(engine)
+  assert sum(rows for _, rows, _, _ in seen) == 6  # chunks 2-7 of 7 read host blocks
+  assert sum(rows for _, _, _, rows in seen) == 9  # every decode row
+  assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
+  assert outputs["a"].outputs[0].token_ids == reference_greedy(tiny_model(), [prompt], 10)[0]
+  assert_all_blocks_free(engine)
