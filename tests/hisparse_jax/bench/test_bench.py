@@ -381,6 +381,23 @@ def test_readme_passkey_matches_committed_json(tmp_path):
   assert np.abs(committed - fresh).mean() < 0.01
 
 
+def test_readme_passkey_streamed_matches_committed_json():
+  """README's streamed passkey table is the report of results/passkey_streamed_cpu.json
+  (`--bench_size=streamed`): the streamed rows ran with a device pool under half of every
+  prompt's KV and read blocks back from the host pool."""
+  with open(os.path.join(REPO, "results", "passkey_streamed_cpu.json")) as f:
+    result = json.load(f)
+  assert result["size"] == "streamed"
+  rows = result["suites"]["passkey"]["rows"]
+  streamed = [r for r in rows if r.get("streamed")]
+  assert {r["block_size"] for r in streamed} == {16, 32}
+  for r in streamed:
+    assert r["status"] == "run" and r["host"]["host_loads"] > 0
+    assert r["capacity"]["device"]["tokens"] < 0.5 * r["prompt_tokens"][0]
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert report.markdown(result) in f.read()
+
+
 def test_passkey_device_pool_forces_offloads_at_every_top_k():
   """1.5 requests of blocks while a hot buffer is at most a quarter of a request; past it
   one request + the hot buffer + a quarter (else an offload could not admit the next
