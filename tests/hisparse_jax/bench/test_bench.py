@@ -424,6 +424,20 @@ def test_readme_real_model_speed_matches_committed_json(name):
     assert report.markdown(result) in f.read()
 
 
+def test_readme_hisparse_throughput_matches_committed_json():
+  """README's throughput tables are the report of results/hisparse_throughput_cpu.json
+  (one recorded run with all three engines and the sweep), and its plot is committed."""
+  with open(os.path.join(REPO, "results", "hisparse_throughput_cpu.json")) as f:
+    result = json.load(f)
+  t = result["suites"]["hisparse_throughput"]
+  assert set(t["rows"]) == {"device-only", "HiSparse", "vLLM"} and result["size"] == "full"
+  assert set(t["rows"]["HiSparse"]["sweep"]) == {"1", "2", "4", "8", "16", "32"}
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert report.markdown(result) in f.read()
+  with open(os.path.join(REPO, "results", "hisparse_throughput_cpu.png"), "rb") as f:
+    assert f.read(8) == PNG_MAGIC
+
+
 def test_hisparse_throughput_smoke_fields(tmp_path):
   # By name only; at smoke size our two engines (no vLLM) on the tiny converted GGUF.
   from hisparse_jax.bench import hisparse_throughput as ht
