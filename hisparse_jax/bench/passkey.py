@@ -43,6 +43,14 @@ offloads, hot-buffer hit ratio, host-to-device bytes. Prefix caching is on (the 
 default): the prompts of a length share their first filler sentences (up to the shallower
 needle), so a later request may reuse an earlier one's blocks; answers do not depend on it.
 
+Streamed rows (Size.streamed_lengths): the HiSparse row again with a device pool of
+STREAMED_DEVICE_FRACTION of one request, under half of each prompt's KV (dense refuses to
+start at that budget): every prompt is longer than the device pool and streams, its
+computed blocks written through to the host pool and dropped, each later prefill chunk
+attending over all its earlier blocks, loaded back in groups through its hot buffer
+(streamed_prefill="exact": the dense prefill's keys), or over their top-k ("sparse": its
+prefill is itself sparse). One row per mode of Size.streamed_prefills.
+
 Smallest top-k keeping dense accuracy (per length and block size): the smallest top-k T
 of the grid such that T and every larger top-k of the grid are at least as accurate as
 dense at that length (a covering top-k counts as dense); None when not even the largest
@@ -119,6 +127,8 @@ class Size:
   # Lengths whose HiSparse rows run a second time with a device pool of
   # STREAMED_DEVICE_FRACTION of one request: each prompt streams through it (module doc).
   streamed_lengths: tuple[int, ...] = ()
+  # HiSparseConfig.streamed_prefill of the streamed rows: one row per mode.
+  streamed_prefills: tuple[str, ...] = ("exact",)
 
   def depths_of(self, length: int) -> tuple[float, ...]:
     return dict(self.depths_by_length).get(length, self.depths)
@@ -141,7 +151,7 @@ SIZES = {
     "streamed": Size(model="smollm2-135m-instruct", lengths=(8192,), depths=(0.1, 0.5, 0.9),
                      top_ks=(1024,), block_sizes=(16, 32), device_requests=1.5,
                      agreement_prompts=0, agreement_tokens=0, agreement_rows=(),
-                     streamed_lengths=(8192,)),
+                     streamed_lengths=(8192,), streamed_prefills=("exact", "sparse")),
     # Two prompts: the second one's admission offloads the first (host loads).
     "smoke": Size(model="hisparse-tiny", lengths=(256,), depths=(0.25, 0.75), top_ks=(64, 256),
                   block_sizes=(16,), device_requests=1.5, agreement_prompts=2,
@@ -212,9 +222,11 @@ def _length_rows(bundle, size: Size, length: int) -> list[dict]:
       rows.append(row)
       _drop_programs()
       if row["status"] == "run" and length in size.streamed_lengths:
-        rows.append(_streamed_row(bundle, size, length, prompts, len(tail), block_size,
-                                  hisparse, dense))
-        _drop_programs()
+        for mode in size.streamed_prefills:
+          rows.append(_streamed_row(bundle, size, length, prompts, len(tail), block_size,
+                                    dataclasses.replace(hisparse, streamed_prefill=mode),
+                                    dense))
+          _drop_programs()
   return rows
 
 
@@ -224,9 +236,10 @@ def _streamed_row(bundle, size: Size, length: int, prompts, num_forced: int, blo
   every prompt is longer than the device pool, so it streams (module doc)."""
   try:
     row = _passkey_row(bundle, size, length, prompts, num_forced, block_size, hisparse,
-                       streamed=True)
+                       streamed=hisparse.streamed_prefill)
   except Exception as e:  # noqa: BLE001 (an engine error is a finding of this row)
-    row = _row_head(length, prompts, block_size, hisparse.top_k_tokens, streamed=True)
+    row = _row_head(length, prompts, block_size, hisparse.top_k_tokens,
+                    streamed=hisparse.streamed_prefill)
     row.update(status="error", error=f"{type(e).__name__}: {e}")
     print(f"passkey {length:>5} {row['config']}: {row['error']}", flush=True)
     return row
@@ -255,18 +268,20 @@ def _num_mappings() -> int | None:
 
 
 def _row_head(length: int, prompts, block_size: int, top_k: int | None,
-              streamed: bool = False) -> dict:
+              streamed: str | None = None) -> dict:
+  """`streamed`: None, or the streamed row's HiSparseConfig.streamed_prefill."""
   lengths = [len(p.token_ids) for p in prompts]
   config = "dense" if top_k is None else f"top-k {top_k} block {block_size}"
   if streamed:
-    config += f" streamed ({STREAMED_DEVICE_FRACTION:.0%})"
+    config += f" streamed ({STREAMED_DEVICE_FRACTION:.0%}, {streamed} prefill)"
   return {"length": length, "config": config, "block_size": block_size,
           "top_k_tokens": top_k, "num_prompts": len(prompts),
-          "prompt_tokens": [min(lengths), max(lengths)], "streamed": streamed}
+          "prompt_tokens": [min(lengths), max(lengths)], "streamed": bool(streamed),
+          "streamed_prefill": streamed}
 
 
 def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, block_size: int,
-                 hisparse, streamed: bool = False) -> dict:
+                 hisparse, streamed: str | None = None) -> dict:
   from models import passkey  # noqa: PLC0415
 
   row = _row_head(length, prompts, block_size,
@@ -280,7 +295,7 @@ def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, bloc
   engine = _engine(bundle, size, max_model_len=length, block_size=block_size,
                    hisparse=hisparse, num_requests=len(prompts),
                    device_requests=STREAMED_DEVICE_FRACTION if streamed
-                   else size.device_requests, streamed=streamed)
+                   else size.device_requests, streamed=bool(streamed))
   if streamed:  # every prompt longer than the device pool: each one streams
     device_tokens = engine.capacity.tiers[0].num_tokens
     if min(len(p.token_ids) for p in prompts) - num_forced <= device_tokens:
@@ -310,11 +325,14 @@ def _passkey_row(bundle, size: Size, length: int, prompts, num_forced: int, bloc
 def _hisparse_fields(hisparse) -> dict:
   return {f: getattr(hisparse, f) for f in ("top_k_tokens", "hot_buffer_tokens", "sink_tokens",
                                             "local_tokens", "sparse_threshold_tokens",
-                                            "selection", "bounds_dtype")}
+                                            "selection", "bounds_dtype",
+                                            "streamed_prefill")}
 
 
 # Streamed rows: the device pool holds this fraction of one request (in blocks), less than
-# half of each prompt's KV; the rest of the engine's settings as the row's.
+# half of each prompt's KV; the rest of the engine's settings as the row's. One row per
+# Size.streamed_prefills (HiSparseConfig.streamed_prefill: each chunk over all its earlier
+# blocks, "exact", or over their top-k, "sparse").
 STREAMED_DEVICE_FRACTION = 0.45
 
 # Device blocks beyond one request and one hot buffer (fraction of a request): the prefix
@@ -594,13 +612,15 @@ def plot(result: dict, path: str) -> None:
         ax.plot([r["length"] for r in run], [r["accuracy"] for r in run],
                 ("-", "--", ":")[j % 3], marker="os^"[j % 3], color=colors[i % len(colors)],
                 label=f"top-k {top_k:,}, block {block_size}")
-      streamed = [r for r in result["rows"] if r["top_k_tokens"] == top_k
-                  and r["block_size"] == block_size and r["status"] == "run"
-                  and r.get("streamed")]
-      if streamed:  # points only: one length
-        ax.plot([r["length"] for r in streamed], [r["accuracy"] for r in streamed],
-                linestyle="none", marker="*", markersize=11, color=colors[i % len(colors)],
-                label=f"top-k {top_k:,}, block {block_size}, streamed")
+      for k, mode in enumerate(("exact", "sparse")):
+        streamed = [r for r in result["rows"] if r["top_k_tokens"] == top_k
+                    and r["block_size"] == block_size and r["status"] == "run"
+                    and r.get("streamed") and r.get("streamed_prefill", "sparse") == mode]
+        if streamed:  # points only: one length
+          ax.plot([r["length"] * (1.04 if k else 1) for r in streamed],
+                  [r["accuracy"] for r in streamed], linestyle="none", marker="*P"[k],
+                  markersize=11, color=colors[(i + j) % len(colors)],
+                  label=f"top-k {top_k:,}, block {block_size}, streamed, {mode} prefill")
   ax.set_xscale("log", base=2)
   ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
   ax.minorticks_off()

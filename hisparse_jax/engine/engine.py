@@ -379,9 +379,11 @@ class Engine:
       if result.logprobs is not None and request.sampling_params.logprobs is not None:
         row_logprobs = tuple(a[i] for a in result.logprobs)
       own = 0
-      if sparse_rows[i] and chunk.num_tokens > 1:  # a sparse prefill chunk (streamed)
-        own = num_blocks - min(chunk.start // self.config.block_size,
-                               self.runner.hisparse_blocks.top_k_blocks)
+      if sparse_rows[i] and chunk.num_tokens > 1:  # a streamed prompt's prefill chunk
+        earlier = chunk.start // self.config.block_size  # (exact: all of them attended)
+        if self.runner.hisparse.streamed_prefill == "sparse":
+          earlier = min(earlier, self.runner.hisparse_blocks.top_k_blocks)
+        own = num_blocks - earlier
       self._tally_blocks(request, num_blocks, tally,
                          counts[:, i] if counts is not None and sparse_rows[i] else None,
                          own)

@@ -210,7 +210,8 @@ class ModelRunner:
         hisparse.thrash_window_steps if hisparse is not None else 0,
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
         one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
-        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat, params_def=self._params_def)
+        mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat, params_def=self._params_def,
+        streamed_prefill=hisparse.streamed_prefill if hisparse is not None else "exact")
 
   @property
   def reserved_bytes(self) -> int:

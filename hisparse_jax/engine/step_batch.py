@@ -97,6 +97,9 @@ class StepBatch:
   # SamplingParams.prompt_logprobs: (chunk index, first row in the step's prompt-logprob
   # arrays, rows) of each chunk whose prompt positions get them.
   prompt_spans: tuple[tuple[int, int, int], ...] = ()
+  # Query lengths of the rows in the dense attention call (None: every row not sparse,
+  # plus sparse rows of more than one query; step_shapes.dense_q_lens).
+  dense_q_lens: tuple[int, ...] | None = None
 
 
 class BatchBuilder:
@@ -188,10 +191,12 @@ class BatchBuilder:
       sparse_rows[i] = self.hisparse is not None and (
           offloaded or (n == 1 and not prefill_row
                         and self.hisparse.is_sparse(int(kv_lens[i]))))
-      if sparse_rows[i] and n > 1:  # top-k of the earlier full blocks + its own
+      if sparse_rows[i] and n > 1:  # a streamed prompt's chunk: its earlier full blocks
+        # (exact: all; sparse: their top-k) + its own
         earlier = chunk.start // self.block_size
-        blocks_attended[i] = (min(earlier, self.hisparse_blocks.top_k_blocks)
-                              + num_blocks - earlier)
+        blocks_attended[i] = num_blocks - earlier + (
+            earlier if self.hisparse.streamed_prefill == "exact"
+            else min(earlier, self.hisparse_blocks.top_k_blocks))
       else:
         blocks_attended[i] = (min(num_blocks, self.hisparse_blocks.top_k_blocks)
                               if sparse_rows[i] else num_blocks)
@@ -212,14 +217,15 @@ class BatchBuilder:
       hisparse_meta = dict(host_tables=host_tables, hot_slots=hot_slots, hot_rows=hot_rows,
                            hot_reset=hot_reset, step=np.int32(step_clock))
     # Sparse decode rows are not in the dense call (kv_len 0 there), so their query
-    # counts not; sparse prefill chunks are (over their rewritten tables).
+    # counts not; sparse prefill chunks are (over their rewritten tables), exact ones not.
+    sparse_chunks = self.hisparse is not None and self.hisparse.streamed_prefill == "sparse"
     dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows)
-                    if not sparse or c.num_tokens > 1]
+                    if not sparse or (sparse_chunks and c.num_tokens > 1)]
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
     # A step with a sparse prefill chunk selects by CHUNK_QUERIES queries per row (per
     # query head selections attend per selecting head: one query, theirs).
     chunk_queries = 1
-    if (self.hisparse is not None and self.hisparse.selection != "per_query_head"
+    if (sparse_chunks and self.hisparse.selection != "per_query_head"
         and any(s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows))):
       chunk_queries = CHUNK_QUERIES
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
@@ -230,7 +236,8 @@ class BatchBuilder:
     if any(needs_extras(c.request.sampling_params) for c in chunks):
       extras, spans = self._sampler_extras(chunks, b_pad, cu_q_lens)
     return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
-                     top_k, seeds, counters, len(chunks), extras, blocks_attended, spans)
+                     top_k, seeds, counters, len(chunks), extras, blocks_attended, spans,
+                     tuple(dense_q_lens))
 
   def _sampler_extras(self, chunks: Sequence[ScheduledChunk], b_pad: int,
                       cu_q_lens: np.ndarray) -> tuple[SamplerExtras, tuple]:

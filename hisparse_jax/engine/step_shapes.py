@@ -73,7 +73,10 @@ def shape_of(batch: StepBatch, greedy_only: bool) -> StepShape:
 
 def dense_q_lens(batch: StepBatch) -> list[int]:
   """Query lengths of the batch's rows in the dense attention call (sparse decode rows
-  are not in it; a sparse prefill chunk is, over its rewritten table)."""
+  are not in it; a sparse prefill chunk is, over its rewritten table, unless exact): as
+  the batch builder recorded them, else from the metadata."""
+  if batch.dense_q_lens is not None:
+    return list(batch.dense_q_lens)
   meta = batch.metadata
   q_lens = np.diff(np.asarray(meta.cu_q_lens)[:batch.num_seqs + 1])
   sparse = np.asarray(meta.sparse_rows)[:batch.num_seqs]

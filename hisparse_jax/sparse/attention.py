@@ -27,12 +27,16 @@ pages), and each layer of the step runs:
 selected table is [num_seqs, top_k_blocks]), so the step is still one program.
 
 A sparse row of more than one query is a prefill chunk of a streamed prompt (one longer
-than the device pool; engine/scheduler.py) whose earlier blocks are partly on the host
-only. It is selected, resolved and loaded like a decode row, over its E earlier full
-blocks, by CHUNK_QUERIES of its queries spread over it (its last included); then it stays
-in the dense call over a rewritten table: the selected blocks, then its own blocks from
-block E on (`chunk_tables`), so its queries attend over top-k earlier blocks + every key
-of their own chunk, causally.
+than the device pool; engine/scheduler.py) whose E earlier full blocks are partly on the
+host only. With `streamed_prefill="exact"` (the default) it attends over all of them
+(`_exact_chunks`): groups of up to EXACT_GROUP_TOKENS of them at a time, resident ones
+read in place and the others loaded from the host into its hot buffer's slots, merged by
+an online softmax with its own blocks' causal part; its hot-buffer state then starts
+empty. With "sparse" it is selected, resolved and loaded like a decode row, over its E
+earlier blocks, by CHUNK_QUERIES of its queries spread over it (its last included); then
+it stays in the dense call over a rewritten table: the selected blocks, then its own
+blocks from block E on (`chunk_tables`), so its queries attend over top-k earlier blocks
++ every key of their own chunk, causally.
 
 Tier inputs of a step (`SparseTiers`, from the block manager): each row's host copies
 per logical block (`host_tables`), its hot-buffer device blocks (`hot_slots`), and its
@@ -60,6 +64,10 @@ from kernels_pallas.quant import QuantizedPages, kind_of, quantize
 # this many positions, evenly spaced over the chunk (its last query included), as that many
 # more query heads of the union (a decode row's one query, repeated, selects as alone).
 CHUNK_QUERIES = 8
+
+# Keys an exact streamed prefill chunk attends per group of earlier blocks loaded at once
+# (in whole blocks, at most the hot buffer): bounds its scores at [queries, heads, this].
+EXACT_GROUP_TOKENS = 512
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
@@ -111,6 +119,7 @@ class SparseStatic:
   axis_name: str | None = None
   kv_head_repeat: int = 1
   bounds_dtype: str = "float32"  # of the key bounds (stored as uint16 when bf16 on CPU)
+  streamed_prefill: str = "exact"  # HiSparseConfig.streamed_prefill
 
 
 def write_pages(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype, pages, k, v,
@@ -178,6 +187,7 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   # the host): selected like a decode row (by CHUNK_QUERIES of their queries), then
   # attended in the dense call over a rewritten table (below).
   is_chunk = is_sparse & (metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1] > 1)
+  exact = sparse.streamed_prefill == "exact"
   counts = jnp.zeros((batch, len(COUNT_FIELDS)), jnp.int32)
   loaded = jnp.int32(0)
   new_state = cache["state"]
@@ -200,20 +210,35 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
       # KV group h // group (indexer: heads map to KV heads in order).
       q_select = jnp.swapaxes(picked, 1, 2).reshape(
           picked.shape[0], -1, picked.shape[-1])
+    # Exact chunks are not selected (not live there); sparse ones are, as chunks.
     pages, new_state, row_counts, loaded, sparse_out, (chunk_tables, chunk_lens) = (
         _sparse_rows(sparse, kv_dtype, ops, q[token], q_select, pages, bounds, cache,
-                     metadata, rows, live, chunk))
+                     metadata, rows, live & ~chunk if exact else live,
+                     jnp.zeros_like(chunk) if exact else chunk))
     counts = counts.at[out_rows].set(row_counts, mode="drop")
     chunk_rows = jnp.where(chunk, rows, batch)
-    tables = tables.at[chunk_rows].set(chunk_tables, mode="drop")
-    kv_lens = kv_lens.at[chunk_rows].set(chunk_lens, mode="drop")
+    if exact:
+      exact_out, exact_tokens, pages, chunk_counts, chunk_loaded = _exact_chunks(
+          sparse, kv_dtype, q, pages, cache, metadata, rows, chunk, config)
+      counts = counts.at[chunk_rows].set(chunk_counts, mode="drop")
+      loaded = loaded + chunk_loaded
+      # Their hot-buffer slots held the groups: the rows' state starts empty again.
+      state_rows = metadata.hot_rows[rows]
+      dst = jnp.where(chunk & (state_rows < new_state[0].shape[0]), state_rows,
+                      new_state[0].shape[0])
+      new_state = (new_state[0].at[dst].set(-1, mode="drop"),
+                   new_state[1].at[dst].set(resolver.NEVER, mode="drop"),
+                   new_state[2].at[dst].set(resolver.NEVER, mode="drop"))
+    else:
+      tables = tables.at[chunk_rows].set(chunk_tables, mode="drop")
+      kv_lens = kv_lens.at[chunk_rows].set(chunk_lens, mode="drop")
   k_view, v_view = page_views(pages, kv_dtype)
   # Dense rows (prefill chunks, short decodes) through the ragged kernel; sparse decode
   # rows get no key there (their output is replaced below). A step with no dense row (a
   # batch of long decodes) skips the call: the reference's and the Pallas kernel's cost
   # follows the block-table width, not the lengths (measured: 408 of 463 ms per layer at
   # 64k tokens for length-1 rows).
-  dense_lens = jnp.where(is_sparse & ~is_chunk, 0, kv_lens)
+  dense_lens = jnp.where(is_sparse & (~is_chunk | exact), 0, kv_lens)
   any_dense = jnp.any(dense_lens > 0)
   out = lax.cond(
       any_dense,
@@ -226,7 +251,131 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
     decode = live & ~chunk
     out = out.at[jnp.where(decode, token, num_tokens)].set(sparse_out.astype(out.dtype),
                                                            mode="drop")
+    if exact:
+      out = jnp.where(exact_tokens[:, None, None], exact_out.astype(out.dtype), out)
   return out, pages, new_state, (counts, loaded)
+
+
+def _gather_blocks(pages, ids, kv_dtype):
+  """(K, V) of the blocks `ids` [m] of a layer's pages, [m * block_size, kv heads,
+  head_dim] float32 (an 8-bit cache's blocks dequantized)."""
+  if len(pages) == 2:
+    k, v = (from_storage(p[ids], kv_dtype) for p in pages)
+  else:
+    k, v = (QuantizedPages(values, scales, kv_dtype)[ids]
+            for values, scales in ((pages[0], pages[2]), (pages[1], pages[3])))
+  return tuple(x.reshape(-1, *x.shape[2:]).astype(jnp.float32) for x in (k, v))
+
+
+def _online_softmax(q, k, v, mask, m, l, acc, scale):
+  """One more set of keys into a running softmax: q [t, kv heads, group, d] float32, k and
+  v [keys, kv heads, d], mask [t, keys]; (m, l) [t, kv heads, group] the running max and
+  sum, acc [t, kv heads, group, d] the unnormalized output."""
+  s = jnp.einsum("thgd,khd->thgk", q, k, precision=lax.Precision.HIGHEST) * scale
+  s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  p = jnp.exp(s - base[..., None])
+  correction = jnp.exp(m - base)
+  l = l * correction + p.sum(axis=-1)
+  acc = acc * correction[..., None] + jnp.einsum("thgk,khd->thgd", p, v,
+                                                 precision=lax.Precision.HIGHEST)
+  return m_new, l, acc
+
+
+def _exact_chunks(sparse: SparseStatic, kv_dtype, q, pages, cache, metadata: StepMetadata,
+                  rows, chunk, config):
+  """Streamed prefill chunks (rows[i] where chunk[i]) attended exactly: each over all its
+  E earlier full blocks, in groups of up to EXACT_GROUP_TOKENS (whole blocks, at most the
+  hot buffer) whose resident blocks are read in place and the others loaded from the host
+  into the row's hot-buffer slots (resolver.load_blocks), merged by an online softmax
+  with the causal part over its own blocks (block E on, on the device). One row after
+  the other, one group after the other (while loops: the pages stay in place). The
+  dense prefill's attention, in float32, with the sliding window if the model has one.
+
+  Returns (out [num_tokens, heads, d] float32 at the chunks' tokens, bool [num_tokens]
+  which tokens those are, new pages, counts [n, 5] (device = earlier resident blocks,
+  host = loaded ones), blocks loaded)."""
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_device_blocks, block_size, num_kv_heads = pages[0].shape[:3]
+  width = metadata.block_tables.shape[1]
+  group_blocks = max(1, min(sparse.blocks.hot_buffer_blocks,
+                            EXACT_GROUP_TOKENS // block_size,
+                            metadata.hot_slots.shape[1]))
+  own_blocks = min(width, -(-num_tokens // block_size) + 1)  # a chunk's own blocks, at most
+  n = rows.shape[0]
+  order, _ = packed_ids(chunk, n)
+  scale = head_dim ** -0.5
+  window = config.sliding_window
+  t = jnp.arange(num_tokens)
+  in_block = jnp.arange(block_size)
+  shape = (num_tokens, num_kv_heads, num_q_heads // num_kv_heads)
+
+  def row_body(i, carry):
+    pages, out, is_out, counts, loaded = carry
+    row = rows[order[i]]
+    first = metadata.cu_q_lens[row]
+    q_len = metadata.cu_q_lens[row + 1] - first
+    kv_len = metadata.kv_lens[row]
+    pos = kv_len - q_len + t  # each query's position (those past q_len are padding)
+    earlier = (kv_len - q_len) // block_size
+    qw = q[jnp.clip(first + t, 0, num_tokens - 1)].astype(jnp.float32).reshape(
+        *shape, head_dim)
+    table, host_table = metadata.block_tables[row], metadata.host_tables[row]
+    slots = metadata.hot_slots[row, :group_blocks]
+
+    def keys_mask(block_ids, block_ok, causal):
+      key_pos = (block_ids[:, None] * block_size + in_block[None, :]).reshape(-1)
+      ok = jnp.repeat(block_ok, block_size)[None, :]
+      if causal:
+        ok = ok & (key_pos[None, :] <= pos[:, None])
+      if window is not None:
+        ok = ok & (key_pos[None, :] > pos[:, None] - window)
+      return ok
+
+    def group_body(j, c):
+      pages, m, l, acc, resident_n, host_n, moved_n = c
+      b = j * group_blocks + jnp.arange(group_blocks)
+      valid = b < earlier
+      device_ids = table[jnp.clip(b, 0, width - 1)]
+      resident = valid & (device_ids != 0)
+      load = valid & ~resident & (slots != 0)
+      pages, moved = resolver.load_blocks(
+          cache["host"], pages, host_table[jnp.clip(b, 0, width - 1)],
+          jnp.where(load, slots, num_device_blocks),
+          device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
+          one_memory=sparse.one_memory)
+      k, v = _gather_blocks(pages, jnp.where(resident, device_ids, slots), kv_dtype)
+      m, l, acc = _online_softmax(qw, k, v, keys_mask(b, resident | load, False),
+                                  m, l, acc, scale)
+      return (pages, m, l, acc, resident_n + resident.sum(dtype=jnp.int32),
+              host_n + load.sum(dtype=jnp.int32), moved_n + moved)
+
+    init = (pages, jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32), jnp.int32(0), jnp.int32(0),
+            jnp.int32(0))
+    num_groups = (earlier + group_blocks - 1) // group_blocks
+    pages, m, l, acc, resident_n, host_n, moved = lax.fori_loop(0, num_groups, group_body,
+                                                                init)
+    # Its own blocks (block E, partly earlier tokens, on): causal, on the device.
+    b = earlier + jnp.arange(own_blocks)
+    own_ok = (b < width) & (b * block_size < kv_len)
+    k, v = _gather_blocks(pages, jnp.where(own_ok, table[jnp.clip(b, 0, width - 1)], 0),
+                          kv_dtype)
+    m, l, acc = _online_softmax(qw, k, v, keys_mask(b, own_ok, True), m, l, acc, scale)
+    o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_tokens, num_q_heads, head_dim)
+    dst = jnp.where(t < q_len, first + t, num_tokens)
+    out = out.at[dst].set(o, mode="drop")
+    is_out = is_out.at[dst].set(True, mode="drop")
+    counts = counts.at[order[i]].set(
+        jnp.stack([resident_n, 0, host_n, 0, 0]).astype(jnp.int32))
+    return pages, out, is_out, counts, loaded + moved
+
+  init = (pages, jnp.zeros(q.shape, jnp.float32), jnp.zeros(num_tokens, bool),
+          jnp.zeros((n, len(COUNT_FIELDS)), jnp.int32), jnp.int32(0))
+  pages, out, is_out, counts, loaded = lax.fori_loop(
+      0, chunk.sum(dtype=jnp.int32), row_body, init)
+  return out, is_out, pages, counts, loaded
 
 
 def chunk_tables(selected, valid, tables, kv_lens, q_lens, block_size: int):

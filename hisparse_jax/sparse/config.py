@@ -33,6 +33,12 @@ SELECTIONS = ("union", "shared", "per_kv_head", "per_query_head")
 # bfloat16 halves their bytes (rounded outward, so a block's score stays an upper bound).
 BOUNDS_DTYPES = ("bfloat16", "float32")
 
+# How a streamed prompt's prefill chunk (a prompt longer than the device pool, some of its
+# earlier blocks on the host only) attends over its earlier blocks: "exact" over all of
+# them, loaded from the host in groups through its hot buffer (the dense prefill's keys,
+# more host traffic); "sparse" over the top-k of them, selected like a decode row.
+STREAMED_PREFILLS = ("exact", "sparse")
+
 
 @dataclasses.dataclass(frozen=True)
 class HiSparseBlocks:
@@ -67,7 +73,8 @@ class HiSparseConfig:
   union of each query head's best-ranked ones; sparse/indexer.py);
   `thrash_window_steps >= 0`; `bounds_dtype`
   in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
-  the selection accuracy of each).
+  the selection accuracy of each); `streamed_prefill` in STREAMED_PREFILLS (default
+  "exact": a prompt longer than the device pool prefills as dense attention would).
   """
 
   top_k_tokens: int = 2048
@@ -79,6 +86,7 @@ class HiSparseConfig:
   selection: str = "union"
   thrash_window_steps: int = 8
   bounds_dtype: str = "bfloat16"
+  streamed_prefill: str = "exact"
 
   def __post_init__(self):
     if self.hot_buffer_tokens is None:
@@ -117,6 +125,9 @@ class HiSparseConfig:
     if self.bounds_dtype not in BOUNDS_DTYPES:
       raise ValueError(f"HiSparseConfig.bounds_dtype must be one of {BOUNDS_DTYPES}, got "
                        f"{self.bounds_dtype!r}")
+    if self.streamed_prefill not in STREAMED_PREFILLS:
+      raise ValueError(f"HiSparseConfig.streamed_prefill must be one of {STREAMED_PREFILLS}, "
+                       f"got {self.streamed_prefill!r}")
     if self.selection not in SELECTIONS:
       raise ValueError(f"HiSparseConfig.selection must be one of {SELECTIONS}, got "
                        f"{self.selection!r}")

@@ -160,6 +160,12 @@ flags.DEFINE_enum("selection", None, ["union", "shared", "per_kv_head", "per_que
                   "per-KV-head scores spread over [0, 1]; per_kv_head / per_query_head: "
                   "each head its own top-k (their union within the hot buffer). Default: "
                   "union.")
+flags.DEFINE_enum("streamed_prefill", None, ["exact", "sparse"],
+                  "HiSparse: how a prompt longer than the device pool prefills: exact "
+                  "(each chunk attends over all its earlier blocks, loaded from the host "
+                  "in groups through its hot buffer) or sparse (over the top-k of them, "
+                  "selected like a decode step: less host traffic, not the dense keys). "
+                  "Default: exact.")
 flags.DEFINE_integer("demo_num_prompts", None,
                      "demo: number of passkey prompts (real model; default 3) or retrieval "
                      "prompts (--model=hisparse-tiny; default 8).")
@@ -203,7 +209,7 @@ _MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "ho
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
            "compile_in_background", "compilation_cache_dir", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-             "sparse_threshold_tokens", "bounds_dtype", "selection")
+             "sparse_threshold_tokens", "bounds_dtype", "selection", "streamed_prefill")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
 _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",

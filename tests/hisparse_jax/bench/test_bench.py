@@ -305,12 +305,15 @@ def test_passkey_fields(passkey_smoke):
   (length,) = size.lengths
   assert p["model"] == size.model and p["checkpoint"]["sha256_12"]
   assert [(r["config"], r["status"]) for r in p["rows"]] == [
-      ("dense", "run"), ("top-k 64 block 16", "run"), ("top-k 64 block 16 streamed (45%)", "run"),
+      ("dense", "run"), ("top-k 64 block 16", "run"),
+      ("top-k 64 block 16 streamed (45%, exact prefill)", "run"),
       ("top-k 256 block 16", "covers")]
   dense, sparse, streamed = p["rows"][:3]
   # Streamed: a device pool under half of each prompt's KV; every prompt streams through
   # it and its earlier chunks come back from the host pool.
   assert streamed["streamed"] and not sparse["streamed"]
+  assert streamed["streamed_prefill"] == "exact" and streamed["hisparse"][
+      "streamed_prefill"] == "exact"
   assert streamed["capacity"]["device"]["tokens"] < 0.5 * streamed["prompt_tokens"][0]
   assert streamed["host"]["offloads"] >= 2 and streamed["host"]["host_loads"] > 0
   assert streamed["num_right"] == sum(a["right"] for a in streamed["answers"])

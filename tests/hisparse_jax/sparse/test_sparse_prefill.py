@@ -1,12 +1,16 @@
-"""Sparse prefill chunks: a chunk of a streamed prompt (one longer than the device pool,
-some of whose earlier blocks live only in the host pool) attends over the selected earlier
-blocks, loaded into its hot buffer, and densely over its own blocks
-(sparse/attention.py: `chunk_tables` and `attend`).
+"""Prefill chunks of a streamed prompt (one longer than the device pool, some of whose
+earlier blocks live only in the host pool; sparse/attention.py).
 
-Checked against the dense path: with a top-k that covers every earlier block, the chunk's
-output equals dense attention over the whole, all-resident sequence, whichever of its
-blocks were dropped to the host; with a smaller top-k, it equals exact attention over the
-blocks the indexer chose plus the chunk's own.
+streamed_prefill="exact" (the default): the chunk attends over all its earlier blocks,
+loaded in groups through its hot buffer (`_exact_chunks`), and causally over its own: its
+output equals dense attention over the whole, all-resident sequence whatever the top-k,
+the hot-buffer size (the groups) and the blocks dropped to the host.
+
+streamed_prefill="sparse": it attends over the selected earlier blocks, loaded into its
+hot buffer, and densely over its own (`chunk_tables`). Checked against the dense path:
+with a top-k that covers every earlier block, the chunk's output equals dense attention,
+whichever of its blocks were dropped to the host; with a smaller top-k, it equals exact
+attention over the blocks the indexer chose plus the chunk's own.
 """
 
 import jax
@@ -18,6 +22,7 @@ import kernels_pallas
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, memory_sharding
 from hisparse_jax.sparse import attention, indexer, resolver
+from kernels_pallas.quant import QuantizedPages, quantize
 from models.config import ModelConfig
 
 BS, KV_HEADS, HEAD_DIM, Q_HEADS = 4, 2, 8, 4
@@ -62,7 +67,7 @@ def _sparse_static(hisparse):
       blocks=hisparse.blocks(BS), selection=hisparse.selection, thrash_window_steps=4,
       device_sharding=memory_sharding(device, DEVICE),
       host_sharding=memory_sharding(device, PINNED_HOST), one_memory=True,
-      bounds_dtype="float32")
+      bounds_dtype="float32", streamed_prefill=hisparse.streamed_prefill)
 
 
 def _chunk_case(rng, hisparse, dropped, chunk_queries=1):
@@ -135,12 +140,58 @@ def _chunk_case(rng, hisparse, dropped, chunk_queries=1):
   return np.asarray(sparse[0]), np.asarray(dense[0]), new_cache, (keys, values, q, bounds)
 
 
+@pytest.mark.parametrize("hot_buffer_blocks", [1, 2, 4, 8])
+@pytest.mark.parametrize("dropped", [(0, 1, 2, 3, 4, 5), (1, 2, 5), ()])
+def test_exact_chunk_equals_dense_whatever_the_top_k_and_hot_buffer(hot_buffer_blocks,
+                                                                     dropped):
+  # The 6 earlier blocks in groups of the hot buffer's size (6, 3, 2 or 1 groups; the
+  # last one partial with 4), a top-k of one block: the output is the dense one.
+  hisparse = HiSparseConfig(top_k_tokens=BS, hot_buffer_tokens=hot_buffer_blocks * BS,
+                            sink_tokens=0, local_tokens=BS)
+  assert hisparse.streamed_prefill == "exact"
+  sparse, dense, cache, _ = _chunk_case(np.random.default_rng(len(dropped) + 10), hisparse,
+                                        dropped)
+  np.testing.assert_allclose(sparse, dense, rtol=2e-5, atol=2e-5)
+  counts = np.asarray(cache["counts"])[0]  # device, hot, host, evictions, thrash
+  # The earlier blocks read in place or loaded once each (its own are the engine's count).
+  np.testing.assert_array_equal(counts, [6 - len(dropped), 0, len(dropped), 0, 0])
+  assert int(cache["loaded"]) == len(dropped)
+  assert not np.asarray(cache["counts"])[1].any()  # the padding row: nothing
+  # Its hot-buffer slots were overwritten: the row's state is empty again.
+  slot_block, last_used, evicted_at = (np.asarray(a) for a in cache["state"])
+  assert (slot_block[0] == -1).all() and (last_used[0] == resolver.NEVER).all()
+  assert (evicted_at[0] == resolver.NEVER).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "bfloat16"])
+def test_exact_chunk_reads_blocks_of_every_cache_dtype(kind):
+  # The groups' blocks as the dense kernels read them: an 8-bit cache's dequantized (its
+  # values and scales gathered by block), a bfloat16 cache's widened to float32.
+  rng = np.random.default_rng(5)
+  x = [jnp.asarray(rng.standard_normal((6, BS, KV_HEADS, HEAD_DIM)), jnp.float32)
+       for _ in range(2)]
+  ids = jnp.array([4, 1, 1, 0], jnp.int32)
+  if kind == "bfloat16":
+    pages = tuple(a.astype(jnp.bfloat16) for a in x)
+    expected = [np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))[ids] for a in x]
+  else:
+    (kq, ks), (vq, vs) = quantize(x[0], kind), quantize(x[1], kind)
+    pages = (kq, vq, ks, vs)
+    expected = [np.asarray(QuantizedPages(q, s, jnp.float32).dequantize())[ids]
+                for q, s in ((kq, ks), (vq, vs))]
+  k, v = attention._gather_blocks(pages, ids, jnp.bfloat16 if kind == "bfloat16"
+                                  else jnp.float32)
+  for got, want in zip((k, v), expected):
+    assert got.dtype == jnp.float32 and got.shape == (4 * BS, KV_HEADS, HEAD_DIM)
+    np.testing.assert_array_equal(np.asarray(got), want.reshape(-1, KV_HEADS, HEAD_DIM))
+
+
 @pytest.mark.parametrize("selection", ["union", "per_kv_head"])
 @pytest.mark.parametrize("dropped", [(0, 1, 2, 3, 4, 5), (0, 2, 4), ()])
 def test_chunk_over_every_earlier_block_equals_dense(selection, dropped):
   # top-k 8 blocks >= the 6 earlier full blocks: every one is selected.
   hisparse = HiSparseConfig(top_k_tokens=8 * BS, hot_buffer_tokens=8 * BS, sink_tokens=BS,
-                            local_tokens=BS, selection=selection)
+                            local_tokens=BS, selection=selection, streamed_prefill="sparse")
   sparse, dense, cache, _ = _chunk_case(np.random.default_rng(len(dropped)), hisparse,
                                         dropped)
   np.testing.assert_allclose(sparse, dense, rtol=2e-5, atol=2e-5)
@@ -155,7 +206,7 @@ def test_chunk_with_a_small_top_k_attends_over_the_selection_and_its_own_blocks(
   # top-k 3 blocks: the sink (block 0), the newest earlier one (5) and one scored; the
   # chunk's queries see exactly those 12 tokens, then tokens 24..35 causally.
   hisparse = HiSparseConfig(top_k_tokens=3 * BS, hot_buffer_tokens=3 * BS, sink_tokens=BS,
-                            local_tokens=BS)
+                            local_tokens=BS, streamed_prefill="sparse")
   sparse, _, cache, (keys, values, q, bounds) = _chunk_case(
       np.random.default_rng(7), hisparse, (0, 1, 2, 3, 4, 5), chunk_queries)
   # The indexer's choice over the 6 earlier blocks: by the chunk's last query, or by its

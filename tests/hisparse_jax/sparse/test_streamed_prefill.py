@@ -1,7 +1,8 @@
 """Prompts longer than the device pool, served with HiSparse: the prompt is allocated chunk
 by chunk, its computed blocks are written through to the host pool and dropped from the
-device when the device is short, and its later chunks attend over the top-k of their
-earlier blocks (loaded into the hot buffer) plus their own (Scheduler._extend_streamed,
+device when the device is short, and its later chunks attend over all their earlier
+blocks, loaded in groups through the hot buffer (streamed_prefill="exact", the default),
+or over the top-k of them ("sparse"), plus their own (Scheduler._extend_streamed,
 sparse/attention.py).
 
 The tiny random Llama of engine_fixtures with block_size 8, max_model_len 256, prefill
@@ -9,6 +10,8 @@ chunks of 16 tokens and a device pool of 16 usable blocks (128 tokens): a top-k 
 blocks and a hot buffer of 4, so a 200-token prompt needs 25 blocks and streams. Without
 HiSparse the same budget is refused at start.
 """
+
+import dataclasses
 
 import pytest
 from engine_fixtures import (
@@ -70,8 +73,9 @@ def test_dense_engine_refuses_the_budget_hisparse_streams_through():
   assert "one request may be up to 256 tokens, beyond the 128 of device" in lines[-1]
 
 
-def test_a_prompt_longer_than_the_device_pool_is_served():
-  engine = _engine()
+@pytest.mark.parametrize("mode", ["exact", "sparse"])
+def test_a_prompt_longer_than_the_device_pool_is_served(mode):
+  engine = _engine(dataclasses.replace(HISPARSE, streamed_prefill=mode))
   seen = _record_rows(engine)
   prompt = random_prompts([200], seed=3)[0]  # 25 blocks > 16
   engine.add_request("long", prompt_token_ids=prompt,
@@ -84,17 +88,39 @@ def test_a_prompt_longer_than_the_device_pool_is_served():
   assert m["hisparse_hot_buffer_loads_total"] > 0  # earlier chunks read back from the host
   assert sum(rows for _, rows, _, _ in seen) >= 5  # the later chunks attended sparse
   assert max(used for used, _, _, _ in seen) <= 16
-  # The request's blocks by source add up to what its rows read (a sparse chunk: the
-  # selected earlier blocks from device / hot buffer / host, its own from the device).
+  # The request's blocks by source add up to what its rows read (a chunk: its earlier
+  # blocks (exact: all; sparse: the selected) from device / hot buffer / host, its own
+  # from the device).
   selected = outputs["long"].metrics.blocks_selected
   assert sum(selected.values()) == pytest.approx(sum(b for _, _, b, _ in seen))
-  assert selected["host"] > 0 and selected["hot"] > 0
+  assert selected["host"] > 0 and selected["hot"] > 0  # (exact: the decode rows' hits)
   assert_all_blocks_free(engine)
-  # The first token comes from the streamed prefill alone (its last chunk attended over
-  # 4 of its 23 earlier blocks): on this model it is the dense one (the later tokens
-  # decode sparse over 4 blocks and may drift).
+  # The first token comes from the streamed prefill alone (exact; sparse: its last chunk
+  # attended over 4 of its 23 earlier blocks, on this model the dense token too). The
+  # later tokens decode sparse over 4 blocks and may drift.
   reference = reference_greedy(tiny_model(), [prompt], 8)[0]
   assert tokens[0] == reference[0]
+
+
+def test_an_exact_streamed_prefill_gives_the_dense_prompt_logprobs():
+  # A 200-token prompt streamed in 16-token chunks through 16 device blocks, each chunk
+  # over up to 23 earlier blocks in groups of the hot buffer's 4: the logprob of every
+  # prompt token equals the dense engine's (a device pool that holds it all).
+  prompt = random_prompts([200], seed=6)[0]
+  params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+  streamed = _engine()
+  streamed.add_request("s", prompt_token_ids=prompt, sampling_params=params)
+  got = run(streamed)["s"]
+  assert streamed.metrics()["hisparse_hot_buffer_loads_total"] > 0
+  assert got.outputs[0].token_ids[0] == reference_greedy(tiny_model(), [prompt], 1)[0][0]
+  dense = _engine(hisparse=None, device_kv_gib=gib_for_blocks(tiny_model().config, 40))
+  dense.add_request("d", prompt_token_ids=prompt, sampling_params=params)
+  want = run(dense)["d"]
+  for j in range(1, 200):
+    (entry,) = got.prompt_logprobs[j].values()
+    (reference,) = want.prompt_logprobs[j].values()
+    assert entry.logprob == pytest.approx(reference.logprob, abs=1e-4), j
+  assert_all_blocks_free(streamed)
 
 
 def test_streamed_prompts_share_the_device_with_others_and_all_finish():
@@ -134,7 +160,8 @@ def test_a_device_pool_below_the_streamed_working_set_is_refused():
     _engine(device_kv_gib=gib_for_blocks(tiny_model().config, 7 + 1 + 4))
 
 
-def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeypatch):
+@pytest.mark.parametrize("mode", ["exact", "sparse"])
+def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeypatch, mode):
   # The engine's streamed path end to end, made exact: a 100-token prompt streamed in
   # 16-token chunks, offloaded before every chunk (its computed blocks written through and
   # dropped: every chunk reads its earlier blocks back from the host pool), with a top-k
@@ -152,7 +179,8 @@ def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeyp
   monkeypatch.setattr(Scheduler, "_streams", lambda self, request, num_blocks: True)
   monkeypatch.setattr(Scheduler, "_extend_streamed", offload_first)
   covering = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
-                            sink_tokens=8, local_tokens=8, sparse_threshold_tokens=256)
+                            sink_tokens=8, local_tokens=8, sparse_threshold_tokens=256,
+                            streamed_prefill=mode)
   engine = _engine(covering, device_kv_gib=gib_for_blocks(tiny_model().config, 80))
   seen = _record_rows(engine)
   prompt = random_prompts([100], seed=3)[0]
