@@ -143,3 +143,44 @@ def test_the_8bit_hisparse_step_lowers_for_cuda_with_values_and_scales(model, kv
   storage = "i8" if kv_cache_dtype == "int8" else "ui8"
   assert re.search(rf"tensor<\d+x{BLOCK_SIZE}x\d+x32x{storage}>", text)
   assert re.search(rf"tensor<\d+x{BLOCK_SIZE}x\d+x1xf32>", text)
+
+
+@pytest.mark.parametrize("mode", ["exact", "sparse"])
+def test_a_streamed_prefill_chunk_lowers_for_cuda(model, mode):
+  # A 120-token prompt through 8 device blocks (64 tokens): its later chunks are sparse
+  # rows whose earlier blocks are partly on the host. Exact: each chunk loads them in
+  # groups inside while loops (the host gathers inside the loop body); sparse: selected by
+  # CHUNK_QUERIES queries, then attended in the ragged kernel over a rewritten table.
+  hisparse = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8,
+                            local_tokens=8, sparse_threshold_tokens=16,
+                            streamed_prefill=mode)
+  engine = _engine(model, hisparse=hisparse, max_model_len=128,
+                   device_kv_gib=gib_for_blocks(model.config, 9 + 2))
+  batches, dispatch = [], engine.runner.dispatch
+
+  def is_chunk(batch):
+    meta = batch.metadata
+    q_lens = meta.cu_q_lens[1:batch.num_seqs + 1] - meta.cu_q_lens[:batch.num_seqs]
+    return bool((meta.sparse_rows[:batch.num_seqs] & (q_lens > 1)).any())
+
+  def recording(batch, prev_tokens=None):
+    batches.append(copy.deepcopy(batch))
+    return dispatch(batch, prev_tokens)
+
+  engine.runner.dispatch = recording
+  engine.add_request("long", prompt_token_ids=[1 + i % 90 for i in range(120)],
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=2))
+  while engine.has_unfinished_requests() and not any(is_chunk(b) for b in batches):
+    engine.step()
+  chunk = next(b for b in batches if is_chunk(b))
+  assert chunk.metadata.chunk_queries == (1 if mode == "exact" else 8)
+  text = engine.runner.lower(chunk, platform="cuda").as_text()
+  assert _attrs(text, "_xla_compute_type")["host"] > 0  # the loads cross from the host
+  assert _attrs(text, "mhlo.memory_kind")["pinned_host"] == 2 * NUM_LAYERS
+  whiles = text.count("stablehlo.while")
+  if mode == "exact":  # rows x groups, per layer, around the host gathers
+    assert whiles >= 2 * NUM_LAYERS
+    assert "paged_attention" in _kernels(text)
+  else:
+    assert "ragged_paged_attention" in _kernels(text)
+  assert engine.runner.lower(chunk, platform="cpu") is not None
