@@ -12,6 +12,7 @@ def test_defaults_follow_top_k():
   assert config.hot_buffer_tokens == 1024  # 2 x top_k, as SGLang's device buffer
   assert config.sparse_threshold_tokens == 1024  # the hot-buffer size
   assert config.indexer == "block_bounds" and config.selection == "union"
+  assert config.streamed_prefill == "exact"
   assert not config.is_sparse(1024) and config.is_sparse(1025)
 
 
@@ -70,6 +71,7 @@ def test_blocks_round_up_and_keep_one_local_block():
     ({"thrash_window_steps": -1}, "thrash_window_steps"),
     ({"indexer": "random"}, "indexer"),
     ({"selection": "per_token"}, "selection"),
+    ({"streamed_prefill": "dense"}, "streamed_prefill"),
     ({"top_k_tokens": 64.0}, "top_k_tokens"),
     ({"sink_tokens": True}, "sink_tokens"),
 ])
