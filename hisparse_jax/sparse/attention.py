@@ -57,7 +57,7 @@ import kernels_pallas
 from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
 from hisparse_jax.sparse import indexer, resolver
 from hisparse_jax.sparse.config import HiSparseBlocks
-from kernels_pallas.common import packed_ids
+from kernels_pallas.common import MASK_VALUE, packed_ids
 from kernels_pallas.quant import QuantizedPages, kind_of, quantize
 
 # Queries a sparse prefill chunk's selection ranks the blocks by: each of its query heads at
@@ -68,6 +68,8 @@ CHUNK_QUERIES = 8
 # Keys an exact streamed prefill chunk attends per group of earlier blocks loaded at once
 # (in whole blocks, at most the hot buffer): bounds its scores at [queries, heads, this].
 EXACT_GROUP_TOKENS = 512
+# Queries of an exact streamed chunk whose running softmax is updated together.
+EXACT_QUERY_TILE = 256
 
 # Per row and layer of a HiSparse step: [device, hot, host, evictions, thrash] blocks.
 COUNT_FIELDS = ("device", "hot", "host", "evictions", "thrash")
@@ -267,49 +269,53 @@ def _gather_blocks(pages, ids, kv_dtype):
   return tuple(x.reshape(-1, *x.shape[2:]).astype(jnp.float32) for x in (k, v))
 
 
-def _online_softmax(q, k, v, mask, m, l, acc, scale):
-  """One more set of keys into a running softmax: q [t, kv heads, group, d] float32, k and
-  v [keys, kv heads, d], mask [t, keys]; (m, l) [t, kv heads, group] the running max and
-  sum, acc [t, kv heads, group, d] the unnormalized output."""
-  s = jnp.einsum("thgd,khd->thgk", q, k, precision=lax.Precision.HIGHEST) * scale
-  s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+def _online_softmax(q, k, v, mask, m, l, acc):
+  """One more set of keys into a running softmax, in the layout of the xla backend's
+  prefill tiles (batched over KV heads): q [kv heads, rows, d] float32 (scaled), k and v
+  [keys, kv heads, d], mask [rows or 1, keys]; (m, l) [kv heads, rows] the running max
+  (MASK_VALUE: none yet) and sum, acc [kv heads, rows, d] the unnormalized output."""
+  dims = (((2,), (2,)), ((0,), (0,)))
+  s = lax.dot_general(q, k.transpose(1, 0, 2), dims, precision=lax.Precision.HIGHEST)
+  s = jnp.where(mask[None], s, MASK_VALUE)
   m_new = jnp.maximum(m, s.max(axis=-1))
-  base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-  p = jnp.exp(s - base[..., None])
-  correction = jnp.exp(m - base)
-  l = l * correction + p.sum(axis=-1)
-  acc = acc * correction[..., None] + jnp.einsum("thgk,khd->thgd", p, v,
-                                                 precision=lax.Precision.HIGHEST)
-  return m_new, l, acc
+  p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
+  alpha = jnp.exp(m - m_new)
+  pv = lax.dot_general(p, v.transpose(1, 0, 2), (((2,), (1,)), ((0,), (0,))),
+                       precision=lax.Precision.HIGHEST)
+  return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
 
 
 def _exact_chunks(sparse: SparseStatic, kv_dtype, q, pages, cache, metadata: StepMetadata,
                   rows, chunk, config):
-  """Streamed prefill chunks (rows[i] where chunk[i]) attended exactly: each over all its
-  E earlier full blocks, in groups of up to EXACT_GROUP_TOKENS (whole blocks, at most the
-  hot buffer) whose resident blocks are read in place and the others loaded from the host
-  into the row's hot-buffer slots (resolver.load_blocks), merged by an online softmax
-  with the causal part over its own blocks (block E on, on the device). One row after
-  the other, one group after the other (while loops: the pages stay in place). The
-  dense prefill's attention, in float32, with the sliding window if the model has one.
+  """Streamed prefill chunks (rows[i] where chunk[i]) attended exactly, as dense prefill
+  would: over every key before each query. A row's keys go by in groups of up to
+  EXACT_GROUP_TOKENS (whole blocks, at most the hot buffer): its E earlier full blocks
+  read in place where resident, else loaded from the host into the row's hot-buffer
+  slots (resolver.load_blocks), then its own blocks (block E on, on the device); each
+  group into an online softmax per tile of EXACT_QUERY_TILE queries (a tile skips the
+  groups wholly after it; causal and sliding-window masks by position). One row after
+  the other (while loops: the pages stay in place, a tile's scores stay small), float32.
 
   Returns (out [num_tokens, heads, d] float32 at the chunks' tokens, bool [num_tokens]
   which tokens those are, new pages, counts [n, 5] (device = earlier resident blocks,
   host = loaded ones), blocks loaded)."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_device_blocks, block_size, num_kv_heads = pages[0].shape[:3]
+  group = num_q_heads // num_kv_heads
   width = metadata.block_tables.shape[1]
   group_blocks = max(1, min(sparse.blocks.hot_buffer_blocks,
                             EXACT_GROUP_TOKENS // block_size,
                             metadata.hot_slots.shape[1]))
-  own_blocks = min(width, -(-num_tokens // block_size) + 1)  # a chunk's own blocks, at most
+  tile = min(EXACT_QUERY_TILE, num_tokens)
+  num_tiles = -(-num_tokens // tile)
   n = rows.shape[0]
   order, _ = packed_ids(chunk, n)
   scale = head_dim ** -0.5
   window = config.sliding_window
-  t = jnp.arange(num_tokens)
-  in_block = jnp.arange(block_size)
-  shape = (num_tokens, num_kv_heads, num_q_heads // num_kv_heads)
+  i_tile = jnp.arange(tile)
+  in_group = jnp.arange(group_blocks)
+  key_in_group = jnp.arange(group_blocks * block_size)
+  state_rows = group * tile  # per KV head: row g * tile + query i, as the prefill tiles
 
   def row_body(i, carry):
     pages, out, is_out, counts, loaded = carry
@@ -317,53 +323,59 @@ def _exact_chunks(sparse: SparseStatic, kv_dtype, q, pages, cache, metadata: Ste
     first = metadata.cu_q_lens[row]
     q_len = metadata.cu_q_lens[row + 1] - first
     kv_len = metadata.kv_lens[row]
-    pos = kv_len - q_len + t  # each query's position (those past q_len are padding)
-    earlier = (kv_len - q_len) // block_size
-    qw = q[jnp.clip(first + t, 0, num_tokens - 1)].astype(jnp.float32).reshape(
-        *shape, head_dim)
+    first_pos = kv_len - q_len  # the chunk's first query's position
+    earlier = first_pos // block_size
+    tiles = (q_len + tile - 1) // tile
     table, host_table = metadata.block_tables[row], metadata.host_tables[row]
     slots = metadata.hot_slots[row, :group_blocks]
 
-    def keys_mask(block_ids, block_ok, causal):
-      key_pos = (block_ids[:, None] * block_size + in_block[None, :]).reshape(-1)
-      ok = jnp.repeat(block_ok, block_size)[None, :]
-      if causal:
-        ok = ok & (key_pos[None, :] <= pos[:, None])
+    def attend_tile(x, state, k, v, key_pos, key_ok):
+      src = jnp.clip(first + x * tile + i_tile, 0, num_tokens - 1)
+      qt = q[src].astype(jnp.float32) * scale
+      qt = qt.reshape(tile, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(
+          num_kv_heads, state_rows, head_dim)
+      pos = jnp.tile(first_pos + x * tile + i_tile, group)[:, None]
+      mask = key_ok[None, :] & (key_pos[None, :] <= pos)
       if window is not None:
-        ok = ok & (key_pos[None, :] > pos[:, None] - window)
-      return ok
+        mask &= key_pos[None, :] > pos - window
+      m, l, acc = (lax.dynamic_index_in_dim(a, x, keepdims=False) for a in state)
+      m, l, acc = _online_softmax(qt, k, v, mask, m, l, acc)
+      return tuple(lax.dynamic_update_index_in_dim(a, b, x, 0)
+                   for a, b in zip(state, (m, l, acc)))
 
     def group_body(j, c):
-      pages, m, l, acc, resident_n, host_n, moved_n = c
-      b = j * group_blocks + jnp.arange(group_blocks)
-      valid = b < earlier
-      device_ids = table[jnp.clip(b, 0, width - 1)]
-      resident = valid & (device_ids != 0)
-      load = valid & ~resident & (slots != 0)
+      pages, state, resident_n, host_n, moved_n = c
+      b = j * group_blocks + in_group
+      inside = b < width
+      device_ids = jnp.where(inside, table[jnp.minimum(b, width - 1)], 0)
+      before = b < earlier
+      resident = (before | inside) & (device_ids != 0)
+      load = before & (device_ids == 0) & (slots != 0)
       pages, moved = resolver.load_blocks(
-          cache["host"], pages, host_table[jnp.clip(b, 0, width - 1)],
+          cache["host"], pages, host_table[jnp.minimum(b, width - 1)],
           jnp.where(load, slots, num_device_blocks),
           device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
           one_memory=sparse.one_memory)
       k, v = _gather_blocks(pages, jnp.where(resident, device_ids, slots), kv_dtype)
-      m, l, acc = _online_softmax(qw, k, v, keys_mask(b, resident | load, False),
-                                  m, l, acc, scale)
-      return (pages, m, l, acc, resident_n + resident.sum(dtype=jnp.int32),
+      key_pos = j * group_blocks * block_size + key_in_group
+      key_ok = jnp.repeat(resident | load, block_size) & (key_pos < kv_len)
+      # Tiles whose last query comes before the group's first key see none of it.
+      lo = jnp.clip((j * group_blocks * block_size - first_pos) // tile, 0, tiles)
+      state = lax.fori_loop(lo, tiles,
+                            lambda x, st: attend_tile(x, st, k, v, key_pos, key_ok), state)
+      return (pages, state, resident_n + (resident & before).sum(dtype=jnp.int32),
               host_n + load.sum(dtype=jnp.int32), moved_n + moved)
 
-    init = (pages, jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32), jnp.int32(0), jnp.int32(0),
-            jnp.int32(0))
-    num_groups = (earlier + group_blocks - 1) // group_blocks
-    pages, m, l, acc, resident_n, host_n, moved = lax.fori_loop(0, num_groups, group_body,
-                                                                init)
-    # Its own blocks (block E, partly earlier tokens, on): causal, on the device.
-    b = earlier + jnp.arange(own_blocks)
-    own_ok = (b < width) & (b * block_size < kv_len)
-    k, v = _gather_blocks(pages, jnp.where(own_ok, table[jnp.clip(b, 0, width - 1)], 0),
-                          kv_dtype)
-    m, l, acc = _online_softmax(qw, k, v, keys_mask(b, own_ok, True), m, l, acc, scale)
-    o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_tokens, num_q_heads, head_dim)
+    state = (jnp.full((num_tiles, num_kv_heads, state_rows), MASK_VALUE, jnp.float32),
+             jnp.zeros((num_tiles, num_kv_heads, state_rows), jnp.float32),
+             jnp.zeros((num_tiles, num_kv_heads, state_rows, head_dim), jnp.float32))
+    num_groups = (kv_len + group_blocks * block_size - 1) // (group_blocks * block_size)
+    pages, (_, l, acc), resident_n, host_n, moved = lax.fori_loop(
+        0, num_groups, group_body, (pages, state, jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [tiles, kv heads, group * tile, d]
+    o = o.reshape(num_tiles, num_kv_heads, group, tile, head_dim).transpose(
+        0, 3, 1, 2, 4).reshape(num_tiles * tile, num_q_heads, head_dim)[:num_tokens]
+    t = jnp.arange(num_tokens)
     dst = jnp.where(t < q_len, first + t, num_tokens)
     out = out.at[dst].set(o, mode="drop")
     is_out = is_out.at[dst].set(True, mode="drop")

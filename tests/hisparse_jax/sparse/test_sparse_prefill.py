@@ -142,10 +142,14 @@ def _chunk_case(rng, hisparse, dropped, chunk_queries=1):
 
 @pytest.mark.parametrize("hot_buffer_blocks", [1, 2, 4, 8])
 @pytest.mark.parametrize("dropped", [(0, 1, 2, 3, 4, 5), (1, 2, 5), ()])
-def test_exact_chunk_equals_dense_whatever_the_top_k_and_hot_buffer(hot_buffer_blocks,
-                                                                     dropped):
-  # The 6 earlier blocks in groups of the hot buffer's size (6, 3, 2 or 1 groups; the
-  # last one partial with 4), a top-k of one block: the output is the dense one.
+@pytest.mark.parametrize("query_tile", [256, 4, 3])
+def test_exact_chunk_equals_dense_whatever_the_top_k_and_hot_buffer(
+    monkeypatch, hot_buffer_blocks, dropped, query_tile):
+  # The 36 keys in groups of the hot buffer's size (1, 2, 4 or 8 blocks: the 6 earlier
+  # ones, loaded or read in place, then the chunk's own), the chunk's 10 queries in tiles
+  # of 10, 4 or 3 (partial last tiles; a tile skips the groups after it), a top-k of
+  # one block: the output is the dense one.
+  monkeypatch.setattr(attention, "EXACT_QUERY_TILE", query_tile)
   hisparse = HiSparseConfig(top_k_tokens=BS, hot_buffer_tokens=hot_buffer_blocks * BS,
                             sink_tokens=0, local_tokens=BS)
   assert hisparse.streamed_prefill == "exact"
