@@ -617,7 +617,7 @@ def plot(result: dict, path: str) -> None:
                     and r["block_size"] == block_size and r["status"] == "run"
                     and r.get("streamed") and r.get("streamed_prefill", "sparse") == mode]
         if streamed:  # points only: one length
-          ax.plot([r["length"] * (1.04 if k else 1) for r in streamed],
+          ax.plot([r["length"] for r in streamed],
                   [r["accuracy"] for r in streamed], linestyle="none", marker="*P"[k],
                   markersize=11, color=colors[(i + j) % len(colors)],
                   label=f"top-k {top_k:,}, block {block_size}, streamed, {mode} prefill")

@@ -296,12 +296,18 @@ def passkey_lines(p: dict) -> list[str]:
                  f"{r['engine_s'] + r['run_s']:,.0f} |")
   streamed = [r for r in p["rows"] if r.get("streamed")]
   if streamed:
-    lines += ["", "`streamed`: the same HiSparse row with a device pool of "
-              f"{streamed[0]['config'].rsplit('(', 1)[1].rstrip(')')} of one request's blocks, "
-              "less than half of each prompt's KV: every prompt streams through it (its "
-              "computed chunks written through to the host pool and dropped, each later chunk "
-              "attending over the top-k of its earlier blocks and densely over its own); dense "
-              "cannot start at that budget."]
+    fraction = streamed[0]["config"].rsplit("(", 1)[1].split(",")[0].rstrip(")")
+    modes = {r.get("streamed_prefill") or "sparse" for r in streamed}
+    how = {"exact": "`exact prefill`: each later chunk attends over all its earlier blocks "
+                    "(the dropped ones loaded back from the host pool in groups through its "
+                    "hot buffer) and its own, as dense prefill does",
+           "sparse": "`sparse prefill`: each later chunk attends over the top-k of its "
+                     "earlier blocks and densely over its own"}
+    lines += ["", f"`streamed`: the same HiSparse row with a device pool of {fraction} of "
+              "one request's blocks, less than half of each prompt's KV: every prompt streams "
+              "through it (its computed chunks written through to the host pool and "
+              "dropped); dense cannot start at that budget. "
+              + "; ".join(how[m] for m in sorted(modes)) + "."]
   a = p["agreement"]
   if a is None:
     return lines
