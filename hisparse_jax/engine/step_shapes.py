@@ -50,6 +50,7 @@ class StepShape:
   # signature covers: extras are rare and their shapes many.
   extras: Any = None
   chunk_queries: int = 1  # StepMetadata.chunk_queries (queries a sparse chunk selects by)
+  sparse_chunks: bool = True  # StepMetadata.sparse_chunks (the streamed-chunk path in it)
 
   @property
   def cost(self) -> tuple:
@@ -68,7 +69,7 @@ def shape_of(batch: StepBatch, greedy_only: bool) -> StepShape:
   return StepShape(int(batch.input_ids.shape[0]), int(batch.logits_indices.shape[0]),
                    int(meta.block_tables.shape[1]), tuple(meta.ragged_hints),
                    int(meta.num_sparse_rows), bool(greedy_only), extras,
-                   int(meta.chunk_queries))
+                   int(meta.chunk_queries), bool(meta.sparse_chunks))
 
 
 def dense_q_lens(batch: StepBatch) -> list[int]:
@@ -97,6 +98,8 @@ def covers(big: StepShape, small: StepShape, q_lens: Sequence[int],
           and (big.greedy_only <= small.greedy_only)
           and big.extras == small.extras
           and big.chunk_queries == small.chunk_queries
+          # A program with the streamed-chunk path runs a batch without chunks too.
+          and big.sparse_chunks >= small.sparse_chunks
           and hints_cover(dict(big.ragged_hints), q_lens))
 
 
@@ -129,7 +132,7 @@ def pad_to(batch: StepBatch, shape: StepShape, num_hot_rows: int) -> StepBatch:
       cu_q_lens=_pad(cu, b + 1, cu[-1]),
       sparse_rows=_pad(np.asarray(meta.sparse_rows), b, False),
       ragged_hints=shape.ragged_hints, num_sparse_rows=shape.num_sparse_rows,
-      chunk_queries=shape.chunk_queries, **hisparse)
+      chunk_queries=shape.chunk_queries, sparse_chunks=shape.sparse_chunks, **hisparse)
   return dataclasses.replace(
       batch, input_ids=_pad(batch.input_ids, t, 0), token_src=_pad(batch.token_src, t, -1),
       positions=_pad(batch.positions, t, 0), metadata=meta,

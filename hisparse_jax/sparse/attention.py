@@ -103,6 +103,9 @@ class StepMetadata:
   # HiSparse: the queries a sparse prefill chunk is selected by (CHUNK_QUERIES, evenly
   # spaced over the chunk, its last one included) in a step that has one; else 1.
   chunk_queries: int = dataclasses.field(default=1, metadata={"static": True})
+  # HiSparse: whether the step may hold a streamed prefill chunk (a sparse row of more
+  # than one query); False leaves the chunk path out of the program (a decode step's).
+  sparse_chunks: bool = dataclasses.field(default=True, metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +192,8 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
   # the host): selected like a decode row (by CHUNK_QUERIES of their queries), then
   # attended in the dense call over a rewritten table (below).
   is_chunk = is_sparse & (metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1] > 1)
+  if not metadata.sparse_chunks:  # (the builder says none can be: no chunk path)
+    is_chunk = jnp.zeros_like(is_sparse)
   exact = sparse.streamed_prefill == "exact"
   counts = jnp.zeros((batch, len(COUNT_FIELDS)), jnp.int32)
   loaded = jnp.int32(0)
@@ -219,7 +224,9 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
                      jnp.zeros_like(chunk) if exact else chunk))
     counts = counts.at[out_rows].set(row_counts, mode="drop")
     chunk_rows = jnp.where(chunk, rows, batch)
-    if exact:
+    if not metadata.sparse_chunks:
+      pass
+    elif exact:
       exact_out, exact_tokens, pages, chunk_counts, chunk_loaded = _exact_chunks(
           sparse, kv_dtype, q, pages, cache, metadata, rows, chunk, config)
       counts = counts.at[chunk_rows].set(chunk_counts, mode="drop")
@@ -253,7 +260,7 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
     decode = live & ~chunk
     out = out.at[jnp.where(decode, token, num_tokens)].set(sparse_out.astype(out.dtype),
                                                            mode="drop")
-    if exact:
+    if exact and metadata.sparse_chunks:
       out = jnp.where(exact_tokens[:, None, None], exact_out.astype(out.dtype), out)
   return out, pages, new_state, (counts, loaded)
 
@@ -488,8 +495,10 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   else:
     out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables,
                               jnp.where(decode, sel.kv_lens, 0))
-  chunks = chunk_tables(res.block_tables.reshape(n, -1), valid, tables, row_lens, q_lens,
-                        block_size)
+  chunks = (None, None)
+  if metadata.sparse_chunks and sparse.streamed_prefill == "sparse":
+    chunks = chunk_tables(res.block_tables.reshape(n, -1), valid, tables, row_lens, q_lens,
+                          block_size)
   # The rows' new state goes back to their state rows (rows without one are dropped).
   dst = jnp.where(own_row, hot_rows, num_state_rows)
   new_state = (slot_block.at[dst].set(res.state.slot_block, mode="drop"),

@@ -184,3 +184,12 @@ def test_a_streamed_prefill_chunk_lowers_for_cuda(model, mode):
   else:
     assert "ragged_paged_attention" in _kernels(text)
   assert engine.runner.lower(chunk, platform="cpu") is not None
+  assert chunk.metadata.sparse_chunks
+  # Its decode steps leave the chunk path out of their program (StepMetadata.sparse_chunks).
+  while engine.has_unfinished_requests():
+    engine.step()
+  decode = [b for b in batches if b.metadata.sparse_rows.any() and not is_chunk(b)]
+  assert decode and not any(b.metadata.sparse_chunks for b in decode)
+  # (exact: the group loops; sparse: chunk_tables' sort)
+  op = "stablehlo.while" if mode == "exact" else "stablehlo.sort"
+  assert engine.runner.lower(decode[-1], platform="cuda").as_text().count(op) < text.count(op)

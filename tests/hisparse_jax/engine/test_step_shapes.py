@@ -79,6 +79,11 @@ def test_covering_needs_every_size_and_the_same_program_kind():
   assert not covers(_shape(), _shape(num_sparse_rows=8), [40, 20, 1], cover)
   # Sampler extras: only the same signature.
   assert not covers(_shape(extras=("x",)), _shape(), [40, 20, 1], cover)
+  # A program with the streamed-chunk path runs batches without a chunk, not the reverse.
+  assert covers(_shape(num_sparse_rows=8), _shape(num_sparse_rows=8, sparse_chunks=False),
+                [40, 20, 1], cover)
+  assert not covers(_shape(num_sparse_rows=8, sparse_chunks=False),
+                    _shape(num_sparse_rows=8), [40, 20, 1], cover)
 
 
 def _run_waves(engine):
