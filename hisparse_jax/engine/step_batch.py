@@ -232,8 +232,8 @@ class BatchBuilder:
                         ragged_hints=hints,
                         num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())),
                         chunk_queries=chunk_queries,
-                        sparse_chunks=any(s and c.num_tokens > 1
-                                          for c, s in zip(chunks, sparse_rows)))
+                        sparse_chunks=self.hisparse is not None and any(
+                            s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows)))
     extras, spans = None, ()
     if any(needs_extras(c.request.sampling_params) for c in chunks):
       extras, spans = self._sampler_extras(chunks, b_pad, cu_q_lens)

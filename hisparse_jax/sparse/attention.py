@@ -224,9 +224,7 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
                      jnp.zeros_like(chunk) if exact else chunk))
     counts = counts.at[out_rows].set(row_counts, mode="drop")
     chunk_rows = jnp.where(chunk, rows, batch)
-    if not metadata.sparse_chunks:
-      pass
-    elif exact:
+    if exact and metadata.sparse_chunks:
       exact_out, exact_tokens, pages, chunk_counts, chunk_loaded = _exact_chunks(
           sparse, kv_dtype, q, pages, cache, metadata, rows, chunk, config)
       counts = counts.at[chunk_rows].set(chunk_counts, mode="drop")
@@ -238,7 +236,7 @@ def _hisparse_attention(ops: kernels_pallas.KernelOps, sparse: SparseStatic, kv_
       new_state = (new_state[0].at[dst].set(-1, mode="drop"),
                    new_state[1].at[dst].set(resolver.NEVER, mode="drop"),
                    new_state[2].at[dst].set(resolver.NEVER, mode="drop"))
-    else:
+    elif not exact and metadata.sparse_chunks:
       tables = tables.at[chunk_rows].set(chunk_tables, mode="drop")
       kv_lens = kv_lens.at[chunk_rows].set(chunk_lens, mode="drop")
   k_view, v_view = page_views(pages, kv_dtype)
