@@ -149,10 +149,14 @@ class KernelOps(NamedTuple):
 
 
 @functools.cache  # the same KernelOps (a static argument of the step) per backend
-def ops(backend: BackendName | None = None, *, platform: str | None = None) -> KernelOps:
+def ops(backend: BackendName | None = None, *, platform: str | None = None,
+        pages_dtype: str | None = None) -> KernelOps:
   """The kernels the engine calls, for `backend` (see module docstring), built for the
   `platform` target (None: this process's platform). The Pallas kernels come bound to
-  `interpret` = the target is CPU."""
+  `interpret` = the target is CPU. `pages_dtype`: the dtype the attention reads the KV
+  pages in, where the caller knows it (None: any); "float32" for the xla backend on a
+  CPU target with the C++ kernels built gives `kernel_hints` (every prefill row in the
+  C++ kernel: one program for prompts of any length)."""
   # Imported here: the kernel modules import this module for `resolve_interpret`. By module
   # path, since the package re-exports functions under the same names as the modules.
   pa, rpa, wkv, bkb, xa = (importlib.import_module(f"kernels_pallas.{m}") for m in (
@@ -175,8 +179,11 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None) -> K
     return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds))
   if name == "xla":
+    cpu_kernels = importlib.import_module("kernels_pallas.cpu_kernels")
+    kernel = (pages_dtype == "float32" and target_platform(platform) == "cpu"
+              and cpu_kernels.available())
     return KernelOps(name, xa.paged_attention_xla, xa.ragged_paged_attention_xla,
-                     wkv.write_kv_reference, bkb.block_key_bounds_reference, xa.ragged_hints,
-                     xa.hints_cover)
+                     wkv.write_kv_reference, bkb.block_key_bounds_reference,
+                     xa.kernel_hints if kernel else xa.ragged_hints, xa.hints_cover)
   return KernelOps(name, pa.paged_attention_reference, rpa.ragged_paged_attention_reference,
                    wkv.write_kv_reference, bkb.block_key_bounds_reference)

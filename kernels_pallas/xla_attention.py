@@ -23,7 +23,9 @@ read the blocks in place), decode rows and prefill rows run them instead of thes
 the loops stay for other targets, 8-bit or bf16 pages, and machines without a compiler.
 
 Host-known sizes keep the compiled shapes small: `prefill_plan(q_lens)` gives the static
-`(prefill_tile, num_prefill_tiles)` of a batch (0 tiles: no prefill work compiled).
+`(prefill_tile, num_prefill_tiles)` of a batch (0 tiles: no prefill work compiled);
+`kernel_hints`, where the C++ kernel takes every prefill row, only whether there is any
+(the engine's hints on CPU with float32 pages: `backend.ops(pages_dtype=)`).
 The pure-jnp references of each kernel file stay the references; tests hold this
 module to them.
 """
@@ -55,6 +57,8 @@ PREFILL_KEYS = 512
 PREFILL_TILE = 128
 PREFILL_DIAGONAL_KEYS = 128  # key chunk of the masked (causal diagonal) part of a tile
 MIN_PREFILL_TILE = 16
+# `prefill_tile` of `kernel_hints`: the C++ kernel tiles the prefill rows itself.
+KERNEL_TILE = 0
 
 
 def prefill_plan(q_lens: Sequence[int], max_tile: int = PREFILL_TILE) -> tuple[int, int]:
@@ -85,13 +89,24 @@ def ragged_hints(q_lens: Sequence[int]) -> dict[str, int]:
           "num_decode_rows": decode_rows_bucket(sum(int(n) == 1 for n in q_lens))}
 
 
+def kernel_hints(q_lens: Sequence[int]) -> dict[str, int]:
+  """`ragged_hints` where the C++ kernel computes every prefill row (a CPU target, the
+  kernels built, float32 pages): it tiles them itself, so the prefill's static size is
+  only whether there is one (`prefill_tile` KERNEL_TILE, 1 or 0 tiles), and batches of any
+  prompt lengths share one program."""
+  return {"prefill_tile": KERNEL_TILE, "num_prefill_tiles": int(any(n > 1 for n in q_lens)),
+          "num_decode_rows": decode_rows_bucket(sum(int(n) == 1 for n in q_lens))}
+
+
 def hints_cover(hints: dict[str, int], q_lens: Sequence[int]) -> bool:
-  """Whether a call with the static sizes `hints` (of `ragged_hints`, perhaps of other
-  rows) computes rows of these query lengths: enough prefill tiles of its tile size and
-  enough decode rows."""
+  """Whether a call with the static sizes `hints` (of `ragged_hints` or `kernel_hints`,
+  perhaps of other rows) computes rows of these query lengths: enough prefill tiles of its
+  tile size (the kernel's: any prefill at all) and enough decode rows."""
   multi = [int(n) for n in q_lens if n > 1]
   tile = hints["prefill_tile"]
-  return (sum(common.cdiv(n, tile) for n in multi) <= hints["num_prefill_tiles"]
+  needed = (int(bool(multi)) if tile == KERNEL_TILE
+            else sum(common.cdiv(n, tile) for n in multi))
+  return (needed <= hints["num_prefill_tiles"]
           and sum(int(n) == 1 for n in q_lens) <= hints["num_decode_rows"])
 
 
@@ -384,7 +399,15 @@ def ragged_paged_attention_xla(
                        sm_scale=scale, soft_cap=soft_cap,
                        blocks_per_step=_blocks_per_step(DECODE_KEYS, block_size))
     out = out.at[jnp.where(is_decode, tokens, num_tokens)].set(dec, mode="drop")
-  if num_prefill_tiles and cpu_kernels.supports(q, k_pages):
+  if num_prefill_tiles and prefill_tile == KERNEL_TILE:
+    # kernel_hints: the C++ kernel alone (a CPU target); its own tiles.
+    if not cpu_kernels.supports(q, k_pages):
+      raise ValueError("prefill_tile=KERNEL_TILE (kernel_hints) needs the C++ kernels and "
+                       "float32 pages")
+    out = out + cpu_kernels.ragged_prefill(q, k_pages, v_pages, block_tables, kv_lens,
+                                           cu_q_lens, sm_scale=scale, soft_cap=soft_cap,
+                                           sliding_window=sliding_window)
+  elif num_prefill_tiles and cpu_kernels.supports(q, k_pages):
     # Rows with more than one query through the C++ kernel on a CPU target (zeros for the
     # other rows); the jnp tiles elsewhere.
     prefill = functools.partial(_prefill_rows_jnp, sm_scale=scale, soft_cap=soft_cap,

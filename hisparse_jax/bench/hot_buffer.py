@@ -91,7 +91,7 @@ def state_at_rate(warm: tuple[np.ndarray, ...], rate: float, rng: np.random.Gene
 def _step(tiered: tiered_setup.TieredBatch, state: tuple[np.ndarray, ...]):
   """One step from hot-buffer state `state`: (seconds, StepResult)."""
   runner = tiered.runner
-  runner.hot_state = tuple(jax.device_put(a, runner.pool.sharding) for a in state)
+  runner.set_hot_state(state)
   jax.block_until_ready(runner.hot_state)
   start = time.perf_counter()
   result = runner.collect(runner.dispatch(tiered.batch))
@@ -110,7 +110,7 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
   # Warm: one step from empty hot buffers leaves every selected block in them.
   _, first = _step(tiered, tiered.cold_state)
   _step(tiered, tiered.cold_state)  # compiled and warm caches before timing
-  warm = tuple(np.asarray(a) for a in tiered.runner.hot_state)
+  warm = tiered.runner.hot_state_arrays()
   rng = np.random.default_rng(seed)
   states = {rate: state_at_rate(warm, rate, rng) for rate in size.rates}
   seconds = {rate: [] for rate in size.rates}

@@ -128,7 +128,7 @@ def tiered_decode(model: LlamaForCausalLM, spec: KVCacheSpec, hisparse: HiSparse
   batch = runner.build_batch(chunks, device_tables, tiers)
   if not batch.metadata.sparse_rows[:batch_size].all():
     raise ValueError(f"context {context} is not above the sparse threshold")
-  cold = tuple(np.asarray(a) for a in runner.hot_state)
+  cold = runner.hot_state_arrays()
   return TieredBatch(runner, batch, cold, 2 * spec.block_size * spec.num_kv_heads
                      * spec.head_dim * spec.itemsize)
 

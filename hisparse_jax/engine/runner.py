@@ -138,7 +138,7 @@ class ModelRunner:
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
     self.kernel_backend = kernel_backend
-    self.ops = kernels_pallas.ops(kernel_backend)
+    self.ops = kernels_pallas.ops(kernel_backend, pages_dtype=self._pages_dtype())
     self.hisparse = hisparse
     self.hisparse_blocks = hisparse.blocks(self.block_size) if hisparse is not None else None
     # Per-layer key bounds of every device block: [num_blocks, 2, num_kv_heads, head_dim].
@@ -148,7 +148,12 @@ class ModelRunner:
     # HiSparse: key bounds by host block id (for blocks whose device copy was dropped),
     # and the hot-buffer state, one row per offloaded sequence (rows = max_num_seqs).
     self.host_pool = host_pool
-    self.hot_state: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    # (slot blocks, last used, evicted at) of every layer, grouped by kind as the pool's
+    # arrays: [kind * num_layers + layer], each [rows, slots] (the block table width for
+    # evicted-at). One array per layer, not a stacked one: a step program slicing a layer
+    # out of a stacked array compiles one kernel per layer for it (fusions of identical
+    # computations are compiled once; a layer's constant offset makes them differ).
+    self.hot_state: tuple[jax.Array, ...] | None = None
     self.num_hot_rows = max_num_seqs
     self.step_clock = 0
     self.last_counts: np.ndarray | None = None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS)
@@ -164,12 +169,12 @@ class ModelRunner:
       bounds_storage = storage_dtype(hisparse.bounds_dtype, device_pool.device.platform)
       self.bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
                           for _ in range(spec.num_layers))
-      rows, slots = (spec.num_layers, self.num_hot_rows), self.hisparse_blocks.hot_buffer_blocks
-      self.hot_state = (
-          device_full_fn((*rows, slots), jnp.int32, -1, device_pool.replicated)(),
-          device_full_fn((*rows, slots), jnp.int32, resolver.NEVER, device_pool.replicated)(),
-          device_full_fn((*rows, self.max_blocks_per_seq), jnp.int32, resolver.NEVER,
-                         device_pool.replicated)())
+      rows, slots = self.num_hot_rows, self.hisparse_blocks.hot_buffer_blocks
+      kinds = (((rows, slots), -1), ((rows, slots), resolver.NEVER),
+               ((rows, self.max_blocks_per_seq), resolver.NEVER))
+      self.hot_state = tuple(
+          device_full_fn(shape, jnp.int32, value, device_pool.replicated)()
+          for shape, value in kinds for _ in range(spec.num_layers))
     self.batch_builder = BatchBuilder(
         block_size=self.block_size, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, ops=self.ops,
@@ -200,6 +205,11 @@ class ModelRunner:
     self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
                                      device_pool.replicated)
 
+  def _pages_dtype(self) -> str | None:
+    """The dtype the attention reads the pages in (None: quantized pages)."""
+    spec = self.pool.spec
+    return spec.dtype if spec.kv_cache_dtype == "auto" else None
+
   def _step_for(self, ops: kernels_pallas.KernelOps, one_memory: bool | None):
     """The jitted step program over `ops` (`one_memory`: how HiSparse loads cross, see
     resolver.load_blocks; None: as this process's devices do)."""
@@ -223,6 +233,19 @@ class ModelRunner:
   def reserved_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays of `reserved_bytes` (their shards: the capacity lines per device)."""
     return (*self.bounds, *(self.hot_state or ()))
+
+  def hot_state_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The hot-buffer state read back, each kind stacked over the layers: (slot blocks,
+    last used) [layers, rows, slots] and evicted-at [layers, rows, table width]."""
+    n = self.config.num_hidden_layers
+    state = [np.asarray(a) for a in self.hot_state]
+    return tuple(np.stack(state[k * n:(k + 1) * n]) for k in range(3))
+
+  def set_hot_state(self, state: Sequence[np.ndarray]) -> None:
+    """Replaces the hot-buffer state with `state` (as `hot_state_arrays` gives it)."""
+    sharding = self.hot_state[0].sharding
+    self.hot_state = tuple(jax.device_put(np.asarray(a[layer]), sharding)
+                           for a in state for layer in range(a.shape[0]))
 
   @property
   def indexer_bytes(self) -> int:
@@ -285,7 +308,7 @@ class ModelRunner:
     cross between separate device and host memories unless the platform is CPU."""
     target = kernels_pallas.backend.target_platform(platform)
     backend = self.kernel_backend if kernel_backend is None else kernel_backend
-    ops = kernels_pallas.ops(backend, platform=target)
+    ops = kernels_pallas.ops(backend, platform=target, pages_dtype=self._pages_dtype())
     step = self._step_for(ops, one_memory=target == "cpu")
     # The dense call's static sizes are the target kernels' own (build_batch gave this
     # runner's).

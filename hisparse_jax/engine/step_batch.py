@@ -29,6 +29,12 @@ from hisparse_jax.sparse.attention import (
 )
 from kernels_pallas.xla_attention import decode_rows_bucket
 
+# Fewest sequence rows a step is padded to. The decode rows of the attention and HiSparse's
+# sparse rows are computed in multiples of 8 whatever the batch (decode_rows_bucket), and
+# the output projection streams its weights once for any few rows, so smaller buckets
+# only add programs to compile (4 rows and 8 were two programs of each kind).
+MIN_SEQ_ROWS = 8
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +142,7 @@ class BatchBuilder:
     """
     num_tokens = sum(c.num_tokens for c in chunks)
     t_pad = bucket_size(num_tokens, 16, self.max_num_batched_tokens)
-    b_pad = bucket_size(len(chunks), 4, self.max_num_seqs)
+    b_pad = bucket_size(len(chunks), MIN_SEQ_ROWS, self.max_num_seqs)
     w_pad = bucket_size(block_tables.shape[1], 4, self.max_blocks_per_seq)
     input_ids = np.zeros(t_pad, np.int32)
     token_src = np.full(t_pad, -1, np.int32)
@@ -228,9 +234,15 @@ class BatchBuilder:
     if (sparse_chunks and self.hisparse.selection != "per_query_head"
         and any(s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows))):
       chunk_queries = CHUNK_QUERIES
+    num_sparse_rows = decode_rows_bucket(int(sparse_rows.sum()))
+    if self.hisparse is not None and any(c.num_tokens > 1 for c in chunks):
+      # A HiSparse step with prefill carries the sparse path even with no sparse row yet
+      # (a long prompt's first chunks): the same program as the later prefill steps that
+      # have one, one program fewer to compile per token bucket. Its 8 empty rows cost
+      # nothing next to a prefill chunk; decode-only steps keep the choice.
+      num_sparse_rows = max(num_sparse_rows, decode_rows_bucket(1))
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
-                        ragged_hints=hints,
-                        num_sparse_rows=decode_rows_bucket(int(sparse_rows.sum())),
+                        ragged_hints=hints, num_sparse_rows=num_sparse_rows,
                         chunk_queries=chunk_queries,
                         sparse_chunks=self.hisparse is not None and any(
                             s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows)))

@@ -149,12 +149,13 @@ def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot
   num_kinds = len(kv_arrays) // num_layers
 
   def layer_arrays(arrays, i):
-    return tuple(arrays[j * num_layers + i] for j in range(num_kinds))
+    kinds = len(arrays) // num_layers
+    return tuple(arrays[j * num_layers + i] for j in range(kinds))
 
   if bounds:  # HiSparse: each layer's cache is a dict (see attend)
     kv_caches = [dict(pages=layer_arrays(kv_arrays, i), bounds=bounds[i],
                       host=layer_arrays(host_arrays, i),
-                      state=tuple(a[i] for a in hot_state))
+                      state=layer_arrays(hot_state, i))
                  for i in range(num_layers)]
   else:
     kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
@@ -183,7 +184,7 @@ def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:
     new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
-    new_state = tuple(jnp.stack([c["state"][j] for c in kv_caches]) for j in range(3))
+    new_state = tuple(c["state"][j] for j in range(3) for c in kv_caches)
     counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
     loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
     return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,

@@ -18,6 +18,7 @@ import kernels_testlib as lib
 import numpy as np
 import pytest
 
+import kernels_pallas
 from kernels_pallas import (
   cpu_kernels,
   paged_attention,
@@ -27,7 +28,14 @@ from kernels_pallas import (
   ragged_paged_attention_reference,
   ragged_paged_attention_xla,
 )
-from kernels_pallas.xla_attention import decode_rows_bucket, prefill_plan, ragged_hints
+from kernels_pallas.xla_attention import (
+    KERNEL_TILE,
+    decode_rows_bucket,
+    hints_cover,
+    kernel_hints,
+    prefill_plan,
+    ragged_hints,
+)
 
 NUM_BLOCKS = 96
 
@@ -105,6 +113,55 @@ def test_ragged_xla_matches_reference_on_grid(rng, decode_path, ratio, block_siz
     chex.assert_type(out, args[0].dtype)
     assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= lib.TOL[dtype]
     np.testing.assert_array_equal(np.asarray(out[int(args[5][-1]):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 21}, {"soft_cap": 5.0}])
+def test_kernel_hints_run_every_prefill_row_in_the_cpp_kernel(rng, kw):
+  # kernel_hints: one static size for any prefill (the C++ kernel tiles the rows itself);
+  # the same outputs as the reference and as the engine's tiles.
+  if not cpu_kernels.available():
+    pytest.skip("the C++ CPU kernels are not built here (no C++ compiler)")
+  _, args = _batch(rng, 4, 16, 64, "float32", _mixed(16))
+  q_lens = np.diff(np.asarray(args[5]))
+  hints = kernel_hints(q_lens)
+  assert hints == {"prefill_tile": KERNEL_TILE, "num_prefill_tiles": 1, "num_decode_rows": 8}
+  out = ragged_paged_attention_xla(*args, **hints, **kw)
+  ref = ragged_paged_attention_reference(*args, **kw)
+  assert lib.max_abs_err(out, ref) <= lib.TOL["float32"]
+  np.testing.assert_array_equal(np.asarray(out[int(args[5][-1]):]), 0.0)
+  # Prompts of other lengths: the same static sizes, so the same program.
+  assert kernel_hints([1, 2048, 1]) == kernel_hints([700, 1, 5])
+  assert kernel_hints([1, 1])["num_prefill_tiles"] == 0  # no prefill work compiled
+
+
+def test_kernel_hints_need_float32_pages_and_the_kernels(rng):
+  if not cpu_kernels.available():
+    pytest.skip("the C++ CPU kernels are not built here (no C++ compiler)")
+  _, args = _batch(rng, 4, 16, 64, "bfloat16", _mixed(16))
+  with pytest.raises(ValueError, match="KERNEL_TILE"):
+    ragged_paged_attention_xla(*args, **kernel_hints(np.diff(np.asarray(args[5]))))
+
+
+def test_hints_cover_kernel_hints():
+  # Any prefill rows are covered by a kernel program with prefill; decode rows as before.
+  with_prefill = kernel_hints([2048, 1])
+  assert hints_cover(with_prefill, [5000, 3, 1, 1])
+  assert hints_cover(with_prefill, [1] * 8) and not hints_cover(with_prefill, [1] * 9)
+  assert not hints_cover(kernel_hints([1, 1]), [2, 1])
+  assert hints_cover(kernel_hints([1, 1]), [1, 1])
+  # The tile plan's hints are still counted in tiles.
+  assert not hints_cover(ragged_hints([128]), [129])
+
+
+def test_engine_ops_take_kernel_hints_for_float32_pages_on_cpu():
+  xla = kernels_pallas.ops("xla", pages_dtype="float32")
+  want = kernel_hints if cpu_kernels.available() else ragged_hints
+  assert xla.ragged_hints is want
+  # bf16 pages, quantized ones (None) and other targets keep the tile plan.
+  assert kernels_pallas.ops("xla", pages_dtype="bfloat16").ragged_hints is ragged_hints
+  assert kernels_pallas.ops("xla", pages_dtype=None).ragged_hints is ragged_hints
+  assert kernels_pallas.ops("xla", platform="tpu",
+                            pages_dtype="float32").ragged_hints is ragged_hints
 
 
 @pytest.mark.parametrize("kw", [{"sliding_window": 21}, {"soft_cap": 5.0},

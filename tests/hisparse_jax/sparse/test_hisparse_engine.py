@@ -477,7 +477,7 @@ def test_mixed_batches_read_no_full_table_of_a_sparse_row(monkeypatch, reference
     return xla.paged_attention(q, k, v, tables, lengths, **kw)
 
   counting = xla._replace(ragged_paged_attention=ragged, paged_attention=paged)
-  monkeypatch.setattr(kernels_pallas, "ops", lambda backend=None: counting)
+  monkeypatch.setattr(kernels_pallas, "ops", lambda backend=None, **kw: counting)
   engine = _engine(SMALL)
   sparse_rows = []
   build = engine.runner.build_batch
