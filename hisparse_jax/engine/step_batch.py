@@ -235,11 +235,14 @@ class BatchBuilder:
         and any(s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows))):
       chunk_queries = CHUNK_QUERIES
     num_sparse_rows = decode_rows_bucket(int(sparse_rows.sum()))
-    if self.hisparse is not None and any(c.num_tokens > 1 for c in chunks):
-      # A HiSparse step with prefill carries the sparse path even with no sparse row yet
-      # (a long prompt's first chunks): the same program as the later prefill steps that
-      # have one, one program fewer to compile per token bucket. Its 8 empty rows cost
-      # nothing next to a prefill chunk; decode-only steps keep the choice.
+    if self.hisparse is not None and any(
+        c.num_tokens > 1 and self.hisparse.is_sparse(c.request.prefill_len + 1)
+        for c in chunks):
+      # A step prefilling a prompt that will decode sparse carries the sparse path even
+      # with no sparse row yet (a long prompt's first chunks): the same program as the
+      # later prefill steps whose batch holds its decode rows, one program fewer per
+      # token bucket. Its 8 empty rows cost nothing next to a prefill chunk; steps of
+      # short prompts only, and decode-only steps, keep the choice.
       num_sparse_rows = max(num_sparse_rows, decode_rows_bucket(1))
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints, num_sparse_rows=num_sparse_rows,

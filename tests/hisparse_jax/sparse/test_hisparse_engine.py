@@ -508,3 +508,29 @@ def test_mixed_batches_read_no_full_table_of_a_sparse_row(monkeypatch, reference
     assert (lengths <= SMALL.top_k_tokens).all()  # the selected blocks only
   assert mixed > 0 and len(calls["paged"]) > 0
   assert_all_blocks_free(engine)
+
+
+def test_prefill_of_a_prompt_that_decodes_sparse_carries_the_sparse_path():
+  # A step prefilling a prompt that will decode sparse runs the program with the sparse
+  # path (8 rows) before any row is sparse, as the later steps holding its decode rows; a
+  # short prompt's prefill (and a short decode) runs without it.
+  engine = _engine(SMALL)
+  steps, build = [], engine.runner.build_batch
+
+  def recording(chunks, tables, tiers=None):
+    batch = build(chunks, tables, tiers)
+    steps.append((max(c.num_tokens for c in chunks), int(batch.metadata.sparse_rows.sum()),
+                  batch.metadata.num_sparse_rows))
+    return batch
+
+  engine.runner.build_batch = recording
+  short = SamplingParams(temperature=0.0, max_tokens=2)
+  engine.add_request(prompt_token_ids=[5, 6, 7, 8, 9], sampling_params=short)
+  run(engine, max_steps=20)
+  assert steps and all(rows == 0 for _, _, rows in steps)  # never longer than 16 tokens
+  steps.clear()
+  engine.add_request(prompt_token_ids=list(range(3, 43)), sampling_params=short)  # 40
+  run(engine, max_steps=20)
+  prefill = [s for s in steps if s[0] > 1]
+  assert prefill and all(sparse == 0 and rows == 8 for _, sparse, rows in prefill)
+  assert any(sparse == 1 for n, sparse, _ in steps if n == 1)  # it decodes sparse
