@@ -46,8 +46,10 @@ PREFILL_TARGET = "hisparse_ragged_prefill_f32"
 MATMUL_TARGET = "hisparse_packed_matmul_f32"
 UNION_SELECT_TARGET = "hisparse_union_select_f32"
 RESOLVE_TARGET = "hisparse_resolve"
+# uint16: bfloat16 bounds in their storage bits (the engine's on CPU), read as bfloat16.
 UNION_SELECT_BOUNDS_TARGETS = {"float32": "hisparse_union_select_bounds_f32",
-                               "bfloat16": "hisparse_union_select_bounds_bf16"}
+                               "bfloat16": "hisparse_union_select_bounds_bf16",
+                               "uint16": "hisparse_union_select_bounds_u16"}
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -127,7 +129,8 @@ def available() -> bool:
   jax.ffi.register_ffi_target(RESOLVE_TARGET, jax.ffi.pycapsule(lib.HisparseResolve),
                               platform="cpu")
   for dtype, symbol in (("float32", "HisparseUnionSelectBoundsF32"),
-                        ("bfloat16", "HisparseUnionSelectBoundsBF16")):
+                        ("bfloat16", "HisparseUnionSelectBoundsBF16"),
+                        ("uint16", "HisparseUnionSelectBoundsU16")):
     jax.ffi.register_ffi_target(UNION_SELECT_BOUNDS_TARGETS[dtype],
                                 jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   return True
@@ -195,7 +198,7 @@ def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: 
                         sink_blocks: int, local_blocks: int
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`union_select` with the scores computed from the key bounds where they lie: q [B, Hq,
-  D], bounds [R, 2, Hkv, D] (float32 or bfloat16), bounds_rows int32 [B, NB] (each logical
+  D], bounds [R, 2, Hkv, D] (float32, bfloat16, or uint16: bfloat16 bits), bounds_rows int32 [B, NB] (each logical
   block's row of `bounds`), kv_lens [B]. The selection `indexer.select(q,
   bounds[bounds_rows], kv_lens, blocks, "union")` makes, without the gathered copy
   (scores equal up to float32 rounding: the sums run in another order). k <= NB."""
@@ -205,7 +208,8 @@ def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: 
   _require()
   target = UNION_SELECT_BOUNDS_TARGETS.get(jnp.dtype(bounds.dtype).name)
   if target is None:
-    raise ValueError(f"union_select_bounds: bounds must be float32 or bfloat16, got "
+    raise ValueError(f"union_select_bounds: bounds must be float32, bfloat16 or uint16 "
+                     f"(bfloat16 bits), got "
                      f"{bounds.dtype}")
   out = (jax.ShapeDtypeStruct((batch, k), jnp.int32),
          jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))

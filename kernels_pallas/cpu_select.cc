@@ -320,3 +320,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseUnionSelectF32, UnionSelectImpl,
 
 HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsF32, ffi::F32)
 HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsBF16, ffi::BF16)
+// bfloat16 bounds as XLA:CPU stores them (their uint16 bits; DESIGN.md): taking the bits
+// saves the program a bitcast-convert copy of the whole bounds array per layer.
+HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsU16, ffi::U16)

@@ -77,6 +77,11 @@ SIZES = {
                  max_model_len=4096, sweep=(1, 2, 4, 8, 16, 32), sweep_prompt_len=2000,
                  with_vllm=True),
     # The tiny GGUF's KV is 512 bytes per token: a 1/1024 GiB budget holds 2,048 tokens.
+    # The concurrency sweep alone (device-only and HiSparse, no workload, no vLLM row).
+    "sweep": Size(model=evv.REAL_MODEL, num_requests=0, prompt_lens=(2000, 3900),
+                  short_tokens=16, long_tokens=80, top_k_tokens=512, host_pool_gib=5.0,
+                  max_model_len=4096, sweep=(1, 2, 4, 8, 16, 32), sweep_prompt_len=2000,
+                  with_vllm=False),
     "smoke": Size(model=evv.SMOKE_GGUF, num_requests=4, prompt_lens=(300, 500),
                   short_tokens=2, long_tokens=6, top_k_tokens=64, host_pool_gib=0.01,
                   max_model_len=512, sweep=(1, 2), sweep_prompt_len=300, with_vllm=False,
@@ -147,11 +152,13 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
                         (*kv_args, *extra))
     try:
       infos[name] = worker.info
-      rows[name] = _measure(worker, prompts, size, "long")
-      print(f"hisparse_throughput {name}: decode {rows[name]['decode_tokens_per_s']:.1f} "
-            f"tok/s, e2e {rows[name]['e2e_tokens_per_s']:.0f} tok/s, at once "
-            f"{rows[name]['max_running']} (load {os.getloadavg()[0]:.1f})", file=sys.stderr,
-            flush=True)
+      rows[name] = {}
+      if size.num_requests:
+        rows[name] = _measure(worker, prompts, size, "long")
+        print(f"hisparse_throughput {name}: decode {rows[name]['decode_tokens_per_s']:.1f} "
+              f"tok/s, e2e {rows[name]['e2e_tokens_per_s']:.0f} tok/s, at once "
+              f"{rows[name]['max_running']} (load {os.getloadavg()[0]:.1f})",
+              file=sys.stderr, flush=True)
       if name != "vLLM":
         sweep = {}
         for c in size.sweep:
@@ -172,14 +179,15 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
       raise AssertionError(f"hisparse_throughput: device-only and vLLM greedy tokens differ: "
                            f"{diff}")
   for r in rows.values():
-    r.pop("token_ids")
+    r.pop("token_ids", None)
   dense, sparse = rows["device-only"], rows["HiSparse"]
-  ratios = {"decode_vs_device_only": sparse["decode_tokens_per_s"]
-            / dense["decode_tokens_per_s"],
-            "e2e_vs_device_only": sparse["e2e_tokens_per_s"] / dense["e2e_tokens_per_s"],
-            "sweep_decode_vs_device_only": {
-                c: sparse["sweep"][c]["decode_tokens_per_s"]
-                / dense["sweep"][c]["decode_tokens_per_s"] for c in size.sweep}}
+  ratios = {"sweep_decode_vs_device_only": {
+      c: sparse["sweep"][c]["decode_tokens_per_s"]
+      / dense["sweep"][c]["decode_tokens_per_s"] for c in size.sweep}}
+  if size.num_requests:
+    ratios["decode_vs_device_only"] = (sparse["decode_tokens_per_s"]
+                                       / dense["decode_tokens_per_s"])
+    ratios["e2e_vs_device_only"] = sparse["e2e_tokens_per_s"] / dense["e2e_tokens_per_s"]
   if "vLLM" in rows:
     ratios["decode_vs_vllm"] = sparse["decode_tokens_per_s"] / rows["vLLM"]["decode_tokens_per_s"]
     ratios["e2e_vs_vllm"] = sparse["e2e_tokens_per_s"] / rows["vLLM"]["e2e_tokens_per_s"]
@@ -194,17 +202,21 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
 def format_table(result: dict) -> str:
   rows = []
   for name, r in result["rows"].items():
+    if "decode_tokens_per_s" not in r:  # --bench_size=sweep: the sweep only
+      continue
     rows.append([name, f"{r['decode_tokens_per_s']:.1f}", f"{100 * r['decode_share']:.0f}%",
                  f"{r['e2e_tokens_per_s']:.0f}",
                  "-" if r["max_running"] is None else r["max_running"],
                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
                  f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f}"])
-  table = common.format_table(["engine", "decode tok/s", "time decoding", "e2e tok/s",
-                               "at once",
-                               "TTFT p50/p99 ms", "ITL p50/p99 ms"], rows)
   ratios = result["ratios"]
-  lines = [table, "HiSparse decode vs device-only: "
-           f"{ratios['decode_vs_device_only']:.2f}x; e2e {ratios['e2e_vs_device_only']:.2f}x"]
+  lines = []
+  if rows:
+    table = common.format_table(["engine", "decode tok/s", "time decoding", "e2e tok/s",
+                                 "at once", "TTFT p50/p99 ms", "ITL p50/p99 ms"], rows)
+    lines = [table, "HiSparse decode vs device-only: "
+             f"{ratios['decode_vs_device_only']:.2f}x; e2e "
+             f"{ratios['e2e_vs_device_only']:.2f}x"]
   if "decode_vs_vllm" in ratios:
     lines.append(f"HiSparse decode vs vLLM: {ratios['decode_vs_vllm']:.2f}x; e2e "
                  f"{ratios['e2e_vs_vllm']:.2f}x")
@@ -235,6 +247,8 @@ def plot(result: dict, path: str) -> None:
       levels = sorted(row["sweep"], key=int)
       ax.plot([int(c) for c in levels], [row["sweep"][c]["decode_tokens_per_s"] for c in levels],
               "-", marker=marker, color=color, label=f"{name}, sweep")
+    if "decode_tokens_per_s" not in row:  # --bench_size=sweep: no workload point
+      continue
     if row.get("max_running"):
       ax.plot([row["max_running"]], [row["decode_tokens_per_s"]], marker, color=color, ms=11,
               mfc="none", mew=2, label=f"{name}, workload ({row['max_running']} at once)")

@@ -54,13 +54,15 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
                    f"{_fmt(r['bytes_bound'])})", _fmt(r["dense_over_sparse"]), goal))
   if "hisparse_throughput" in suites:
     r = suites["hisparse_throughput"]["ratios"]
-    rows.append(("hisparse_throughput", "HiSparse decode tok/s / device-only",
-                 _fmt(r["decode_vs_device_only"]), ">= 1.5"))
+    if "decode_vs_device_only" in r:  # (not in a sweep-only run, --bench_size=sweep)
+      rows.append(("hisparse_throughput", "HiSparse decode tok/s / device-only",
+                   _fmt(r["decode_vs_device_only"]), ">= 1.5"))
     if "decode_vs_vllm" in r:
       rows.append(("hisparse_throughput", "HiSparse decode tok/s / vLLM",
                    _fmt(r["decode_vs_vllm"]), ">= 1.5"))
-    rows.append(("hisparse_throughput", "HiSparse e2e tok/s / device-only",
-                 _fmt(r["e2e_vs_device_only"]), "-"))
+    if "e2e_vs_device_only" in r:
+      rows.append(("hisparse_throughput", "HiSparse e2e tok/s / device-only",
+                   _fmt(r["e2e_vs_device_only"]), "-"))
     for c, x in r["sweep_decode_vs_device_only"].items():
       rows.append(("hisparse_throughput", f"sweep: HiSparse / device-only decode at {c} at once",
                    _fmt(x), ">= 0.95" if int(c) <= 2 else "> 1" if int(c) >= 8 else "-"))
@@ -205,6 +207,13 @@ def throughput_lines(t: dict) -> list[str]:
   size = t["size"]
   low, high = size["prompt_lens"]
   vllm = t["engines"].get("vLLM")
+  if not size["num_requests"]:  # --bench_size=sweep: the sweep only
+    lines = ["", f"HiSparse throughput sweep (`hisparse_throughput --bench_size=sweep`): "
+             f"{size['model']}, {size['kv_gib']:g} GiB of device KV for both engines, "
+             f"HiSparse top-k {size['top_k_tokens']:,} with a {size['host_pool_gib']:g} GiB "
+             f"host pool, {size['long_tokens']} new tokens per request, greedy; decode "
+             "tokens/s over the steps that schedule no prompt token:"]
+    return lines + _sweep_lines(t)
   lines = ["", f"HiSparse throughput (`hisparse_throughput`): {size['model']}, "
            f"{size['kv_gib']:g} GiB of device KV for every engine, {size['num_requests']} "
            f"requests of {low:,}-{high:,} prompt tokens + {size['long_tokens']} new, greedy; "
@@ -223,9 +232,14 @@ def throughput_lines(t: dict) -> list[str]:
                  f"{r['max_running'] if r['max_running'] is not None else '-'} | "
                  f"{_fmt(r['ttft_p50_ms'])} / {_fmt(r['ttft_p99_ms'])} | "
                  f"{_fmt(r['itl_p50_ms'])} / {_fmt(r['itl_p99_ms'])} |")
+  return lines + _sweep_lines(t)
+
+
+def _sweep_lines(t: dict) -> list[str]:
+  size = t["size"]
   dense, sparse = t["rows"]["device-only"]["sweep"], t["rows"]["HiSparse"]["sweep"]
   ratio = t["ratios"]["sweep_decode_vs_device_only"]
-  lines += ["", f"Concurrency sweep, {size['sweep_prompt_len']:,}-token prompts, the same "
+  lines = ["", f"Concurrency sweep, {size['sweep_prompt_len']:,}-token prompts, the same "
             "engines (decode tokens/s):", "",
             "| at once | device-only | HiSparse | HiSparse / device-only |", "|---|---|---|---|"]
   lines += [f"| {c} | {_fmt(dense[c]['decode_tokens_per_s'])} | "

@@ -192,7 +192,8 @@ def main(argv):
   for k in map(int, FLAGS.top_k_tokens):
     configs.append((f"top_k_tokens={k}", HiSparseConfig(
         top_k_tokens=k, sink_tokens=FLAGS.sink_tokens, local_tokens=FLAGS.local_tokens,
-        sparse_threshold_tokens=FLAGS.sparse_threshold_tokens)))
+        sparse_threshold_tokens=FLAGS.sparse_threshold_tokens,
+        resident_sparse_min_tokens=0)))  # every long row selected: accuracy of the selection
   rows = [(name if dtype == "auto" else f"{name} {dtype}", hisparse, dtype)
           for name, hisparse in configs for dtype in FLAGS.kv_cache_dtypes]
   results = []

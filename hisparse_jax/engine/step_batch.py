@@ -159,6 +159,7 @@ class BatchBuilder:
     seeds = np.zeros(b_pad, np.uint32)
     counters = np.zeros(b_pad, np.int32)
     sparse_rows = np.zeros(b_pad, bool)
+    offloaded_rows = np.zeros(b_pad, bool)
     blocks_attended = np.zeros(len(chunks), np.int32)
     offset = 0
     for i, chunk in enumerate(chunks):
@@ -192,7 +193,7 @@ class BatchBuilder:
       # streamed prompt's chunk attends over the top-k of its earlier blocks and densely
       # over its own (sparse/attention.py), and its decode rows are sparse even under
       # sparse_threshold_tokens (a dense row would read the dropped blocks' null entries).
-      offloaded = tiers is not None and tiers.hot_rows[i] >= 0
+      offloaded = offloaded_rows[i] = tiers is not None and tiers.hot_rows[i] >= 0
       prefill_row = chunk.start < request.prefill_len
       sparse_rows[i] = self.hisparse is not None and (
           offloaded or (n == 1 and not prefill_row
@@ -208,6 +209,8 @@ class BatchBuilder:
                               if sparse_rows[i] else num_blocks)
       offset += n
     cu_q_lens[len(chunks)] = offset
+    if self.hisparse is not None:
+      self._dense_resident_rows(sparse_rows, offloaded_rows, kv_lens, blocks_attended)
     hisparse_meta = {}
     if self.hisparse is not None:
       n, slots = len(chunks), self.hisparse_blocks.hot_buffer_blocks
@@ -255,6 +258,24 @@ class BatchBuilder:
     return StepBatch(input_ids, token_src, positions, meta, logits_indices, temperature, top_p,
                      top_k, seeds, counters, len(chunks), extras, blocks_attended, spans,
                      tuple(dense_q_lens))
+
+  def _dense_resident_rows(self, sparse_rows: np.ndarray, offloaded_rows: np.ndarray,
+                           kv_lens: np.ndarray, blocks_attended: np.ndarray) -> None:
+    """A step whose sparse rows all have every block on the device (none offloaded)
+    attends them densely, in place, unless together they skip at least
+    `resident_sparse_min_tokens` tokens of attention (HiSparseConfig): below that, the
+    sparse path costs more than it skips. Exact either way for those rows (dense is the
+    reference); their blocks are still written through, so they may be offloaded later."""
+    if (offloaded_rows & sparse_rows).any() or not sparse_rows.any():
+      return
+    top_k = self.hisparse_blocks.top_k_blocks * self.block_size
+    skipped = int(np.maximum(kv_lens[sparse_rows] - top_k, 0).sum())
+    if skipped >= self.hisparse.resident_sparse_min_tokens:
+      return
+    n = len(blocks_attended)
+    rows = np.flatnonzero(sparse_rows[:n])
+    blocks_attended[rows] = -(-kv_lens[rows] // self.block_size)
+    sparse_rows[:] = False
 
   def _sampler_extras(self, chunks: Sequence[ScheduledChunk], b_pad: int,
                       cu_q_lens: np.ndarray) -> tuple[SamplerExtras, tuple]:

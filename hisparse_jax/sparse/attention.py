@@ -170,9 +170,12 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
                       metadata.slot_ids)
   bounds = ops.block_key_bounds(from_storage(cache["bounds"], sparse.bounds_dtype),
                                 page_views(pages, kv_dtype)[0], metadata.slot_ids)
+  # The selection reads the bounds in their storage dtype (bfloat16 as uint16 bits on CPU,
+  # which the C++ kernel takes as they are: a bfloat16 operand would cost the program a
+  # converted copy of the whole array per layer).
+  bounds = to_storage(bounds, sparse.bounds_dtype, cache["bounds"].dtype)
   out, pages, state, (counts, loaded) = _hisparse_attention(
       ops, sparse, kv_dtype, q[0], pages, bounds, cache, metadata, config)
-  bounds = to_storage(bounds, sparse.bounds_dtype, cache["bounds"].dtype)
   return out[None], dict(pages=pages, bounds=bounds, state=state, counts=counts,
                          loaded=loaded)
 

@@ -39,6 +39,12 @@ BOUNDS_DTYPES = ("bfloat16", "float32")
 # more host traffic); "sparse" over the top-k of them, selected like a decode row.
 STREAMED_PREFILLS = ("exact", "sparse")
 
+# Default `resident_sparse_min_tokens`: the attention tokens a step's resident sparse rows
+# must skip together before the sparse path pays for its per-layer cost (select, resolve,
+# the attention of the selected blocks, computed in multiples of 8 rows) on XLA:CPU;
+# measured on the real model (WORKSPACE.md, "resident rows: dense or sparse").
+DEFAULT_RESIDENT_SPARSE_MIN_TOKENS = 4096
+
 
 @dataclasses.dataclass(frozen=True)
 class HiSparseBlocks:
@@ -71,6 +77,12 @@ class HiSparseConfig:
   "block_bounds"` ("lightning" is reserved for models with a learned indexer);
   `selection` in SELECTIONS (default "union": one set of blocks for all heads, the
   union of each query head's best-ranked ones; sparse/indexer.py);
+  `resident_sparse_min_tokens >= 0` (default DEFAULT_RESIDENT_SPARSE_MIN_TOKENS: a
+  step whose sparse rows all have every block on the device takes the sparse path only
+  if together they skip at least this many tokens of attention, the sum of kv_len -
+  top_k_tokens; else they attend densely, exactly as without HiSparse, since the sparse
+  path's fixed cost outweighs what it skips; a step with an offloaded row always takes
+  it; 0: resident long rows always decode sparse);
   `thrash_window_steps >= 0`; `bounds_dtype`
   in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
   the selection accuracy of each); `streamed_prefill` in STREAMED_PREFILLS (default
@@ -82,6 +94,7 @@ class HiSparseConfig:
   sink_tokens: int | None = None
   local_tokens: int | None = None
   sparse_threshold_tokens: int | None = None
+  resident_sparse_min_tokens: int = DEFAULT_RESIDENT_SPARSE_MIN_TOKENS
   indexer: str = "block_bounds"
   selection: str = "union"
   thrash_window_steps: int = 8
@@ -102,7 +115,8 @@ class HiSparseConfig:
     for name in ("top_k_tokens", "hot_buffer_tokens", "sparse_threshold_tokens"):
       if _int(self, name) <= 0:
         raise ValueError(f"HiSparseConfig.{name} must be positive, got {getattr(self, name)}")
-    for name in ("sink_tokens", "local_tokens", "thrash_window_steps"):
+    for name in ("sink_tokens", "local_tokens", "thrash_window_steps",
+                 "resident_sparse_min_tokens"):
       if _int(self, name) < 0:
         raise ValueError(f"HiSparseConfig.{name} must be >= 0, got {getattr(self, name)}")
     if self.hot_buffer_tokens < self.top_k_tokens:

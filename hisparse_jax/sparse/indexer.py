@@ -288,6 +288,7 @@ def select(
 def select_rows(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     bounds: jax.Array,  # [rows, 2, num_kv_heads, head_dim]: every block's key bounds
+    # (float32, bfloat16, or uint16: bfloat16 bits, which the C++ kernel reads in place)
     bounds_rows: jax.Array,  # int32 [batch, max_blocks]: each logical block's row
     kv_lens: jax.Array,  # int32 [batch]
     blocks: HiSparseBlocks,
@@ -309,5 +310,7 @@ def select_rows(
         block_size=blocks.block_size, sink_blocks=blocks.sink_blocks,
         local_blocks=blocks.local_blocks)
     return Selection(logical_ids=ids, num_selected=num, kv_lens=lens)
+  if bounds.dtype == jnp.uint16:  # bfloat16 bits (the engine's storage on CPU)
+    bounds = lax.bitcast_convert_type(bounds, jnp.bfloat16)
   return select(q, bounds[bounds_rows], kv_lens, blocks, selection, axis_name=axis_name,
                 kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)

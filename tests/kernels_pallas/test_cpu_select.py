@@ -120,6 +120,14 @@ def test_in_place_scores_select_what_the_gathered_copy_selects(seed, group, kv_h
   _assert_equal(ref, got)
   via = indexer.select_rows(q, bounds, rows, lens, blocks, "union", cpu_kernel=True)
   _assert_equal(ref, (via.logical_ids, via.num_selected, via.kv_lens))
+  if dtype == "bfloat16":  # the engine's CPU storage: the same bounds as uint16 bits
+    bits = jax.lax.bitcast_convert_type(bounds, jnp.uint16)
+    got = cpu_kernels.union_select_bounds(q, bits, rows, lens, k=k, block_size=block_size,
+                                          sink_blocks=1, local_blocks=1)
+    _assert_equal(ref, got)
+    for cpu in (True, False):  # the kernel, and the gather (bits read as bfloat16)
+      via = indexer.select_rows(q, bits, rows, lens, blocks, "union", cpu_kernel=cpu)
+      _assert_equal(ref, (via.logical_ids, via.num_selected, via.kv_lens))
 
 
 def test_in_place_scores_at_engine_size():

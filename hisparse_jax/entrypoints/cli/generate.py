@@ -217,7 +217,8 @@ def check_output_flags() -> None:
 
 
 HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-                  "sparse_threshold_tokens", "bounds_dtype", "selection", "streamed_prefill")
+                  "sparse_threshold_tokens", "resident_sparse_min_tokens", "bounds_dtype",
+                  "selection", "streamed_prefill")
 
 
 def hisparse_from_flags():

@@ -150,6 +150,11 @@ flags.DEFINE_integer("local_tokens", None, "HiSparse: newest tokens always atten
                      "--top_k_tokens / 4).")
 flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to this many "
                      "tokens decode densely. Default: --hot_buffer_tokens.")
+flags.DEFINE_integer("resident_sparse_min_tokens", None, "HiSparse: a step whose long "
+                     "decode rows all have every block on the device decodes them sparsely "
+                     "only if together they skip at least this many tokens of attention "
+                     "(kv_len - top-k each); else densely (exact; the sparse path's cost "
+                     "outweighs what it skips). 0: always sparse. Default: 4,096.")
 flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
                   "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
                   "device and host block (bfloat16: half the bytes of float32, rounded "
@@ -181,10 +186,11 @@ flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_v
                     "runs only by name) or all.")
 flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: the directory "
                     "to write (new or empty).")
-flags.DEFINE_enum("bench_size", "full", ["full", "smoke", "streamed"],
+flags.DEFINE_enum("bench_size", "full", ["full", "smoke", "streamed", "sweep"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests); "
                   "streamed (passkey only): the 8k rows at top-k 1,024, all-resident and "
-                  "streamed through a device pool of 45% of a prompt.")
+                  "streamed through a device pool of 45% of a prompt; sweep "
+                  "(hisparse_throughput only): its concurrency sweep alone.")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
                     "against context here (when the decode_sparse_vs_dense suite runs), "
                     "of passkey accuracy against length (--suite=passkey), or of decode "
@@ -209,7 +215,8 @@ _MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "ho
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
            "compile_in_background", "compilation_cache_dir", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
-             "sparse_threshold_tokens", "bounds_dtype", "selection", "streamed_prefill")
+             "sparse_threshold_tokens", "resident_sparse_min_tokens", "bounds_dtype",
+             "selection", "streamed_prefill")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
 _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",

@@ -441,6 +441,29 @@ def test_readme_hisparse_throughput_matches_committed_json():
     assert f.read(8) == PNG_MAGIC
 
 
+def test_hisparse_throughput_sweep_only_report():
+  # --bench_size=sweep: no workload rows, no vLLM; the report and the headline rows show
+  # the sweep alone (and the plot draws it).
+  from hisparse_jax.bench import hisparse_throughput as ht
+
+  size = ht.SIZES["sweep"]
+  assert size.num_requests == 0 and not size.with_vllm and size.sweep == ht.SIZES["full"].sweep
+  level = lambda x: {"decode_tokens_per_s": x}  # noqa: E731
+  t = {"size": dataclasses.asdict(size),
+       "rows": {"device-only": {"sweep": {"1": level(10.0), "8": level(40.0)}},
+                "HiSparse": {"sweep": {"1": level(10.0), "8": level(50.0)}}},
+       "ratios": {"sweep_decode_vs_device_only": {"1": 1.0, "8": 1.25}}, "engines": {}}
+  text = "\n".join(report.throughput_lines(t))
+  assert "HiSparse throughput sweep" in text and "| engine |" not in text
+  assert "\n| 8 | 40.00 | 50.00 | 1.25 |" in text
+  figures = [r[1] for r in report.summary_rows({"suites": {"hisparse_throughput": t}})]
+  assert figures == ["sweep: HiSparse / device-only decode at 1 at once",
+                     "sweep: HiSparse / device-only decode at 8 at once"]
+  printed = ht.format_table(t).splitlines()  # the sweep's table alone
+  assert printed[0].startswith("at once") and printed[-1].split() == ["8", "40.0", "50.0",
+                                                                      "1.25x"]
+
+
 def test_hisparse_throughput_smoke_fields(tmp_path):
   # By name only; at smoke size our two engines (no vLLM) on the tiny converted GGUF.
   from hisparse_jax.bench import hisparse_throughput as ht

@@ -103,7 +103,7 @@ def test_top_k_1_sequences_equal_the_dense_greedy_reference():
 
 @pytest.mark.parametrize("hisparse", [None, HiSparseConfig(
     top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8, local_tokens=8,
-    sparse_threshold_tokens=16)], ids=["dense", "hisparse"])
+    sparse_threshold_tokens=16, resident_sparse_min_tokens=0)], ids=["dense", "hisparse"])
 def test_forked_sequences_survive_preemption_and_offload(hisparse):
   """Three requests of n = 2 on a small device pool: copies on write, swap-outs of
   sequences whose blocks are shared (and, with HiSparse, offloads); the tokens equal

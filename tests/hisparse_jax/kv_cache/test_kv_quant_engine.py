@@ -130,8 +130,9 @@ def test_int8_hisparse_host_loads_give_the_all_resident_tokens():
   # by 9.5e-7 from widths 8 / 16 / 40: XLA's dot picks its algorithm by shape), and the
   # two runs pad differently. Making the selection invariant is open (#31); before the
   # packed matmul the runs differed by 4.8e-7 and did not flip there.)
+  # Resident rows sparse too (resident_sparse_min_tokens=0), as the offloaded ones.
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=24, sink_tokens=8, local_tokens=8,
-                       sparse_threshold_tokens=16)
+                       sparse_threshold_tokens=16, resident_sparse_min_tokens=0)
   outputs = {}
   for name, blocks in (("resident", 64), ("offloaded", 20)):
     engine = _engine(blocks, hisparse=mid)

@@ -51,12 +51,16 @@ from models import data
 PROMPTS = SIX_PROMPTS
 NUM_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+# The configs below take the sparse path for every long decode row, offloaded or resident
+# (resident_sparse_min_tokens=0: the toy's rows are far too short for the default cost
+# rule, which would decode resident ones densely; that rule has its own test).
 # top_k covers max_model_len (8 blocks): every sparse row selects all its blocks.
 FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
-                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
+                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16,
+                      resident_sparse_min_tokens=0)
 # Two blocks per sparse step: the sink block and the newest one; a hot buffer of 2 blocks.
 SMALL = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8, local_tokens=8,
-                       sparse_threshold_tokens=16)
+                       sparse_threshold_tokens=16, resident_sparse_min_tokens=0)
 BLOCKS = '{source="device"}'
 
 
@@ -331,7 +335,8 @@ def test_offloaded_decoding_gives_the_all_resident_tokens(selection):
   # hot buffer of 4 blocks: the union of their heads' blocks is bounded by it.
   hot = 24 if selection == "shared" else 32
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=hot, sink_tokens=8, local_tokens=8,
-                       sparse_threshold_tokens=16, selection=selection)
+                       sparse_threshold_tokens=16, selection=selection,
+                       resident_sparse_min_tokens=0)
   outputs = {}
   for name, num_dense_blocks in (("resident", 64), ("offloaded", 17)):
     engine = _engine(mid, num_dense_blocks=num_dense_blocks)
@@ -350,6 +355,45 @@ def test_offloaded_decoding_gives_the_all_resident_tokens(selection):
       assert m["hisparse_hot_buffer_loads_total"] > 0
     assert_all_blocks_free(engine)
   assert outputs["offloaded"] == outputs["resident"]
+
+
+@pytest.mark.parametrize("min_tokens", [4096, 60])
+def test_resident_rows_decode_dense_below_resident_sparse_min_tokens(min_tokens):
+  # Nothing offloaded (a device pool for every block): a step takes the sparse path only
+  # when its long decode rows together skip >= resident_sparse_min_tokens tokens of
+  # attention (kv_len - top-k each); below it they decode densely, exactly as dense. At
+  # the default (4,096) no step of this toy does; at 60, two or three rows of 40-60
+  # tokens do (4 and 3 blocks past top-k's 2) and a lone one not.
+  config = dataclasses.replace(SMALL, resident_sparse_min_tokens=min_tokens)
+  engine = _engine(config, num_dense_blocks=64)
+  prompts = random_prompts((40, 33, 26), seed=5)
+  steps, build = [], engine.runner.build_batch
+
+  def recording(chunks, tables, tiers=None):
+    batch = build(chunks, tables, tiers)
+    # The rows that may decode sparse: one output token past a long sequence's prefill.
+    lens = [c.start + 1 for c in chunks if c.num_tokens == 1
+            and c.start >= c.request.prefill_len and config.is_sparse(c.start + 1)]
+    assert tiers is None or (tiers.hot_rows < 0).all()  # nothing offloaded
+    steps.append((sum(n - config.top_k_tokens for n in lens),
+                  int(batch.metadata.sparse_rows.sum()), len(lens)))
+    return batch
+
+  engine.runner.build_batch = recording
+  add_all(engine, prompts, GREEDY)
+  tokens = [o.outputs[0].token_ids for o in run(engine).values()]
+  for skipped, sparse, candidates in steps:
+    assert sparse == (candidates if skipped >= min_tokens else 0), (skipped, sparse)
+  if min_tokens == 4096:  # every row dense: the dense engine's tokens, exactly
+    assert tokens == reference_greedy(tiny_model(), prompts, NUM_TOKENS)
+    assert all(sparse == 0 for _, sparse, _ in steps)
+  else:  # both branches taken
+    assert any(s for _, s, _ in steps) and any(c and not s for _, s, c in steps)
+  m = engine.metrics()
+  # The long rows were written through all the same (they may be offloaded later).
+  assert m['hisparse_transfer_bytes_total{direction="d2h"}'] > 0
+  assert m["hisparse_offloads_total"] == 0
+  assert_all_blocks_free(engine)
 
 
 def test_engine_config_validates_hisparse():
@@ -424,7 +468,8 @@ def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
   assert [len(p.token_ids) for p in prompts] <= [150, 150]
   # top-k and hot buffer cover max_model_len: sparse rows attend over every block.
   full = HiSparseConfig(top_k_tokens=192, hot_buffer_tokens=192, sink_tokens=16,
-                        local_tokens=16, sparse_threshold_tokens=32)
+                        local_tokens=16, sparse_threshold_tokens=32,
+                        resident_sparse_min_tokens=0)
   # A device pool of 21 usable blocks: both prompts (10 blocks each) are admitted, the
   # second is preempted when both cross into an 11th block, and it comes back offloaded
   # (its written-through blocks stay on the host and are loaded into its hot buffer).
