@@ -200,8 +200,9 @@ def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: 
   """`union_select` with the scores computed from the key bounds where they lie: q [B, Hq,
   D], bounds [R, 2, Hkv, D] (float32, bfloat16, or uint16: bfloat16 bits), bounds_rows
   int32 [B, NB] (each logical block's row of `bounds`), kv_lens [B]. The selection
-  `indexer.select(q, bounds[bounds_rows], kv_lens, blocks, "union")` makes, without the gathered copy
-  (scores equal up to float32 rounding: the sums run in another order). k <= NB."""
+  `indexer.select(q, bounds[bounds_rows], kv_lens, blocks, "union")` makes, without the
+  gathered copy (scores equal up to float32 rounding: the sums run in another order).
+  k <= NB."""
   batch, max_blocks = bounds_rows.shape
   if not 1 <= k <= max_blocks:
     raise ValueError(f"union_select_bounds: k={k} must be in [1, {max_blocks}]")
