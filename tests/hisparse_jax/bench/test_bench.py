@@ -441,6 +441,20 @@ def test_readme_hisparse_throughput_matches_committed_json():
     assert f.read(8) == PNG_MAGIC
 
 
+def test_readme_hisparse_throughput_sweep_matches_committed_json():
+  """README's sweep-only tables are the report of results/hisparse_throughput_sweep_cpu.json
+  (--bench_size=sweep), and its plot is committed."""
+  with open(os.path.join(REPO, "results", "hisparse_throughput_sweep_cpu.json")) as f:
+    result = json.load(f)
+  assert result["size"] == "sweep"
+  t = result["suites"]["hisparse_throughput"]
+  assert set(t["rows"]["HiSparse"]["sweep"]) == {"1", "2", "4", "8", "16", "32"}
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert report.markdown(result) in f.read()
+  with open(os.path.join(REPO, "results", "hisparse_throughput_sweep_cpu.png"), "rb") as f:
+    assert f.read(8) == PNG_MAGIC
+
+
 def test_hisparse_throughput_sweep_only_report():
   # --bench_size=sweep: no workload rows, no vLLM; the report and the headline rows show
   # the sweep alone (and the plot draws it).
