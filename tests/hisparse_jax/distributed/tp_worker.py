@@ -39,8 +39,9 @@ BASE_GIB = dict(default_dense=0.0008, default_hisparse=0.0012, gqa_dense=0.0002,
                 gqa_hisparse=0.00027)
 HOST_GIB = dict(default_dense=0.004, default_hisparse=0.002, gqa_dense=0.001,
                 gqa_hisparse=0.0005)
+# Every long decode row sparse, resident or not (resident_sparse_min_tokens=0).
 SPARSE = HiSparseConfig(top_k_tokens=32, hot_buffer_tokens=32, sink_tokens=4, local_tokens=8,
-                        sparse_threshold_tokens=32)
+                        sparse_threshold_tokens=32, resident_sparse_min_tokens=0)
 
 
 def gqa_config() -> ModelConfig:

@@ -27,8 +27,10 @@ from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+# Every long decode row sparse, resident or not (resident_sparse_min_tokens=0).
 FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
-                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
+                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16,
+                      resident_sparse_min_tokens=0)
 
 
 def _tokens(kernel_backend, hisparse=None):

@@ -35,8 +35,9 @@ from models.llama import LlamaForCausalLM
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 NUM_LAYERS = 2
+# Every long decode row sparse, resident or not (resident_sparse_min_tokens=0).
 SMALL = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8, local_tokens=8,
-                       sparse_threshold_tokens=16)
+                       sparse_threshold_tokens=16, resident_sparse_min_tokens=0)
 
 
 def _kernels(text: str) -> list[str]:
