@@ -427,31 +427,21 @@ def test_readme_real_model_speed_matches_committed_json(name):
     assert report.markdown(result) in f.read()
 
 
-def test_readme_hisparse_throughput_matches_committed_json():
-  """README's throughput tables are the report of results/hisparse_throughput_cpu.json
-  (one recorded run with all three engines and the sweep), and its plot is committed."""
-  with open(os.path.join(REPO, "results", "hisparse_throughput_cpu.json")) as f:
+@pytest.mark.parametrize(("name", "size", "engines"), [
+    ("hisparse_throughput_cpu", "full", {"device-only", "HiSparse", "vLLM"}),
+    ("hisparse_throughput_sweep_cpu", "sweep", {"device-only", "HiSparse"})])
+def test_readme_hisparse_throughput_matches_committed_json(name, size, engines):
+  """README's throughput tables are the report of results/NAME.json (the recorded run with
+  all three engines and the sweep; the sweep alone, --bench_size=sweep), and its plot is
+  committed."""
+  with open(os.path.join(REPO, "results", f"{name}.json")) as f:
     result = json.load(f)
   t = result["suites"]["hisparse_throughput"]
-  assert set(t["rows"]) == {"device-only", "HiSparse", "vLLM"} and result["size"] == "full"
+  assert set(t["rows"]) == engines and result["size"] == size
   assert set(t["rows"]["HiSparse"]["sweep"]) == {"1", "2", "4", "8", "16", "32"}
   with open(os.path.join(REPO, "README.md")) as f:
     assert report.markdown(result) in f.read()
-  with open(os.path.join(REPO, "results", "hisparse_throughput_cpu.png"), "rb") as f:
-    assert f.read(8) == PNG_MAGIC
-
-
-def test_readme_hisparse_throughput_sweep_matches_committed_json():
-  """README's sweep-only tables are the report of results/hisparse_throughput_sweep_cpu.json
-  (--bench_size=sweep), and its plot is committed."""
-  with open(os.path.join(REPO, "results", "hisparse_throughput_sweep_cpu.json")) as f:
-    result = json.load(f)
-  assert result["size"] == "sweep"
-  t = result["suites"]["hisparse_throughput"]
-  assert set(t["rows"]["HiSparse"]["sweep"]) == {"1", "2", "4", "8", "16", "32"}
-  with open(os.path.join(REPO, "README.md")) as f:
-    assert report.markdown(result) in f.read()
-  with open(os.path.join(REPO, "results", "hisparse_throughput_sweep_cpu.png"), "rb") as f:
+  with open(os.path.join(REPO, "results", f"{name}.png"), "rb") as f:
     assert f.read(8) == PNG_MAGIC
 
 
