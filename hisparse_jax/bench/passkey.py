@@ -152,6 +152,11 @@ SIZES = {
                      top_ks=(1024,), block_sizes=(16, 32), device_requests=1.5,
                      agreement_prompts=0, agreement_tokens=0, agreement_rows=(),
                      streamed_lengths=(8192,), streamed_prefills=("exact", "sparse")),
+    # The full grid's 8k column at block 32 alone (dense + 4 HiSparse rows, ~15 min on 2
+    # cores): the column the recorded grid ran at block 16 only.
+    "8k_b32": Size(model="smollm2-135m-instruct", lengths=(8192,), depths=(0.1, 0.5, 0.9),
+                   top_ks=(256, 512, 1024, 2048), block_sizes=(32,), device_requests=1.5,
+                   agreement_prompts=0, agreement_tokens=0, agreement_rows=()),
     # Two prompts: the second one's admission offloads the first (host loads).
     "smoke": Size(model="hisparse-tiny", lengths=(256,), depths=(0.25, 0.75), top_ks=(64, 256),
                   block_sizes=(16,), device_requests=1.5, agreement_prompts=2,

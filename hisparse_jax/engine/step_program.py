@@ -110,7 +110,8 @@ def sharded_attend(attn_fn, mesh, sparse: bool, q, k, v, *, layer_idx, kv_cache,
       # memory-kind move needs a sharding, which shard_map's body has not).
       device = kv_sharding(mesh, "device")
       cache["host"] = tuple(jax.device_put(a, device) for a in cache["host"])
-    in_cache = dict(pages=(heads,) * n, bounds=heads, host=(heads,) * n, state=P())
+    in_cache = dict(pages=(heads,) * n, bounds=heads, host=(heads,) * len(cache["host"]),
+                    state=P())
     out_cache = dict(pages=(heads,) * n, bounds=heads, state=P(), counts=P(), loaded=P())
   else:
     cache = tuple(kv_cache)
@@ -184,7 +185,9 @@ def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
   if bounds:
     new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
-    new_state = tuple(c["state"][j] for j in range(3) for c in kv_caches)
+    # (A step without sparse rows is called without the state and hands none back.)
+    new_state = tuple(c["state"][j] for j in range(len(hot_state) // num_layers)
+                      for c in kv_caches)
     counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
     loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
     return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,

@@ -2,8 +2,9 @@
 
 Usage::
 
-  hisparse-jax bench [--suite=NAME|all] [--out=FILE.json] [--bench_size=full|smoke|streamed]
-      [--bench_plot=FILE.png] [--block_size=16 (decode_sparse_vs_dense)]
+  hisparse-jax bench [--suite=NAME|all] [--out=FILE.json]
+      [--bench_size=full|smoke|streamed|8k_b32|sweep] [--bench_plot=FILE.png]
+      [--block_size=16 (decode_sparse_vs_dense)]
 
 Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
 `format_table(dict) -> str`):

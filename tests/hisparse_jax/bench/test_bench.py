@@ -500,11 +500,52 @@ def test_hisparse_throughput_smoke_fields(tmp_path):
     # Decode-only steps give each running request at most one token.
     assert row["decode_tokens"] <= row["decode_steps"] * size.num_requests
     assert [int(c) for c in row["sweep"]] == list(size.sweep)
+    for level in row["sweep"].values():  # each timed call kept; the level is their median
+      calls = level["rounds_decode_tokens_per_s"]
+      assert len(calls) == size.sweep_rounds and level["decode_tokens_per_s"] in calls
   assert r["engines"]["HiSparse"]["hisparse"]["top_k_tokens"] == size.top_k_tokens
   assert r["engines"]["device-only"]["hisparse"] is None
   assert r["engines"]["HiSparse"]["host_pool_gib"] == size.host_pool_gib
   assert sparse["max_running"] >= dense["max_running"] >= 1
   assert r["device_only_tokens_identical_to_vllm"] is None  # no vLLM at smoke size
+
+
+def test_hisparse_throughput_sweep_alternates_engines_and_takes_median_call():
+  # Both workers take turns at every level (the order flips each round and each level);
+  # rounds only up to SWEEP_ROUNDS_MAX_C; a level's figures are its median timed call.
+  from hisparse_jax.bench import hisparse_throughput as ht
+
+  log = []
+
+  class FakeWorker:
+    def __init__(self, name, rates):
+      self.name, self.rates = name, iter(rates)
+
+    def generate(self, prompts, n):
+      log.append((self.name, len(prompts)))
+      rate = next(self.rates)  # decode tokens/s of this call (warm-ups included)
+      return {"decode_tokens": 100, "decode_s": 100 / rate, "decode_steps": 10,
+              "seconds": 2.0, "ttft_s": [0.1], "itl_s": [0.01], "cpu_s": 1.0,
+              "token_ids": [[1]] * len(prompts), "max_running": len(prompts)}
+
+  class Tokenizer:
+    def encode(self, text, add_special_tokens=True):
+      return list(range(len(text.split())))
+
+  size = dataclasses.replace(ht.SIZES["smoke"], sweep=(1, 16), sweep_rounds=3,
+                             sweep_prompt_len=20)
+  # c = 1: warm-up + 3 timed calls each; c = 16 (> SWEEP_ROUNDS_MAX_C): warm-up + 1.
+  dense = FakeWorker("d", [1, 10, 30, 20, 1, 50])
+  sparse = FakeWorker("s", [1, 12, 11, 13, 1, 40])
+  out = ht._sweep({"device-only": dense, "HiSparse": sparse}, size, Tokenizer(), 0)
+  assert [name for name, _ in log] == ["d", "d", "s", "s", "s", "d", "d", "s",  # level 1
+                                       "s", "s", "d", "d"]  # level 16 starts with HiSparse
+  assert {c for _, c in log} == {1, 16}
+  assert out["device-only"][1]["rounds_decode_tokens_per_s"] == pytest.approx([10, 30, 20])
+  assert out["device-only"][1]["decode_tokens_per_s"] == pytest.approx(20)
+  assert out["HiSparse"][1]["decode_tokens_per_s"] == pytest.approx(12)
+  assert out["HiSparse"][16]["rounds_decode_tokens_per_s"] == pytest.approx([40])
+  assert "token_ids" not in out["HiSparse"][16]
 
 
 def test_peer_worker_times_only_steps_that_decode():

@@ -379,9 +379,30 @@ def test_resident_rows_decode_dense_below_resident_sparse_min_tokens(min_tokens)
                   int(batch.metadata.sparse_rows.sum()), len(lens)))
     return batch
 
+  # A step with no sparse row runs without the host pool's and the hot-buffer state's
+  # arrays (fewer arguments to the call) and leaves the state as it was; the others pass
+  # both in full.
+  runner, calls = engine.runner, []
+  step_args, dispatch = runner._step_args, runner.dispatch
+
+  def recording_args(batch, prev):
+    args = step_args(batch, prev)
+    calls.append((batch.metadata.num_sparse_rows, len(args[4]), len(args[5])))
+    return args
+
+  def recording_dispatch(batch, prev=None):
+    before = runner.hot_state
+    handle = dispatch(batch, prev)
+    assert (runner.hot_state is before) == (batch.metadata.num_sparse_rows == 0)
+    return handle
+
+  runner._step_args, runner.dispatch = recording_args, recording_dispatch
   engine.runner.build_batch = recording
   add_all(engine, prompts, GREEDY)
   tokens = [o.outputs[0].token_ids for o in run(engine).values()]
+  layers = len(runner.bounds)
+  assert calls and all((state, host) == ((0, 0) if n == 0 else (3 * layers, 2 * layers))
+                       for n, state, host in calls), calls
   for skipped, sparse, candidates in steps:
     assert sparse == (candidates if skipped >= min_tokens else 0), (skipped, sparse)
   if min_tokens == 4096:  # every row dense: the dense engine's tokens, exactly
