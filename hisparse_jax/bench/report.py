@@ -239,11 +239,25 @@ def _sweep_lines(t: dict) -> list[str]:
   size = t["size"]
   dense, sparse = t["rows"]["device-only"]["sweep"], t["rows"]["HiSparse"]["sweep"]
   ratio = t["ratios"]["sweep_decode_vs_device_only"]
+  calls = all("rounds_decode_tokens_per_s" in r for r in (*dense.values(), *sparse.values()))
+  if not calls:  # (runs before the sweep alternated the engines: one timed call each)
+    lines = ["", f"Concurrency sweep, {size['sweep_prompt_len']:,}-token prompts, the same "
+              "engines (decode tokens/s):", "",
+              "| at once | device-only | HiSparse | HiSparse / device-only |",
+              "|---|---|---|---|"]
+    lines += [f"| {c} | {_fmt(dense[c]['decode_tokens_per_s'])} | "
+              f"{_fmt(sparse[c]['decode_tokens_per_s'])} | {_fmt(ratio[c])} |" for c in dense]
+    return lines
   lines = ["", f"Concurrency sweep, {size['sweep_prompt_len']:,}-token prompts, the same "
-            "engines (decode tokens/s):", "",
-            "| at once | device-only | HiSparse | HiSparse / device-only |", "|---|---|---|---|"]
+           "engines, both up at once and taking turns at each level (the order flips each "
+           "call); decode tokens/s of the median timed call, and of every call in the order "
+           "run:", "",
+           "| at once | device-only | HiSparse | HiSparse / device-only | device-only calls "
+           "| HiSparse calls |", "|---|---|---|---|---|---|"]
+  each = lambda r: ", ".join(_fmt(x) for x in r["rounds_decode_tokens_per_s"])  # noqa: E731
   lines += [f"| {c} | {_fmt(dense[c]['decode_tokens_per_s'])} | "
-            f"{_fmt(sparse[c]['decode_tokens_per_s'])} | {_fmt(ratio[c])} |" for c in dense]
+            f"{_fmt(sparse[c]['decode_tokens_per_s'])} | {_fmt(ratio[c])} | {each(dense[c])} "
+            f"| {each(sparse[c])} |" for c in dense]
   return lines
 
 

@@ -466,6 +466,13 @@ def test_hisparse_throughput_sweep_only_report():
   printed = ht.format_table(t).splitlines()  # the sweep's table alone
   assert printed[0].startswith("at once") and printed[-1].split() == ["8", "40.0", "50.0",
                                                                       "1.25x"]
+  # A sweep that alternated the engines lists every timed call beside the median's figure.
+  for name, calls in (("device-only", [38.0, 40.0, 41.0]), ("HiSparse", [50.0, 52.0, 49.0])):
+    for level in t["rows"][name]["sweep"].values():
+      level["rounds_decode_tokens_per_s"] = calls
+  text = "\n".join(report.throughput_lines(t))
+  assert "taking turns at each level" in text
+  assert "\n| 8 | 40.00 | 50.00 | 1.25 | 38.00, 40.00, 41.00 | 50.00, 52.00, 49.00 |" in text
 
 
 def test_hisparse_throughput_smoke_fields(tmp_path):
