@@ -249,8 +249,8 @@ def _sweep_lines(t: dict) -> list[str]:
               f"{_fmt(sparse[c]['decode_tokens_per_s'])} | {_fmt(ratio[c])} |" for c in dense]
     return lines
   lines = ["", f"Concurrency sweep, {size['sweep_prompt_len']:,}-token prompts, the same "
-           "engines, both up at once and taking turns at each level (the order flips each "
-           "call); decode tokens/s of the median timed call, and of every call in the order "
+           "engines, both up at once and taking turns at each level (the order flips every "
+           "round); decode tokens/s of the median timed call, and of every call in the order "
            "run:", "",
            "| at once | device-only | HiSparse | HiSparse / device-only | device-only calls "
            "| HiSparse calls |", "|---|---|---|---|---|---|"]

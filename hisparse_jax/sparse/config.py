@@ -40,10 +40,12 @@ BOUNDS_DTYPES = ("bfloat16", "float32")
 STREAMED_PREFILLS = ("exact", "sparse")
 
 # Default `resident_sparse_min_tokens`: the attention tokens a step's resident sparse rows
-# must skip together before the sparse path pays for its per-layer cost (select, resolve,
-# the attention of the selected blocks, computed in multiples of 8 rows) on XLA:CPU;
-# measured on the real model (WORKSPACE.md, "resident rows: dense or sparse").
-DEFAULT_RESIDENT_SPARSE_MIN_TOKENS = 4096
+# must skip together before they take the sparse path. 0 (always sparse): on the real
+# model, 1-2 requests of 2,000 tokens in their own worker processes, alternated, decode
+# as fast or faster sparse (c = 2: 1.09x device-only sparse, 0.92x dense at 4,096; c = 1:
+# 0.94x and 0.93x, within the VM's noise); the 4,096 of session 18 came from engines built
+# second in one process, which step slower (WORKSPACE.md, "resident rows").
+DEFAULT_RESIDENT_SPARSE_MIN_TOKENS = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +79,12 @@ class HiSparseConfig:
   "block_bounds"` ("lightning" is reserved for models with a learned indexer);
   `selection` in SELECTIONS (default "union": one set of blocks for all heads, the
   union of each query head's best-ranked ones; sparse/indexer.py);
-  `resident_sparse_min_tokens >= 0` (default DEFAULT_RESIDENT_SPARSE_MIN_TOKENS: a
+  `resident_sparse_min_tokens >= 0` (default DEFAULT_RESIDENT_SPARSE_MIN_TOKENS, 0: a
   step whose sparse rows all have every block on the device takes the sparse path only
   if together they skip at least this many tokens of attention, the sum of kv_len -
-  top_k_tokens; else they attend densely, exactly as without HiSparse, since the sparse
-  path's fixed cost outweighs what it skips; a step with an offloaded row always takes
-  it; 0: resident long rows always decode sparse);
+  top_k_tokens; else they attend densely, exactly as without HiSparse, for a platform
+  where the sparse path's fixed cost outweighs what it skips; a step with an offloaded
+  row always takes it; 0: resident long rows always decode sparse);
   `thrash_window_steps >= 0`; `bounds_dtype`
   in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
   the selection accuracy of each); `streamed_prefill` in STREAMED_PREFILLS (default

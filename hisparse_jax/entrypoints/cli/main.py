@@ -153,8 +153,8 @@ flags.DEFINE_integer("sparse_threshold_tokens", None, "HiSparse: sequences up to
 flags.DEFINE_integer("resident_sparse_min_tokens", None, "HiSparse: a step whose long "
                      "decode rows all have every block on the device decodes them sparsely "
                      "only if together they skip at least this many tokens of attention "
-                     "(kv_len - top-k each); else densely (exact; the sparse path's cost "
-                     "outweighs what it skips). 0: always sparse. Default: 4,096.")
+                     "(kv_len - top-k each); else densely (exact, for where the sparse "
+                     "path's cost outweighs what it skips). Default 0: always sparse.")
 flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
                   "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
                   "device and host block (bfloat16: half the bytes of float32, rounded "

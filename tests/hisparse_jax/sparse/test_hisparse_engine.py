@@ -361,9 +361,9 @@ def test_offloaded_decoding_gives_the_all_resident_tokens(selection):
 def test_resident_rows_decode_dense_below_resident_sparse_min_tokens(min_tokens):
   # Nothing offloaded (a device pool for every block): a step takes the sparse path only
   # when its long decode rows together skip >= resident_sparse_min_tokens tokens of
-  # attention (kv_len - top-k each); below it they decode densely, exactly as dense. At
-  # the default (4,096) no step of this toy does; at 60, two or three rows of 40-60
-  # tokens do (4 and 3 blocks past top-k's 2) and a lone one not.
+  # attention (kv_len - top-k each); below it they decode densely, exactly as dense (the
+  # default, 0, is always sparse). At 4,096 no step of this toy does; at 60, two or three
+  # rows of 40-60 tokens do (4 and 3 blocks past top-k's 2) and a lone one not.
   config = dataclasses.replace(SMALL, resident_sparse_min_tokens=min_tokens)
   engine = _engine(config, num_dense_blocks=64)
   prompts = random_prompts((40, 33, 26), seed=5)
