@@ -401,6 +401,22 @@ def test_readme_passkey_streamed_matches_committed_json():
     assert report.markdown(result) in f.read()
 
 
+def test_readme_passkey_8k_b32_matches_committed_json():
+  """README's 8k block-32 table is the report of results/passkey_8k_b32_cpu.json
+  (`--bench_size=8k_b32`, the grid's 8k column at block 32): every HiSparse row ran and read
+  blocks back from the host pool."""
+  with open(os.path.join(REPO, "results", "passkey_8k_b32_cpu.json")) as f:
+    result = json.load(f)
+  assert result["size"] == "8k_b32"
+  rows = result["suites"]["passkey"]["rows"]
+  sparse = [r for r in rows if r["config"] != "dense"]
+  assert {r["top_k_tokens"] for r in sparse} == {256, 512, 1024, 2048}
+  for r in sparse:
+    assert r["block_size"] == 32 and r["status"] == "run" and r["host"]["host_loads"] > 0
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert report.markdown(result) in f.read()
+
+
 def test_passkey_device_pool_forces_offloads_at_every_top_k():
   """1.5 requests of blocks while a hot buffer is at most a quarter of a request; past it
   one request + the hot buffer + a quarter (else an offload could not admit the next
