@@ -135,7 +135,7 @@ def _measure(worker, prompts: list[list[int]], size: Size, warm: str | None) -> 
 
 def _sweep(workers: dict, size: Size, tokenizer, seed: int) -> dict[str, dict[int, dict]]:
   """Each level's figures per engine: the engines take turns (warm-up, then the timed
-  calls), the first one first at even rounds of even levels; a level's figures are those
+  calls), the first one first where level index + round is even; a level's figures are those
   of its median timed call, with every call's decode tokens/s."""
   names = list(workers)
   out = {name: {} for name in names}
