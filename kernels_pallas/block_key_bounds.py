@@ -113,7 +113,27 @@ def _last_write_slots(slot_ids, num_blocks: int, block_size: int):
   return jnp.where(last, slot_ids, -1)
 
 
-def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret):
+def max_touched_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
+  """The most distinct blocks the slots of a ragged step can touch: a sequence's q
+  tokens are consecutive positions, so they fill at most floor(q / block_size) + 2
+  blocks (and at most q), which sum to at most floor(tokens / block_size) + 2 * seqs."""
+  return max(1, min(num_tokens, num_tokens // block_size + 2 * num_seqs))
+
+
+def _touched_slots(slot_ids, num_blocks: int, block_size: int, max_touched: int | None):
+  """Each touched block's last written slot: `_last_write_slots`, then (with
+  `max_touched`) only its non-negative entries, packed into max_touched entries (-1
+  after them). The caller vouches that no more blocks than that are touched (see
+  `max_touched_blocks`); the work of the bounds then follows the blocks, not the tokens
+  (a 2,048-token prefill chunk touches 128 blocks of 16)."""
+  last = _last_write_slots(slot_ids, num_blocks, block_size)
+  if max_touched is None or max_touched >= last.shape[0]:
+    return last
+  (idx,) = jnp.nonzero(last >= 0, size=max_touched, fill_value=last.shape[0])
+  return jnp.concatenate([last, jnp.full((1,), -1, last.dtype)])[idx]
+
+
+def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret, max_touched=None):
   num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
   dtype = k_pages.dtype
   k_pages, k_scales = common.page_arrays(k_pages)
@@ -121,13 +141,13 @@ def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret):
   if k_scales is not None:
     scales = (k_scales,)
     scales_specs = [pl.BlockSpec((num_blocks, block_size, None), lambda t, h: (0, 0, h))]
-  last_slots = _last_write_slots(slot_ids, num_blocks, block_size)
+  last_slots = _touched_slots(slot_ids, num_blocks, block_size, max_touched)
   width = common.padded_head_dim(head_dim)
   bounds_spec = pl.BlockSpec((num_blocks, 2, None, width), lambda t, h: (0, 0, h, 0))
   return pl.pallas_call(
       functools.partial(_block_key_bounds_kernel, head_dim=head_dim,
                         dtype=dtype if scales else None),
-      grid=(slot_ids.shape[0], num_kv_heads),
+      grid=(last_slots.shape[0], num_kv_heads),
       in_specs=[
           pl.BlockSpec((1,), lambda t, h: (t,)),
           pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0)),
@@ -158,42 +178,48 @@ def _check(bounds, k_pages, slot_ids):
   common.check_int32("slot_ids", slot_ids, slot_ids.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("interpret", "max_touched"), donate_argnums=(0,))
 def block_key_bounds(
     bounds: jax.Array,  # [num_blocks, 2, num_kv_heads, head_dim], donated
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_ids: jax.Array,  # int32 [num_tokens], the slots write_kv just wrote; < 0 skipped
     *,
     interpret: bool | None = None,
+    max_touched: int | None = None,
 ) -> jax.Array:
-  """Returns `bounds` with every block touched by `slot_ids` recomputed (in place)."""
+  """Returns `bounds` with every block touched by `slot_ids` recomputed (in place).
+  `max_touched`: at most this many distinct blocks are touched (`max_touched_blocks` of
+  the step's shape); the work then scales with it instead of the slots' count."""
   _check(bounds, k_pages, slot_ids)
   interpret = backend.resolve_interpret(interpret)
   backend.check_triton_sizes(interpret, block_size=k_pages.shape[1])
-  return _block_key_bounds_call(bounds, k_pages, slot_ids, interpret=interpret)
+  return _block_key_bounds_call(bounds, k_pages, slot_ids, interpret=interpret,
+                                max_touched=max_touched)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("interpret", "max_touched"), donate_argnums=(0,))
 def block_key_bounds_reference(
     bounds: jax.Array,  # [num_blocks, 2, num_kv_heads, head_dim], donated
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_ids: jax.Array,  # int32 [num_tokens]; < 0 skipped
     *,
     interpret: bool | None = None,
+    max_touched: int | None = None,
 ) -> jax.Array:
-  """Pure-jnp reference (the "xla" backend): masked min/max of the touched blocks."""
+  """Pure-jnp reference (the "xla" backend): masked min/max of the touched blocks (see
+  `block_key_bounds` for `max_touched`)."""
   del interpret
   _check(bounds, k_pages, slot_ids)
   num_blocks, block_size = k_pages.shape[:2]
-  last_slots = _last_write_slots(slot_ids, num_blocks, block_size)
+  last_slots = _touched_slots(slot_ids, num_blocks, block_size, max_touched)
   touched = last_slots >= 0
   block_id = jnp.where(touched, last_slots // block_size, 0)
-  k = k_pages[block_id]  # [num_tokens, block_size, num_kv_heads, head_dim]
+  k = k_pages[block_id]  # [touched entries, block_size, num_kv_heads, head_dim]
   valid = (jnp.arange(block_size)[None, :] <= (last_slots % block_size)[:, None])
   valid = valid[:, :, None, None]
   k_min = jnp.where(valid, k, jnp.inf).min(axis=1)
   k_max = jnp.where(valid, k, -jnp.inf).max(axis=1)
-  new = jnp.stack(round_bounds(k_min, k_max, bounds.dtype), axis=1)  # [num_tokens, 2, h, d]
+  new = jnp.stack(round_bounds(k_min, k_max, bounds.dtype), axis=1)  # [entries, 2, h, d]
   dst = jnp.where(touched, block_id, bounds.shape[0])
   if bounds.dtype == jnp.bfloat16:  # scatter the bits: XLA:CPU converts a bf16 array whole
     bits = lax.bitcast_convert_type(bounds, jnp.uint16).at[dst].set(

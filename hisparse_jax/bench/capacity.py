@@ -16,7 +16,12 @@ alternates between rounds (side by side, as every ratio of the benches); each en
 figures are those of its median round. Per step of a run,
 `len(engine.scheduler.running)` is the concurrency. JSON: `concurrency_ratio` =
 HiSparse / device-only of the most requests running in one step, `throughput_ratio` =
-HiSparse / device-only of generated tokens per second.
+HiSparse / device-only of generated tokens per second over the whole run,
+`decode_throughput_ratio` = the same over decode-only steps (prefill excluded, as
+hisparse_throughput's decode tokens/s), and `throughput_ratio_bound` = the whole-run
+ratio if HiSparse's decode-only steps cost nothing (device-only's seconds over
+HiSparse's `prefill_s`): the prompt tokens are the same work in both engines, so the
+share of the run they take caps what more requests at once can buy.
 """
 
 from __future__ import annotations
@@ -61,21 +66,36 @@ SIZES = {
 
 
 def _workload(engine: Engine, prompts: np.ndarray, max_tokens: int) -> dict:
-  """Runs the prompts to completion; per-step concurrency and generated tokens/s."""
+  """Runs the prompts to completion; per-step concurrency, generated tokens/s, and the
+  decode-only steps' share (peer_worker's rule: a `step()` call whose engine step and the
+  one before it scheduled no prompt token) and their seconds in steps with prompt tokens
+  (`prefill_s`: the part of the run neither engine's concurrency can shorten)."""
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                           output_kind=RequestOutputKind.DELTA)
   start = time.perf_counter()
   for prompt in prompts:
     engine.add_request(prompt_token_ids=prompt.tolist(), sampling_params=params)
-  running, generated = [], 0
+  running, generated, previous = [], 0, None
+  decode_s, decode_tokens = 0.0, 0
   while engine.has_unfinished_requests():
+    before = time.perf_counter()
     outputs = engine.step()
+    seconds = time.perf_counter() - before
+    new = sum(len(o.outputs[0].token_ids) for o in outputs)
     running.append(len(engine.scheduler.running))
-    generated += sum(len(o.outputs[0].token_ids) for o in outputs)
+    generated += new
+    prefill = engine.last_step_prefill_tokens
+    if prefill == 0 and previous == 0:
+      decode_s += seconds
+      decode_tokens += new
+    previous = prefill
   seconds = time.perf_counter() - start
   return {"steps": len(running), "max_running": max(running),
           "mean_running": float(np.mean(running)), "generated_tokens": generated,
-          "seconds": seconds, "tokens_per_s": generated / seconds}
+          "seconds": seconds, "tokens_per_s": generated / seconds,
+          "decode_s": decode_s, "decode_tokens": decode_tokens,
+          "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
+          "prefill_s": seconds - decode_s}
 
 
 def _ordinary_tokens(engine: Engine) -> np.ndarray:
@@ -146,6 +166,12 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
       "concurrency_ratio": sparse["max_running"] / dense["max_running"],
       "mean_concurrency_ratio": sparse["mean_running"] / dense["mean_running"],
       "throughput_ratio": sparse["tokens_per_s"] / dense["tokens_per_s"],
+      # Prefill excluded (hisparse_throughput's figure): what the concurrency buys.
+      "decode_throughput_ratio": (sparse["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+                                  if dense["decode_tokens_per_s"] else 0.0),
+      # Amdahl: the whole-run ratio HiSparse would reach if its decode-only steps took no
+      # time at all (the device-only run's seconds over HiSparse's seconds outside them).
+      "throughput_ratio_bound": dense["seconds"] / sparse["prefill_s"],
       "device_kv_gib": device_kv_gib, "host_pool_gib": host_pool_gib,
       "config": dataclasses.asdict(size),
       "hisparse": dataclasses.asdict(hisparse), "model": "hisparse-tiny (default)",
@@ -153,14 +179,24 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
 
 
 def format_table(result: dict) -> str:
+  runs = (("device-only", result["device_only"]),
+          ("HiSparse + host pool", result["hisparse_host_pool"]))
+  decode = "decode_tokens_per_s" in result["device_only"]  # (older JSONs lack it)
   rows = [(name, r["max_running"], r["mean_running"], r["steps"], r["generated_tokens"],
-           r["seconds"], r["tokens_per_s"])
-          for name, r in (("device-only", result["device_only"]),
-                          ("HiSparse + host pool", result["hisparse_host_pool"]))]
+           r["seconds"], r["tokens_per_s"],
+           *((r["prefill_s"], r["decode_tokens_per_s"]) if decode else ()))
+          for name, r in runs]
   c = result["config"]
-  return (common.format_table(["engine", "max running", "mean running", "steps", "tokens",
-                               "s", "tokens/s"], rows)
+  text = (common.format_table(["engine", "max running", "mean running", "steps", "tokens",
+                               "s", "tokens/s",
+                               *(("s with prefill", "decode tokens/s") if decode else ())],
+                              rows)
           + f"\n{c['num_requests']} requests of {c['prompt_len']} + {c['max_tokens']} tokens, "
           f"device budget {result['device_kv_gib'] * 1024:.2f} MiB ({c['device_requests']} "
           f"requests); concurrency_ratio {result['concurrency_ratio']:.2f}, throughput_ratio "
           f"{result['throughput_ratio']:.2f}")
+  if decode:
+    text += (f", decode_throughput_ratio {result['decode_throughput_ratio']:.2f}, "
+             f"throughput_ratio_bound {result['throughput_ratio_bound']:.2f} (HiSparse's "
+             f"decode-only steps free)")
+  return text

@@ -57,6 +57,7 @@ import kernels_pallas
 from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
 from hisparse_jax.sparse import indexer, resolver
 from hisparse_jax.sparse.config import HiSparseBlocks
+from kernels_pallas.block_key_bounds import max_touched_blocks
 from kernels_pallas.common import MASK_VALUE, packed_ids
 from kernels_pallas.quant import QuantizedPages, kind_of, quantize
 
@@ -168,8 +169,13 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
   cache = dict(kv_cache)
   pages = write_pages(ops, kv_dtype, storage_dtype, cache["pages"], k[0], v[0],
                       metadata.slot_ids)
-  bounds = ops.block_key_bounds(from_storage(cache["bounds"], sparse.bounds_dtype),
-                                page_views(pages, kv_dtype)[0], metadata.slot_ids)
+  k_view = page_views(pages, kv_dtype)[0]
+  # The step's rows write consecutive positions each: the bounds' work follows the blocks
+  # they touch (a prefill chunk's tokens / block_size), not the tokens.
+  bounds = ops.block_key_bounds(
+      from_storage(cache["bounds"], sparse.bounds_dtype), k_view, metadata.slot_ids,
+      max_touched=max_touched_blocks(metadata.slot_ids.shape[0], metadata.kv_lens.shape[0],
+                                     k_view.shape[1]))
   # The selection reads the bounds in their storage dtype (bfloat16 as uint16 bits on CPU,
   # which the C++ kernel takes as they are: a bfloat16 operand would cost the program a
   # converted copy of the whole array per layer).

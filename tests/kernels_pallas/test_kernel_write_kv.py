@@ -213,3 +213,48 @@ def test_bounds_of_another_dtype_are_refused(rng):
   bad = jnp.zeros((NUM_BLOCKS, 2, NUM_KV_HEADS, HEAD_DIM), jnp.float16)
   with pytest.raises(ValueError, match="bounds dtype must be float32, bfloat16"):
     block_key_bounds(bad, pool.k_pages, jnp.zeros((1,), jnp.int32))
+
+
+def _ragged_slots(rng, q_lens, num_blocks, block_size, start=None):
+  """Slots of a ragged step: each row's q tokens are consecutive positions from a random
+  start (or `start`), mapped through its own random block table (distinct blocks across
+  rows), with padding (-1) after."""
+  free = list(rng.permutation(np.arange(1, num_blocks)))
+  slots = []
+  for q in q_lens:
+    start = int(rng.integers(0, 3 * block_size)) if start is None else start
+    table = [free.pop() for _ in range((start + q + block_size - 1) // block_size)]
+    slots += [table[p // block_size] * block_size + p % block_size
+              for p in range(start, start + q)]
+  return np.asarray(slots + [-1] * 5, np.int32)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_bounds_with_max_touched_blocks_equal_the_full_update(rng, impl):
+  # The engine passes max_touched_blocks(tokens, rows, block_size): a bound of the distinct
+  # blocks a ragged step's rows can touch. Packed to that many entries, the update is the
+  # same as over every slot: mixed prefill chunks and decode rows, chunks that start and
+  # end mid-block, one token per block, and a step that touches exactly the bound.
+  from kernels_pallas.block_key_bounds import max_touched_blocks
+  num_blocks, block_size = 64, 4
+  pool = lib.make_pool(rng, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, jnp.float32)
+  # The worst case last: rows of block_size + 2 tokens from offset block_size - 1 touch
+  # 3 blocks each.
+  cases = [([13, 1, 1, 7, 1, 0], None), ([1] * 9, None), ([2] * 6, None), ([5, 9], None),
+           ([block_size * 6 + 2, 1], None), ([block_size + 2] * 4, block_size - 1)]
+  for q_lens, start in cases:
+    slots = _ragged_slots(rng, q_lens, num_blocks, block_size, start)
+    bound = max_touched_blocks(len(slots), len(q_lens), block_size)
+    touched = len({s // block_size for s in slots if s >= 0})
+    assert touched <= bound < len(slots) + 1
+    start = jnp.asarray(rng.standard_normal((num_blocks, 2, NUM_KV_HEADS, HEAD_DIM)),
+                        jnp.float32)
+    want = np.asarray(BOUNDS[impl](start.copy(), pool.k_pages, jnp.asarray(slots)))
+    got = np.asarray(BOUNDS[impl](start.copy(), pool.k_pages, jnp.asarray(slots),
+                                  max_touched=bound))
+    np.testing.assert_array_equal(got, want)
+    # Exactly as many entries as touched blocks still updates them all.
+    exact = np.asarray(BOUNDS[impl](start.copy(), pool.k_pages, jnp.asarray(slots),
+                                    max_touched=touched))
+    np.testing.assert_array_equal(exact, want)
+  assert touched == 12  # the worst case's 4 rows x 3 blocks, under its bound of 14

@@ -180,6 +180,13 @@ def test_capacity_fields(smoke):
     assert run["max_running"] >= 1
     assert run["generated_tokens"] == c["config"]["num_requests"] * c["config"]["max_tokens"]
     assert len(run["seconds_by_round"]) == c["config"]["reps"]
+    # The decode-only steps are part of the run; the rest of it is prefill_s.
+    assert 0 <= run["decode_s"] <= run["seconds"]
+    assert 0 <= run["decode_tokens"] <= run["generated_tokens"]
+    assert run["prefill_s"] == pytest.approx(run["seconds"] - run["decode_s"])
+  # Free decode steps can only make HiSparse's run shorter: the bound is >= the ratio.
+  assert c["throughput_ratio_bound"] >= c["throughput_ratio"] * (1 - 1e-9)
+  assert c["decode_throughput_ratio"] >= 0
     assert run["seconds"] in run["seconds_by_round"]
   assert c["concurrency_ratio"] == pytest.approx(
       c["hisparse_host_pool"]["max_running"] / c["device_only"]["max_running"])
