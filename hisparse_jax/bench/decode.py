@@ -38,9 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels_pallas
 from hisparse_jax.bench import common, tiered
 from hisparse_jax.engine.runner import ModelRunner, bounds_bytes_per_block
-from hisparse_jax.kv_cache.kv_pool import DEVICE, KVCacheSpec, KVPool, from_storage
+from hisparse_jax.kv_cache.kv_pool import DEVICE, KVCacheSpec, KVPool
 from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
 from models.config import ModelConfig
@@ -104,12 +105,14 @@ def kv_bytes(spec: KVCacheSpec, context: int, batch: int, top_k_tokens: int,
           "bytes_bound": dense / (sparse + index + 2 * h2d_bytes)}
 
 
-def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, reps: int,
+def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, batch_sparse, reps: int,
              sparse_ms: float) -> list[dict]:
   """The attention pieces of one layer at the step's shapes, timed alone (layer 0's pages),
   and what the sparse step spends besides them (`sparse_ms` - pieces x layers): the
   weights (projections, MLP, logits), writing the new K/V and its block's bounds, the
-  resolver."""
+  resolver. The select is the step's own: `indexer.select_rows` over the bounds array as
+  stored, each logical block's row its device copy's or, once dropped, its host copy's
+  (on CPU the C++ kernel scores them in place)."""
   ops = dense.ops
   pool = dense.pool
   spec = pool.spec
@@ -121,23 +124,30 @@ def _profile(dense: ModelRunner, sparse: ModelRunner, batch_dense, reps: int,
   q = jnp.asarray(rng.standard_normal((num_seqs, dense.config.num_attention_heads,
                                        spec.head_dim)), jnp.float32)
   k, v = pool.k[0], pool.v[0]
-  bounds = from_storage(sparse.bounds[0], sparse.hisparse.bounds_dtype)
   blocks = sparse.hisparse_blocks
   ragged = jax.jit(ops.ragged_paged_attention)
   paged = jax.jit(ops.paged_attention)
+  meta_s = batch_sparse.metadata
+  s_tables, s_lens = jnp.asarray(meta_s.block_tables), jnp.asarray(meta_s.kv_lens)
+  bounds_rows = jnp.where(s_tables != 0, s_tables,
+                          sparse.pool.k[0].shape[0] + jnp.asarray(meta_s.host_tables))
+  cpu_kernel = (sparse.ops.backend == "xla"
+                and kernels_pallas.backend.target_platform() == "cpu")
 
   @jax.jit
-  def select(q, bounds, tables, kv_lens):
-    sel = indexer.select(q, bounds[tables], kv_lens, blocks, sparse.hisparse.selection)
-    table = jnp.where(sel.valid, jnp.take_along_axis(
-        tables, jnp.where(sel.valid, sel.logical_ids, 0), axis=1), 0)
-    return table, sel.kv_lens
+  def select(q, bounds, bounds_rows, kv_lens):
+    sel = indexer.select_rows(q, bounds, bounds_rows, kv_lens, blocks,
+                              sparse.hisparse.selection, cpu_kernel=cpu_kernel)
+    return sel.logical_ids, sel.kv_lens
 
-  sel_table, sel_lens = select(q, bounds, tables, kv_lens)
+  bounds = sparse.bounds[0]  # as stored (bfloat16 as its uint16 bits on CPU)
+  # The paged attention piece reads the dense pool at the selection's logical blocks.
+  ids, sel_lens = select(q, bounds, bounds_rows, s_lens)
+  sel_table = jnp.where(ids >= 0, jnp.take_along_axis(tables, jnp.maximum(ids, 0), axis=1), 0)
   pieces = {
       "dense: ragged attention over every block": lambda: ragged(q, k, v, tables, kv_lens, cu),
       "sparse: indexer select over every block's key bounds":
-          lambda: select(q, bounds, tables, kv_lens),
+          lambda: select(q, bounds, bounds_rows, s_lens),
       "sparse: paged attention over the selected blocks":
           lambda: paged(q, k, v, sel_table, sel_lens),
   }
@@ -207,7 +217,8 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
     row["fraction_of_bound"] = row["dense_over_sparse"] / row["bytes_bound"]
     rows.append(row)
     if context == max_context:
-      profile = _profile(dense, sparse, batch_dense, size.reps, row["sparse_ms"])
+      profile = _profile(dense, sparse, batch_dense, batch_sparse, size.reps,
+                         row["sparse_ms"])
     del sparse, sparse_setup, sparse_step
   by_block_size = {
       str(bs): {str(r["context"]): kv_bytes(dataclasses.replace(spec, block_size=bs),

@@ -90,6 +90,10 @@ SIZES = {
                   short_tokens=16, long_tokens=80, top_k_tokens=512, host_pool_gib=5.0,
                   max_model_len=4096, sweep=(1, 2, 4, 8, 16, 32), sweep_prompt_len=2000,
                   with_vllm=False),
+    # The workload rows only (device-only, HiSparse, vLLM; no sweep): full's first half.
+    "workload": Size(model=evv.REAL_MODEL, num_requests=24, prompt_lens=(2000, 3900),
+                     short_tokens=16, long_tokens=80, top_k_tokens=512, host_pool_gib=5.0,
+                     max_model_len=4096, sweep=(), sweep_prompt_len=2000, with_vllm=True),
     "smoke": Size(model=evv.SMOKE_GGUF, num_requests=4, prompt_lens=(300, 500),
                   short_tokens=2, long_tokens=6, top_k_tokens=64, host_pool_gib=0.01,
                   max_model_len=512, sweep=(1, 2), sweep_prompt_len=300, with_vllm=False,
@@ -268,13 +272,15 @@ def format_table(result: dict) -> str:
     lines.append(f"HiSparse decode vs vLLM: {ratios['decode_vs_vllm']:.2f}x; e2e "
                  f"{ratios['e2e_vs_vllm']:.2f}x")
   sweep_rows = []
-  dense, sparse = result["rows"]["device-only"]["sweep"], result["rows"]["HiSparse"]["sweep"]
+  dense = result["rows"]["device-only"].get("sweep", {})  # (--bench_size=workload: none)
+  sparse = result["rows"]["HiSparse"].get("sweep", {})
   for c in dense:
     sweep_rows.append([c, f"{dense[c]['decode_tokens_per_s']:.1f}",
                        f"{sparse[c]['decode_tokens_per_s']:.1f}",
                        f"{ratios['sweep_decode_vs_device_only'][c]:.2f}x"])
-  lines.append(common.format_table(["at once", "device-only decode tok/s",
-                                    "HiSparse decode tok/s", "ratio"], sweep_rows))
+  if sweep_rows:
+    lines.append(common.format_table(["at once", "device-only decode tok/s",
+                                      "HiSparse decode tok/s", "ratio"], sweep_rows))
   return "\n".join(lines)
 
 

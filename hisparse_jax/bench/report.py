@@ -238,6 +238,8 @@ def throughput_lines(t: dict) -> list[str]:
 def _sweep_lines(t: dict) -> list[str]:
   size = t["size"]
   dense, sparse = t["rows"]["device-only"]["sweep"], t["rows"]["HiSparse"]["sweep"]
+  if not dense:  # --bench_size=workload: the workload rows only
+    return []
   ratio = t["ratios"]["sweep_decode_vs_device_only"]
   calls = all("rounds_decode_tokens_per_s" in r for r in (*dense.values(), *sparse.values()))
   if not calls:  # (runs before the sweep alternated the engines: one timed call each)

@@ -3,7 +3,7 @@
 Usage::
 
   hisparse-jax bench [--suite=NAME|all] [--out=FILE.json]
-      [--bench_size=full|smoke|streamed|8k_b32|sweep] [--bench_plot=FILE.png]
+      [--bench_size=full|smoke|streamed|8k_b32|sweep|workload] [--bench_plot=FILE.png]
       [--block_size=16 (decode_sparse_vs_dense)]
 
 Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and

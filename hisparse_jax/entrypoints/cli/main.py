@@ -186,12 +186,14 @@ flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_v
                     "runs only by name) or all.")
 flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: the directory "
                     "to write (new or empty).")
-flags.DEFINE_enum("bench_size", "full", ["full", "smoke", "streamed", "8k_b32", "sweep"],
+flags.DEFINE_enum("bench_size", "full",
+                  ["full", "smoke", "streamed", "8k_b32", "sweep", "workload"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests); "
                   "streamed (passkey only): the 8k rows at top-k 1,024, all-resident and "
                   "streamed through a device pool of 45% of a prompt; 8k_b32 (passkey "
                   "only): the 8k rows at block 32, top-k 256-2,048; sweep "
-                  "(hisparse_throughput only): its concurrency sweep alone.")
+                  "(hisparse_throughput only): its concurrency sweep alone; workload "
+                  "(hisparse_throughput only): its workload rows alone (vLLM's too).")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "
                     "against context here (when the decode_sparse_vs_dense suite runs), "
                     "of passkey accuracy against length (--suite=passkey), or of decode "

@@ -498,6 +498,30 @@ def test_hisparse_throughput_sweep_only_report():
   assert "\n| 8 | 40.00 | 50.00 | 1.25 | 38.00, 40.00, 41.00 | 50.00, 52.00, 49.00 |" in text
 
 
+def test_hisparse_throughput_workload_only_report():
+  # --bench_size=workload: full's workload rows (vLLM's too), no sweep; neither the report
+  # nor the printed table has a sweep section.
+  from hisparse_jax.bench import hisparse_throughput as ht
+
+  size, full = ht.SIZES["workload"], ht.SIZES["full"]
+  assert size.sweep == () and size.with_vllm
+  assert dataclasses.replace(size, sweep=full.sweep) == full
+  row = lambda x: {"decode_tokens_per_s": x, "decode_share": 0.1, "e2e_tokens_per_s": 3 * x,  # noqa: E731
+                   "max_running": 4, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0,
+                   "itl_p50_ms": 3.0, "itl_p99_ms": 4.0, "sweep": {}}
+  t = {"size": dataclasses.asdict(size),
+       "rows": {"device-only": row(10.0), "HiSparse": row(20.0), "vLLM": row(8.0)},
+       "ratios": {"sweep_decode_vs_device_only": {}, "decode_vs_device_only": 2.0,
+                  "e2e_vs_device_only": 2.0, "decode_vs_vllm": 2.5, "e2e_vs_vllm": 2.5},
+       "engines": {}}
+  del t["rows"]["vLLM"]["sweep"]  # (vLLM's row never has one)
+  text = "\n".join(report.throughput_lines(t))
+  assert "| HiSparse | 20.00 |" in text and "| vLLM | 8.00 |" in text
+  assert "Concurrency sweep" not in text
+  printed = ht.format_table(t)
+  assert "HiSparse decode vs vLLM: 2.50x" in printed and "at once  " not in printed.splitlines()[-1]
+
+
 def test_hisparse_throughput_smoke_fields(tmp_path):
   # By name only; at smoke size our two engines (no vLLM) on the tiny converted GGUF.
   from hisparse_jax.bench import hisparse_throughput as ht
