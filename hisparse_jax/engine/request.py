@@ -111,6 +111,10 @@ class Request:
   # from the second on, as the prefill computes them.
   prompt_logprobs: list = dataclasses.field(default_factory=list)
   prompt_logprobs_reported: bool = False  # (DELTA: in the first output only)
+  # Chained prefix-cache hashes of the first full blocks of prompt + output, extended as
+  # admission needs them (Scheduler._prefix_hashes): a request that waits for blocks is
+  # hashed once, not every step. Valid because tokens are only ever appended.
+  block_hashes: list = dataclasses.field(default_factory=list)
 
   @property
   def num_prompt_tokens(self) -> int:

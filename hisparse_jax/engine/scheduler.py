@@ -57,6 +57,7 @@ import dataclasses
 import numpy as np
 
 from hisparse_jax.engine.request import Request, RequestStatus
+from hisparse_jax.kv_cache import kv_hash
 from hisparse_jax.kv_cache.block_manager import PENDING_TOKEN, BlockManager, SwapInPlan, SwapOutPlan
 from hisparse_jax.sparse.config import HiSparseConfig
 
@@ -413,7 +414,8 @@ class Scheduler:
         if not allocated:
           break
       read_cache = request.sampling_params.prompt_logprobs is None
-      if not self.bm.can_allocate(allocated, read_cache=read_cache):
+      hashes = self._prefix_hashes(request, len(allocated))
+      if not self.bm.can_allocate(allocated, read_cache=read_cache, hashes=hashes):
         break
       if self.running and self.bm.device_pool.num_free_blocks < needed + spare:
         break
@@ -421,7 +423,7 @@ class Scheduler:
         break
       self.waiting.popleft()
       result = self.bm.allocate(request.request_id, allocated, num_new_tokens=0,
-                                read_cache=read_cache)
+                                read_cache=read_cache, hashes=hashes)
       request.prefill_len = len(tokens)
       if result.swap_in.num_blocks:
         out.swap_in.append(result.swap_in)
@@ -438,6 +440,22 @@ class Scheduler:
         for child in self._fork(chunk, out):
           self._insert_running(child)
         budget -= chunk.num_tokens
+
+  def _prefix_hashes(self, request: Request, num_tokens: int) -> list:
+    """The prefix cache's chained hashes of the full blocks of the request's first
+    `num_tokens` tokens (`PrefixCache.hashes` of them), from `request.block_hashes`,
+    extended only by the blocks not hashed before."""
+    cache = self.bm.prefix_cache
+    if not cache.enabled:
+      return []
+    size = self.bm.block_size
+    have = request.block_hashes
+    full = num_tokens // size
+    if len(have) < full:
+      start = len(have)
+      have.extend(kv_hash.hash_full_blocks(request.token_slice(start * size, full * size),
+                                           size, None, have[-1] if have else None))
+    return have[:full]
 
 
 def _insert_by_arrival(queue, request: Request) -> None:

@@ -54,6 +54,7 @@ from hisparse_jax.kv_cache.block_plans import (  # noqa: F401 (re-exported)
 )
 from hisparse_jax.kv_cache.block_pool import BlockPool
 from hisparse_jax.kv_cache.hisparse_placement import HiSparsePlacement
+from hisparse_jax.kv_cache.kv_hash import BlockHash
 from hisparse_jax.kv_cache.kv_pool import NULL_BLOCK_ID
 from hisparse_jax.kv_cache.prefix_cache import PrefixCache
 from hisparse_jax.kv_cache.seq_state import PENDING_TOKEN, SeqState
@@ -200,18 +201,22 @@ class BlockManager:
   # --- New sequences -------------------------------------------------------------
 
   def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None, *,
-                   read_cache: bool = True) -> bool:
-    """Whether `allocate` of this prompt would find enough device blocks."""
+                   read_cache: bool = True, hashes: list[BlockHash] | None = None) -> bool:
+    """Whether `allocate` of this prompt would find enough device blocks. `hashes`: the
+    prompt's full blocks' chained hashes if the caller keeps them (`prefix_cache.hashes`
+    of these tokens), so a prompt that waits is not hashed again every step."""
     cache = self.prefix_cache
-    hits = (cache.hits(cache.hashes(token_ids, extra_keys), len(token_ids), count=False)
-            if read_cache else [])
+    if read_cache and hashes is None:
+      hashes = cache.hashes(token_ids, extra_keys)
+    hits = cache.hits(hashes, len(token_ids), count=False) if read_cache else []
     device_hit_ids = [i for kind, i in hits if kind == "device"]
     need = cache.num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
     return need <= self.device_pool.num_free_blocks
 
   def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
                extra_keys: tuple | None = None, *,
-               num_new_tokens: int | None = None, read_cache: bool = True) -> AllocateResult:
+               num_new_tokens: int | None = None, read_cache: bool = True,
+               hashes: list[BlockHash] | None = None) -> AllocateResult:
     """Device blocks for a new sequence's prompt, reusing cached prefix blocks.
 
     Device hits are shared (ref_cnt += 1); host hits get a new device block and an
@@ -221,15 +226,16 @@ class BlockManager:
     tokens are cached for prefix hits: a later request must never hit a block whose KV
     is not computed yet. Call `cache_blocks` as the next chunks are scheduled.
     `read_cache` False: no prefix hits (the whole prompt is computed; its full blocks are
-    still cached for later requests).
+    still cached for later requests). `hashes`: as in `can_allocate`.
     """
     if seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} already has blocks")
     if len(token_ids) == 0:
       raise ValueError(f"sequence {seq_id!r} has no tokens")
     token_ids = [int(t) for t in token_ids]
-    hashes = self.prefix_cache.hashes(token_ids, extra_keys)
-    if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache):
+    if hashes is None:
+      hashes = self.prefix_cache.hashes(token_ids, extra_keys)
+    if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache, hashes=hashes):
       raise ValueError(
           f"cannot allocate {seq_id!r}: {self._num_blocks(len(token_ids))} blocks needed, "
           f"{self.device_pool.num_free_blocks} device blocks free")

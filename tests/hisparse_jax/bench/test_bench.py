@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from matplotlib import image as plt_image
 
-from hisparse_jax.bench import common, decode, engine_vs_vllm, hot_buffer, passkey, report
+from hisparse_jax.bench import capacity, common, decode, engine_vs_vllm, hot_buffer, passkey, report
 from hisparse_jax.entrypoints.cli import bench as bench_cmd
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
 from kernels_pallas import bench as kernel_bench
@@ -173,7 +173,18 @@ def test_bytes_bound_by_hand():
 
 
 def test_capacity_fields(smoke):
-  c = smoke[0]["suites"]["capacity_concurrency"]
+  top = smoke[0]["suites"]["capacity_concurrency"]
+  # Two workloads, the same fields: the prefill-heavy one at the top, the decode-heavy one
+  # (more new tokens, the goal's) under `decode_heavy`.
+  heavy = top["decode_heavy"]
+  assert heavy["config"]["max_tokens"] == top["config"]["decode_max_tokens"]
+  assert heavy["config"]["max_tokens"] > top["config"]["max_tokens"]
+  assert top["goal_met"] == (heavy["throughput_ratio"] >= capacity.GOAL_THROUGHPUT_RATIO)
+  for c in (top, heavy):
+    _check_capacity_workload(c)
+
+
+def _check_capacity_workload(c):
   assert _positive(c["concurrency_ratio"], c["throughput_ratio"])
   for side in ("device_only", "hisparse_host_pool"):
     run = c[side]

@@ -231,6 +231,38 @@ def test_prefix_cache_hit_skips_computed_tokens():
   assert ("c", 4, 4) in chunks  # block 1 hit; block 2 holds the last token: computed
 
 
+def test_a_waiting_prompt_is_hashed_once_and_hits_as_if_hashed_anew(monkeypatch):
+  """A request that waits for blocks keeps its prompt's chained hashes (Request.block_hashes)
+  instead of hashing the prompt again at every step (a 2,048-token prompt at the head of
+  the queue cost ~0.2 ms a step); admission then hits the prefix cache with them exactly
+  as with hashes computed from the tokens."""
+  from hisparse_jax.kv_cache import kv_hash
+
+  bm, sched = _make(num_device_blocks=9, prefix_caching=True)  # 8 usable blocks
+  a = _request("a", 24, 0, first=0)  # 6 blocks: b (4 more) cannot join until a finishes
+  sched.add(a)
+  _step(sched)
+  b = Request("b", list(range(8)) + [90 + i for i in range(8)], SamplingParams(), seed=0,
+              arrival_time=1.0)
+  sched.add(b)
+  hashed = []
+  real = kv_hash.hash_block_tokens
+  monkeypatch.setattr(kv_hash, "hash_block_tokens",
+                      lambda *args: hashed.append(args[1]) or real(*args))
+  for _ in range(3):
+    _step(sched)
+    assert sched.waiting and sched.waiting[0] is b
+  # (The test's invariant checks hash a's blocks too: count b's own blocks.)
+  def times_hashed():
+    return [sum(list(t) == b.prompt_token_ids[i:i + BS] for t in hashed) for i in (8, 12)]
+  assert times_hashed() == [1, 1]  # once, not at each of the 3 steps
+  assert b.block_hashes == kv_hash.hash_full_blocks(b.prompt_token_ids, BS)
+  sched.remove(a)
+  out, chunks = _step(sched)
+  assert chunks == [("b", 8, 8)]  # a's first 2 blocks (its tokens 0..7) are hits
+  assert bm.block_table("b")[:2] == [1, 2]
+
+
 @pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])
 def test_bad_limits_are_refused(field):
   bm = BlockManager(5, 5, BS)
