@@ -33,9 +33,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The suite in TEST_WORKERS processes (pytest-xdist), a test file to each at a time: a
+# module's fixtures are built once, and the 2 cores compile two modules' programs at once.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	JAX_PLATFORMS=cpu $(PY) -m pytest
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The bench peers, each in its own venv (not needed by demo or test). vLLM's CPU wheels
 # pull torchvision, torchaudio and torchcodec, which do not load on a CPU-only machine
