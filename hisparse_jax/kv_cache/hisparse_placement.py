@@ -82,6 +82,8 @@ class HiSparsePlacement:
     that have none yet, in order (a d2h plan for this step's first batch); see
     BlockManager.write_through."""
     num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+    if len(seq.host_ids) >= num_full:  # every step of a sparse decoder but one in 16
+      return _NO_WRITES
     device_src, host_dst = [], []
     for i in range(len(seq.host_ids), num_full):
       block_hash = seq.block_hashes[i] if i < len(seq.block_hashes) else None
@@ -106,8 +108,18 @@ class HiSparsePlacement:
   @staticmethod
   def droppable(seq: SeqState) -> list[int]:
     """Table indices of resident blocks with a host copy (full and computed, so never a
-    block the next token is written into)."""
-    return [i for i in range(len(seq.host_ids)) if seq.block_ids[i] != NULL_BLOCK_ID]
+    block the next token is written into). The scan starts past the leading dropped
+    blocks found before (`seq.dropped_prefix`, valid while no entry of `block_ids` is
+    replaced): an offloaded sequence's check costs its few new blocks, not its length."""
+    version, start = seq.dropped_prefix
+    if version != seq.table_version:
+      start = 0
+    num_host = len(seq.host_ids)
+    block_ids = seq.block_ids
+    while start < num_host and block_ids[start] == NULL_BLOCK_ID:
+      start += 1
+    seq.dropped_prefix = (seq.table_version, start)
+    return [i for i in range(start, num_host) if block_ids[i] != NULL_BLOCK_ID]
 
   def offload_gain(self, seq: SeqState, hot_buffer_blocks: int) -> int:
     """Device blocks `offload` would free, net of the hot-buffer slots it allocates."""
@@ -124,3 +136,8 @@ class HiSparsePlacement:
     seq.replaced_blocks()
     if not seq.offloaded:
       seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
+
+
+# What `write_through` returns when a sequence has nothing new to copy (shared: plans are
+# read only).
+_NO_WRITES = SwapOutPlan(as_block_ids([]), as_block_ids([]))

@@ -43,6 +43,9 @@ class SeqState:
   mirror: np.ndarray | None = None
   mirror_len: int = 0
   mirror_version: int = -1
+  # HiSparse: (table_version, n) with block_ids[:n] all dropped (NULL_BLOCK_ID) as of that
+  # version: where HiSparsePlacement.droppable's scan starts.
+  dropped_prefix: tuple[int, int] = (-1, 0)
 
   @property
   def offloaded(self) -> bool:

@@ -167,6 +167,32 @@ def test_offload_drops_written_through_blocks_but_not_the_block_being_filled():
   bm.check_invariants()
 
 
+def test_offload_gain_after_a_table_rewrite_counts_every_block_again():
+  """`droppable` skips the leading dropped blocks it found before (an offloaded sequence's
+  check costs its new blocks only); a swap-out and full swap-in rewrite the table, and the
+  scan starts from the first block again."""
+  bm = BlockManager(num_device_blocks=12, num_host_blocks=8, block_size=BS)
+  bm.allocate("a", list(range(14)))  # [1, 2, 3, 4]
+  bm.finish_step()
+  bm.write_through("a", 14)  # host [1, 2, 3]
+  assert bm.offload("a", 2) == 1  # [0, 0, 0, 4]
+  assert bm.offload_gain("a", 2) == 0  # nothing left to drop: scanned past 3 dropped
+  bm.swap_out("a")
+  bm.finish_step()
+  bm.swap_in("a")  # every block back on the device: the table rewritten
+  bm.finish_step()
+  assert 0 not in bm.block_table("a") and not bm.is_offloaded("a")
+  assert bm.host_copy_ids("a") == [] and bm.offload_gain("a", 2) == 0 - 2
+  bm.write_through("a", 14)  # copies again (or host-cache hits)
+  bm.finish_step()
+  assert len(bm.host_copy_ids("a")) == 3
+  # All 3 full blocks can go again, less 2 hot slots.
+  assert bm.offload_gain("a", 2) == 3 - 2
+  assert bm.offload("a", 2) == 1
+  assert bm.block_table("a")[:3] == [0, 0, 0]
+  bm.check_invariants()
+
+
 def test_offload_of_a_shared_block_frees_nothing():
   bm = BlockManager(num_device_blocks=10, num_host_blocks=8, block_size=BS)
   prompt = list(range(13))
