@@ -1,0 +1,217 @@
+"""DeepSeek-V3.2 (models/deepseek_v32.py) against transformers' eager DeepseekV32ForCausalLM:
+a tiny random checkpoint (a dense layer, then MoE layers; index_topk 8, shorter than every
+prompt, so the indexer's sparsity is active) saved by transformers and loaded by ours.
+
+Each prompt runs alone on the HF side (no padding: HF's indexer would score padded keys
+with positions that ignore the padding); ours runs the prompts as one right-padded batch
+(causal: a prompt's positions never see the padding after it).
+
+16 index heads, not 4: a key whose q.k is negative in every head scores exactly 0 (ReLU),
+and with 4 heads such zeros are common enough to tie at the top-k boundary, where torch's
+and XLA's top-k break ties differently (both are right; the selected sets and then the
+logits differ). With 16 heads an all-negative key is a 1 in 65,536 event."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
+
+from models import deepseek_v32 as ds
+from models.loader import CheckpointError
+
+HF_CONFIG = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, kv_lora_rank=32,
+    q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
+    index_head_dim=32, index_n_heads=16, first_k_dense_replace=1, initializer_range=0.3,
+    max_position_embeddings=256, routed_scaling_factor=2.5, bos_token_id=0, eos_token_id=1)
+PROMPT_LENS = (20, 13, 27)
+NUM_GREEDY = 32
+BUFFER = 64  # >= max(PROMPT_LENS) + NUM_GREEDY: one compiled shape for every call
+
+
+@jax.jit
+def _forward(model, ids):
+  return model(ids, return_topk=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """(path, HF eager model, our model): norms, biases and the router's score-correction
+  bias randomised so that every tensor matters."""
+  config = transformers.DeepseekV32Config(**HF_CONFIG, attn_implementation="eager")
+  torch.manual_seed(0)
+  hf = transformers.DeepseekV32ForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    for name, b in hf.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(torch.randn_like(b) * 0.1)
+  path = tmp_path_factory.mktemp("deepseek_v32") / "ckpt"
+  hf.save_pretrained(path)
+  model, cfg = ds.load_pretrained(path)
+  assert cfg.mlp_layer_types == ("dense", "sparse", "sparse")
+  return path, hf, model
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(1)
+  return [rng.integers(2, HF_CONFIG["vocab_size"], size=n) for n in PROMPT_LENS]
+
+
+def _hf_run(hf, ids):
+  """(logits [seq, vocab], per-layer indexer top-k [seq, k]) of one prompt, HF eager."""
+  caught = []
+  forward = hf_ds.DeepseekV32Indexer.forward
+
+  def hooked(self, *args, **kwargs):
+    out = forward(self, *args, **kwargs)
+    caught.append(out[0].numpy())
+    return out
+
+  hf_ds.DeepseekV32Indexer.forward = hooked
+  try:
+    with torch.no_grad():
+      logits = hf(torch.as_tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+  finally:
+    hf_ds.DeepseekV32Indexer.forward = forward
+  return logits, caught
+
+
+def _buffer(prompts):
+  buf = np.zeros((len(prompts), BUFFER), np.int32)
+  for i, p in enumerate(prompts):
+    buf[i, :len(p)] = p
+  return buf
+
+
+def _causal_sets(topk, seq):
+  """Per query s, the selected keys t <= s (past those, a top-k list holds masked keys in
+  an arbitrary order, in HF and here alike)."""
+  return [sorted(int(t) for t in topk[s] if t <= s) for s in range(seq)]
+
+
+def test_logits_and_indexer_selection_match_transformers(checkpoint, prompts):
+  _, hf, model = checkpoint
+  logits, topks = _forward(model, jnp.asarray(_buffer(prompts)))
+  logits = np.asarray(logits)
+  assert logits.dtype == np.float32 and logits.shape == (len(prompts), BUFFER, 97)
+  for b, ids in enumerate(prompts):
+    n = len(ids)
+    ref_logits, ref_topks = _hf_run(hf, ids)
+    np.testing.assert_allclose(logits[b, :n], ref_logits, atol=1e-4, rtol=0)
+    assert len(ref_topks) == len(topks) == HF_CONFIG["num_hidden_layers"]
+    for layer, (ours, ref) in enumerate(zip(topks, ref_topks)):
+      ours = np.asarray(ours)[b]
+      assert ours.shape == (BUFFER, HF_CONFIG["index_topk"]) and ref.shape == (n, 8)
+      assert _causal_sets(ours, n) == _causal_sets(ref, n), (b, layer)
+      # Sparsity is active: past index_topk keys, exactly index_topk are attended.
+      assert all(len(s) == 8 for s in _causal_sets(ours, n)[8:])
+
+
+def test_sparse_selection_changes_logits(checkpoint, prompts):
+  """The top-k mask matters: a model that selects every key (index_topk = BUFFER) agrees up
+  to position index_topk - 1 and differs past it."""
+  _, _, model = checkpoint
+  dense_cfg = dataclasses.replace(model.config, index_topk=BUFFER)
+  dense = nnx.merge(*nnx.split(model))
+  dense.config = dense_cfg
+  ids = jnp.asarray(_buffer(prompts))
+  sparse_logits = np.asarray(_forward(model, ids)[0])
+  dense_logits = np.asarray(_forward(dense, ids)[0])
+  np.testing.assert_allclose(sparse_logits[:, :8], dense_logits[:, :8], atol=1e-5)
+  assert np.abs(sparse_logits[0, 8:20] - dense_logits[0, 8:20]).max() > 1e-2
+
+
+def test_greedy_matches_transformers_generate(checkpoint, prompts):
+  """32 greedy tokens by full recomputation (ours) == HF generate (its DSA KV cache);
+  HF's own full recomputation agrees with its cached decode (checked on the first prompt
+  only: an HF eager forward of this tiny MoE takes ~0.15 s on CPU)."""
+  _, hf, model = checkpoint
+  buf = _buffer(prompts)
+  lens = np.asarray([len(p) for p in prompts])
+  rows = np.arange(len(prompts))
+  for i in range(NUM_GREEDY):
+    logits = np.asarray(_forward(model, jnp.asarray(buf))[0])
+    buf[rows, lens + i] = logits[rows, lens + i - 1].argmax(-1)
+  for b, ids in enumerate(prompts):
+    ours = buf[b, len(ids):len(ids) + NUM_GREEDY]
+    with torch.no_grad():
+      cached = hf.generate(torch.as_tensor(ids[None], dtype=torch.long), do_sample=False,
+                           max_new_tokens=NUM_GREEDY, min_new_tokens=NUM_GREEDY,
+                           pad_token_id=0, eos_token_id=None)[0, len(ids):].numpy()
+      if b == 0:
+        seq = torch.as_tensor(ids[None], dtype=torch.long)
+        for _ in range(NUM_GREEDY):
+          nxt = hf(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+          seq = torch.cat([seq, nxt], dim=1)
+        np.testing.assert_array_equal(seq[0, len(ids):].numpy(), cached)
+    np.testing.assert_array_equal(ours, cached)
+
+
+def test_config_and_checkpoint_errors(checkpoint, tmp_path):
+  path, _, _ = checkpoint
+  raw = json.loads((path / "config.json").read_text())
+  base = ds.DeepseekV32Config.from_hf_dict(raw)
+  assert base.qk_head_dim == 32 and base.softmax_scale == 32 ** -0.5
+  bad = {
+      "rope_parameters.rope_type='yarn'": {"rope_parameters": {
+          "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
+      "num_key_value_heads=2": {"num_key_value_heads": 2},
+      "n_routed_experts=9 is not a multiple of n_group": {"n_routed_experts": 9},
+      "topk_group=5 exceeds": {"topk_group": 5},
+      "kv_lora_rank must be a positive int": {"kv_lora_rank": 0},
+      "mlp_layer_types must hold": {"mlp_layer_types": ["dense", "moe", "sparse"]},
+      "model_type must be": {"model_type": "llama"},
+  }
+  for message, change in bad.items():
+    with pytest.raises(ds.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+      ds.DeepseekV32Config.from_hf_dict({**raw, **change})
+  legacy = {k: v for k, v in raw.items() if k not in ("rope_parameters", "mlp_layer_types")}
+  legacy.update(rope_theta=50000.0, rope_scaling=None, first_k_dense_replace=2)
+  cfg = ds.DeepseekV32Config.from_hf_dict(legacy)
+  assert cfg.rope_theta == 50000.0 and cfg.mlp_layer_types == ("dense", "dense", "sparse")
+
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+  tensors = load_file(path / "model.safetensors")
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "config.json").write_text(json.dumps(raw))
+  name = "model.layers.2.mlp.experts.5.up_proj.weight"
+  save_file({k: v for k, v in tensors.items() if k != name}, broken / "model.safetensors")
+  with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+    ds.load_pretrained(broken)
+
+
+def test_fused_expert_layout_loads_the_same(checkpoint, prompts, tmp_path):
+  """transformers' in-memory layout (experts.gate_up_proj [E, 2 * inter, hidden], gate
+  first; experts.down_proj [E, hidden, inter]) loads to the same model as per-expert
+  tensors (the layout save_pretrained writes, as the released checkpoints do)."""
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+  path, _, model = checkpoint
+  tensors = load_file(path / "model.safetensors")
+  for i in (1, 2):
+    pre = f"model.layers.{i}.mlp.experts."
+    per = {p: np.stack([tensors.pop(f"{pre}{j}.{p}.weight") for j in range(8)])
+           for p in ("gate_proj", "up_proj", "down_proj")}
+    tensors[pre + "gate_up_proj"] = np.concatenate([per["gate_proj"], per["up_proj"]], 1)
+    tensors[pre + "down_proj"] = per["down_proj"]
+  fused = tmp_path / "fused"
+  fused.mkdir()
+  (fused / "config.json").write_text((path / "config.json").read_text())
+  save_file(tensors, fused / "model.safetensors")
+  loaded, _ = ds.load_pretrained(fused)
+  ids = jnp.asarray(_buffer(prompts))
+  np.testing.assert_array_equal(np.asarray(_forward(loaded, ids)[0]),
+                                np.asarray(_forward(model, ids)[0]))
