@@ -1,10 +1,14 @@
-"""DeepSeek-V3.2 (transformers' `deepseek_v32`, DeepseekV32ForCausalLM) in Flax NNX.
+"""DeepSeek-V3.2 (transformers' `deepseek_v32`, DeepseekV32ForCausalLM) and GLM-MoE-DSA
+(`glm_moe_dsa`, GlmMoeDsaForCausalLM: GLM-5) in Flax NNX.
 
 MLA attention (low-rank q and compressed kv, interleaved RoPE on a separate rope slice)
 with DeepSeek Sparse Attention (DSA): a lightning indexer scores every earlier key per
 query and only its top `index_topk` keys are attended. MLP: dense SwiGLU in the first
 layers (`mlp_layer_types` "dense"), then MoE (sigmoid router with a score-correction bias,
-group-limited top-k routing, shared experts).
+group-limited top-k routing, shared experts). GLM-MoE-DSA differs in two things only:
+its indexer rotates with interleaved RoPE (DeepSeek-V3.2's with half-split), and layers
+whose `indexer_types` entry is "shared" have no indexer and reuse the previous layer's
+top-k selection (cross-layer sharing).
 
 This is the full-sequence reference: no KV cache (paged MLA caches, the engine's indexer
 and the sparse MLA kernel come later), every routed expert is computed for every token
@@ -40,6 +44,8 @@ from models.llama import Linear, ParamInit, RMSNorm
 from models.loader import CheckpointError, _get_variable, _tensor_files
 
 MODEL_TYPE = "deepseek_v32"
+GLM_MODEL_TYPE = "glm_moe_dsa"
+SUPPORTED_MODEL_TYPES = (MODEL_TYPE, GLM_MODEL_TYPE)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # HF's DeepseekV32RMSNorm default: q_a_layernorm / kv_a_layernorm ignore rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
@@ -65,6 +71,12 @@ _HF_DEFAULTS = dict(
     bos_token_id=0, eos_token_id=1, pad_token_id=None, tie_word_embeddings=False,
     attention_bias=False, index_topk=2048, index_head_dim=128, index_n_heads=64,
     first_k_dense_replace=3)
+# transformers' GlmMoeDsaConfig's (a DeepseekV32Config with other defaults).
+_GLM_DEFAULTS = dict(
+    _HF_DEFAULTS, vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+    num_hidden_layers=78, num_attention_heads=64, q_lora_rank=2048, v_head_dim=256,
+    qk_nope_head_dim=192, n_group=1, topk_group=1, max_position_embeddings=202752,
+    rms_norm_eps=1e-5, index_n_heads=32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +87,8 @@ class DeepseekV32Config:
   multiple of n_group, each group holds >= 2 experts (the group score sums its top 2);
   topk_group <= n_group; num_experts_per_tok <= the experts of topk_group groups;
   qk_rope_head_dim is even and <= index_head_dim; mlp_layer_types has one "dense" /
-  "sparse" entry per layer; rope is the default (unscaled) RoPE.
+  "sparse" entry per layer; indexer_types one "full" / "shared" entry per layer, the first
+  "full" (deepseek_v32: all "full"); rope is the default (unscaled) RoPE.
   """
 
   vocab_size: int
@@ -100,6 +113,7 @@ class DeepseekV32Config:
   index_head_dim: int
   index_n_heads: int
   mlp_layer_types: tuple[str, ...]
+  indexer_types: tuple[str, ...] | None = None  # None: every layer "full"
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
   max_position_embeddings: int = 163840
@@ -147,12 +161,29 @@ class DeepseekV32Config:
       raise ConfigError(f"mlp_layer_types must hold num_hidden_layers={self.num_hidden_layers} "
                         f"entries of 'dense' / 'sparse', got {list(types)!r}")
     object.__setattr__(self, "mlp_layer_types", types)
+    if self.model_type not in SUPPORTED_MODEL_TYPES:
+      raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                        f"got {self.model_type!r}")
+    indexers = (("full",) * self.num_hidden_layers if self.indexer_types is None
+                else tuple(self.indexer_types))
+    if (len(indexers) != self.num_hidden_layers
+        or any(t not in ("full", "shared") for t in indexers) or indexers[0] != "full"):
+      raise ConfigError(f"indexer_types must hold num_hidden_layers={self.num_hidden_layers} "
+                        f"entries of 'full' / 'shared', the first 'full', got {list(indexers)!r}")
+    if self.model_type == MODEL_TYPE and "shared" in indexers:
+      raise ConfigError(f"indexer_types with 'shared' layers is {GLM_MODEL_TYPE} only")
+    object.__setattr__(self, "indexer_types", indexers)
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
   @property
   def qk_head_dim(self) -> int:
     return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def indexer_rope_interleaved(self) -> bool:
+    """GLM-MoE-DSA's indexer: interleaved RoPE; DeepSeek-V3.2's: half-split."""
+    return self.model_type == GLM_MODEL_TYPE
 
   @property
   def softmax_scale(self) -> float:
@@ -173,8 +204,11 @@ class DeepseekV32Config:
     """Builds a config from a parsed HF `config.json`; missing fields take transformers'
     DeepseekV32Config defaults (as transformers does); `ConfigError` names the first field
     that cannot describe a model we support."""
-    if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-      raise ConfigError(f"model_type must be {MODEL_TYPE!r}, got {raw.get('model_type')!r}")
+    model_type = raw.get("model_type", MODEL_TYPE)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                        f"got {model_type!r}")
+    defaults = _GLM_DEFAULTS if model_type == GLM_MODEL_TYPE else _HF_DEFAULTS
     if raw.get("hidden_act", "silu") != "silu":
       raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     if raw.get("mlp_bias", False):
@@ -182,7 +216,7 @@ class DeepseekV32Config:
 
     def get(name: str) -> Any:
       value = raw.get(name)
-      return _HF_DEFAULTS[name] if value is None else value
+      return defaults[name] if value is None else value
 
     num_heads = get("num_attention_heads")
     num_kv = raw.get("num_key_value_heads")
@@ -207,6 +241,8 @@ class DeepseekV32Config:
       raise ConfigError(f"mlp_layer_types must be a list, got {mlp_types!r}")
     if raw.get("moe_layer_freq", 1) != 1:
       raise ConfigError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported (only 1)")
+    indexer_types = (_glm_indexer_types(raw, num_layers) if model_type == GLM_MODEL_TYPE
+                     else None)
     floats = {}
     for name in ("routed_scaling_factor", "rms_norm_eps"):
       value = get(name)
@@ -236,6 +272,7 @@ class DeepseekV32Config:
         index_head_dim=get("index_head_dim"),
         index_n_heads=get("index_n_heads"),
         mlp_layer_types=tuple(mlp_types),
+        indexer_types=indexer_types,
         rms_norm_eps=floats["rms_norm_eps"],
         rope_theta=_read_rope_theta(raw),
         max_position_embeddings=get("max_position_embeddings"),
@@ -244,7 +281,36 @@ class DeepseekV32Config:
         bos_token_id=get("bos_token_id"),
         eos_token_id=get("eos_token_id"),
         pad_token_id=get("pad_token_id"),
+        model_type=model_type,
     )
+
+
+def _glm_indexer_types(raw: Mapping[str, Any], num_layers: Any) -> tuple[str, ...]:
+  """GlmMoeDsaConfig's indexer_types: the field, else `index_topk_pattern` ("FSSF..." or a
+  list), else layer i is "full" iff max(i - index_skip_topk_offset + 1, 0) is a multiple of
+  index_topk_freq (defaults 2 and 1: every layer full)."""
+  types = raw.get("indexer_types")
+  if types is None and raw.get("index_topk_pattern") is not None:
+    pattern = raw["index_topk_pattern"]
+    if isinstance(pattern, str):
+      if any(c not in "FS" for c in pattern):
+        raise ConfigError(f"index_topk_pattern must be a string of F / S, got {pattern!r}")
+      types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+    else:
+      types = pattern
+  if types is None:
+    freq, offset = raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
+    for name, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if not isinstance(num_layers, int):
+      return ()
+    freq = max(freq, 1)
+    types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+             for i in range(num_layers)]
+  if not isinstance(types, (list, tuple)):
+    raise ConfigError(f"indexer_types must be a list, got {types!r}")
+  return tuple(types)
 
 
 def _read_rope_theta(raw: Mapping[str, Any]) -> float:
@@ -321,7 +387,8 @@ class Indexer(nnx.Module):
   """DSA's lightning indexer (HF `DeepseekV32Indexer`): per query, a score for every key,
   sum_h w[h] * relu(q[h] . k) * head_dim**-0.5, w = weights_proj(x) * n_heads**-0.5;
   q from the attention's q-LoRA residual, one key per token (wk -> LayerNorm), both with
-  half-split RoPE on their first qk_rope_head_dim dims."""
+  RoPE on their first qk_rope_head_dim dims: half-split (DeepSeek-V3.2) or interleaved
+  (GLM-MoE-DSA's `GlmMoeDsaIndexer`)."""
 
   def __init__(self, config: DeepseekV32Config, init: ParamInit):
     h, d = config.index_n_heads, config.index_head_dim
@@ -337,8 +404,9 @@ class Indexer(nnx.Module):
     h, d, r = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
     q = self.wq_b(q_resid).reshape(b, s, h, d)
     k = self.k_norm(self.wk(x))[:, :, None, :]  # [b, s, 1, d]
-    q = jnp.concatenate([rope_half(q[..., :r], cos, sin), q[..., r:]], axis=-1)
-    k = jnp.concatenate([rope_half(k[..., :r], cos, sin), k[..., r:]], axis=-1)[:, :, 0]
+    rope = rope_interleave if config.indexer_rope_interleaved else rope_half
+    q = jnp.concatenate([rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+    k = jnp.concatenate([rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)[:, :, 0]
     scores = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), k.astype(jnp.float32))
     scores = jax.nn.relu(scores * d ** -0.5)
     weights = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32) * h ** -0.5
@@ -364,9 +432,10 @@ def indexer_topk(index_scores: jax.Array, index_topk: int) -> jax.Array:
 class Attention(nnx.Module):
   """MLA with DSA (HF `DeepseekV32Attention`, eager path): keys and values expanded per
   head from the kv latent (kv_b_proj), a shared rope key; the indexer's top-k keys of each
-  query are the only ones it attends (within the causal mask)."""
+  query are the only ones it attends (within the causal mask). A "shared" layer
+  (GLM-MoE-DSA) has no indexer: it attends the previous layer's selection."""
 
-  def __init__(self, config: DeepseekV32Config, init: ParamInit):
+  def __init__(self, config: DeepseekV32Config, layer_idx: int, init: ParamInit):
     d, n, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
     self.q_a_proj = Linear(d, config.q_lora_rank, use_bias=bias, init=init)
     self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LORA_NORM_EPS, init)
@@ -379,12 +448,15 @@ class Attention(nnx.Module):
                             n * (config.qk_nope_head_dim + config.v_head_dim),
                             use_bias=False, init=init)
     self.o_proj = Linear(n * config.v_head_dim, d, use_bias=bias, init=init)
-    self.indexer = Indexer(config, init)
+    self.indexer = (Indexer(config, init) if config.indexer_types[layer_idx] == "full"
+                    else None)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, allowed: jax.Array,
-               config: DeepseekV32Config) -> tuple[jax.Array, jax.Array]:
+               config: DeepseekV32Config, prev_topk: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
     """(output [b, s, hidden], top-k key indices [b, s, k]); allowed [b, s, t] bool is the
-    causal (and padding) mask."""
+    causal (and padding) mask; prev_topk: the previous layer's selection (what a layer
+    without an indexer attends)."""
     b, s, _ = x.shape
     n = config.num_attention_heads
     nope, rope, vd = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -400,8 +472,13 @@ class Attention(nnx.Module):
     k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot, (b, s, n, rope))], axis=-1)
     v = kv[..., nope:]
 
-    topk = indexer_topk(self.indexer.scores(x, q_resid, cos, sin, allowed, config),
-                        config.index_topk)
+    if self.indexer is not None:
+      topk = indexer_topk(self.indexer.scores(x, q_resid, cos, sin, allowed, config),
+                          config.index_topk)
+    elif prev_topk is None:
+      raise ValueError("a shared-indexer layer needs the previous layer's top-k")
+    else:
+      topk = prev_topk
     selected = jnp.zeros((b, s, s), bool).at[
         jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], topk].set(True)
     mask = allowed & selected  # [b, s, t]
@@ -504,13 +581,13 @@ class DecoderLayer(nnx.Module):
   def __init__(self, config: DeepseekV32Config, layer_idx: int, init: ParamInit):
     d = config.hidden_size
     self.input_layernorm = RMSNorm(d, config.rms_norm_eps, init)
-    self.self_attn = Attention(config, init)
+    self.self_attn = Attention(config, layer_idx, init)
     self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, init)
     self.is_moe = config.mlp_layer_types[layer_idx] == "sparse"
     self.mlp = MoE(config, init) if self.is_moe else MLP(d, config.intermediate_size, init)
 
-  def __call__(self, x, cos, sin, allowed, config):
-    attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, allowed, config)
+  def __call__(self, x, cos, sin, allowed, config, prev_topk=None):
+    attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, allowed, config, prev_topk)
     x = x + attn
     h = self.post_attention_layernorm(x)
     return x + (self.mlp(h, config) if self.is_moe else self.mlp(h)), topk
@@ -550,12 +627,15 @@ class DeepseekV32ForCausalLM(nnx.Module):
     cos, sin = rope_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, x.dtype)
     topks = []
     for layer in self.layers:
-      x, topk = layer(x, cos, sin, allowed, config)
+      x, topk = layer(x, cos, sin, allowed, config, topks[-1] if topks else None)
       topks.append(topk)
     x = self.norm(x)
     kernel = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
     logits = jnp.einsum("...d,dv->...v", x, kernel, preferred_element_type=jnp.float32)
     return (logits, topks) if return_topk else logits
+
+
+GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM  # one module; config.model_type tells them apart
 
 
 # ----------------------------------------------------------------------------- loading
@@ -575,15 +655,17 @@ def hf_param_map(config: DeepseekV32Config) -> dict[str, tuple[tuple[Any, ...], 
     for norm in ("input_layernorm", "post_attention_layernorm"):
       out[f"{pre}{norm}.weight"] = ((*at, norm, "weight"), False)
     attn = (*at, "self_attn")
-    projs = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-             "indexer.wq_b", "indexer.wk", "indexer.weights_proj"]
+    has_indexer = config.indexer_types[i] == "full"
+    projs = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    projs += ["indexer.wq_b", "indexer.wk", "indexer.weights_proj"] if has_indexer else []
     for proj in projs:
       path = (*attn, *proj.split("."))
       out[f"{pre}self_attn.{proj}.weight"] = ((*path, "kernel"), True)
       if config.attention_bias and proj in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
         out[f"{pre}self_attn.{proj}.bias"] = ((*path, "bias"), False)
-    for norm in ("q_a_layernorm.weight", "kv_a_layernorm.weight", "indexer.k_norm.weight",
-                 "indexer.k_norm.bias"):
+    norms = ["q_a_layernorm.weight", "kv_a_layernorm.weight"]
+    norms += ["indexer.k_norm.weight", "indexer.k_norm.bias"] if has_indexer else []
+    for norm in norms:
       out[f"{pre}self_attn.{norm}"] = ((*attn, *norm.split(".")), False)
     mlp = (*at, "mlp")
     dense = config.mlp_layer_types[i] == "dense"

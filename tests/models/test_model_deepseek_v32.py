@@ -1,6 +1,8 @@
-"""DeepSeek-V3.2 (models/deepseek_v32.py) against transformers' eager DeepseekV32ForCausalLM:
-a tiny random checkpoint (a dense layer, then MoE layers; index_topk 8, shorter than every
-prompt, so the indexer's sparsity is active) saved by transformers and loaded by ours.
+"""DeepSeek-V3.2 and GLM-MoE-DSA (models/deepseek_v32.py) against transformers' eager
+DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM: tiny random checkpoints (a dense layer, then
+MoE layers; index_topk 8, shorter than every prompt, so the indexer's sparsity is active;
+GLM: layers 1 and 3 share the previous layer's selection) saved by transformers and loaded
+by ours.
 
 Each prompt runs alone on the HF side (no padding: HF's indexer would score padded keys
 with positions that ignore the padding); ours runs the prompts as one right-padded batch
@@ -22,6 +24,7 @@ import torch
 import transformers
 from flax import nnx
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
 from models import deepseek_v32 as ds
 from models.loader import CheckpointError
@@ -33,6 +36,16 @@ HF_CONFIG = dict(
     q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
     index_head_dim=32, index_n_heads=16, first_k_dense_replace=1, initializer_range=0.3,
     max_position_embeddings=256, routed_scaling_factor=2.5, bos_token_id=0, eos_token_id=1)
+# kind -> (config overrides, transformers classes, indexer class, prompts greedy-decoded).
+# (greedy: the first prompts only (an HF eager forward of these tiny MoEs takes ~0.15 s on CPU).
+CASES = {
+    "deepseek_v32": ({}, (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
+                     hf_ds.DeepseekV32Indexer, 2),
+    "glm_moe_dsa": (dict(num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+                         indexer_types=["full", "shared", "full", "shared"]),
+                    (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
+                    hf_glm.GlmMoeDsaIndexer, 1),
+}
 PROMPT_LENS = (20, 13, 27)
 NUM_GREEDY = 32
 BUFFER = 64  # >= max(PROMPT_LENS) + NUM_GREEDY: one compiled shape for every call
@@ -43,13 +56,15 @@ def _forward(model, ids):
   return model(ids, return_topk=True)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  """(path, HF eager model, our model): norms, biases and the router's score-correction
-  bias randomised so that every tensor matters."""
-  config = transformers.DeepseekV32Config(**HF_CONFIG, attn_implementation="eager")
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+  """(path, HF eager model, our model, kind): norms, biases and the router's
+  score-correction bias randomised so that every tensor matters."""
+  kind = request.param
+  overrides, (config_cls, model_cls), _, _ = CASES[kind]
+  config = config_cls(**{**HF_CONFIG, **overrides}, attn_implementation="eager")
   torch.manual_seed(0)
-  hf = transformers.DeepseekV32ForCausalLM(config).eval()
+  hf = model_cls(config).eval()
   with torch.no_grad():
     for name, p in hf.named_parameters():
       if "norm" in name:
@@ -57,11 +72,13 @@ def checkpoint(tmp_path_factory):
     for name, b in hf.named_buffers():
       if name.endswith("e_score_correction_bias"):
         b.copy_(torch.randn_like(b) * 0.1)
-  path = tmp_path_factory.mktemp("deepseek_v32") / "ckpt"
+  path = tmp_path_factory.mktemp(kind) / "ckpt"
   hf.save_pretrained(path)
   model, cfg = ds.load_pretrained(path)
-  assert cfg.mlp_layer_types == ("dense", "sparse", "sparse")
-  return path, hf, model
+  assert cfg.model_type == kind
+  assert cfg.mlp_layer_types == ("dense",) + ("sparse",) * (config.num_hidden_layers - 1)
+  assert cfg.indexer_types == tuple(overrides.get("indexer_types", ["full"] * 3))
+  return path, hf, model, kind
 
 
 @pytest.fixture(scope="module")
@@ -70,22 +87,23 @@ def prompts():
   return [rng.integers(2, HF_CONFIG["vocab_size"], size=n) for n in PROMPT_LENS]
 
 
-def _hf_run(hf, ids):
-  """(logits [seq, vocab], per-layer indexer top-k [seq, k]) of one prompt, HF eager."""
+def _hf_run(hf, kind, ids):
+  """(logits [seq, vocab], per-indexer top-k [seq, k]) of one prompt, HF eager."""
+  indexer_cls = CASES[kind][2]
   caught = []
-  forward = hf_ds.DeepseekV32Indexer.forward
+  forward = indexer_cls.forward
 
   def hooked(self, *args, **kwargs):
     out = forward(self, *args, **kwargs)
     caught.append(out[0].numpy())
     return out
 
-  hf_ds.DeepseekV32Indexer.forward = hooked
+  indexer_cls.forward = hooked
   try:
     with torch.no_grad():
       logits = hf(torch.as_tensor(ids[None], dtype=torch.long)).logits[0].numpy()
   finally:
-    hf_ds.DeepseekV32Indexer.forward = forward
+    indexer_cls.forward = forward
   return logits, caught
 
 
@@ -103,17 +121,21 @@ def _causal_sets(topk, seq):
 
 
 def test_logits_and_indexer_selection_match_transformers(checkpoint, prompts):
-  _, hf, model = checkpoint
+  _, hf, model, kind = checkpoint
   logits, topks = _forward(model, jnp.asarray(_buffer(prompts)))
   logits = np.asarray(logits)
   assert logits.dtype == np.float32 and logits.shape == (len(prompts), BUFFER, 97)
+  full = [i for i, t in enumerate(model.config.indexer_types) if t == "full"]
+  for i, t in enumerate(model.config.indexer_types):  # a shared layer: its predecessor's
+    if t == "shared":
+      np.testing.assert_array_equal(np.asarray(topks[i]), np.asarray(topks[i - 1]))
   for b, ids in enumerate(prompts):
     n = len(ids)
-    ref_logits, ref_topks = _hf_run(hf, ids)
+    ref_logits, ref_topks = _hf_run(hf, kind, ids)
     np.testing.assert_allclose(logits[b, :n], ref_logits, atol=1e-4, rtol=0)
-    assert len(ref_topks) == len(topks) == HF_CONFIG["num_hidden_layers"]
-    for layer, (ours, ref) in enumerate(zip(topks, ref_topks)):
-      ours = np.asarray(ours)[b]
+    assert len(ref_topks) == len(full)
+    for layer, ref in zip(full, ref_topks):
+      ours = np.asarray(topks[layer])[b]
       assert ours.shape == (BUFFER, HF_CONFIG["index_topk"]) and ref.shape == (n, 8)
       assert _causal_sets(ours, n) == _causal_sets(ref, n), (b, layer)
       # Sparsity is active: past index_topk keys, exactly index_topk are attended.
@@ -123,7 +145,7 @@ def test_logits_and_indexer_selection_match_transformers(checkpoint, prompts):
 def test_sparse_selection_changes_logits(checkpoint, prompts):
   """The top-k mask matters: a model that selects every key (index_topk = BUFFER) agrees up
   to position index_topk - 1 and differs past it."""
-  _, _, model = checkpoint
+  model = checkpoint[2]
   dense_cfg = dataclasses.replace(model.config, index_topk=BUFFER)
   dense = nnx.merge(*nnx.split(model))
   dense.config = dense_cfg
@@ -138,7 +160,8 @@ def test_greedy_matches_transformers_generate(checkpoint, prompts):
   """32 greedy tokens by full recomputation (ours) == HF generate (its DSA KV cache);
   HF's own full recomputation agrees with its cached decode (checked on the first prompt
   only: an HF eager forward of this tiny MoE takes ~0.15 s on CPU)."""
-  _, hf, model = checkpoint
+  _, hf, model, kind = checkpoint
+  prompts = prompts[:CASES[kind][3]]
   buf = _buffer(prompts)
   lens = np.asarray([len(p) for p in prompts])
   rows = np.arange(len(prompts))
@@ -161,7 +184,7 @@ def test_greedy_matches_transformers_generate(checkpoint, prompts):
 
 
 def test_config_and_checkpoint_errors(checkpoint, tmp_path):
-  path, _, _ = checkpoint
+  path = checkpoint[0]
   raw = json.loads((path / "config.json").read_text())
   base = ds.DeepseekV32Config.from_hf_dict(raw)
   assert base.qk_head_dim == 32 and base.softmax_scale == 32 ** -0.5
@@ -169,7 +192,7 @@ def test_config_and_checkpoint_errors(checkpoint, tmp_path):
       "rope_parameters.rope_type='yarn'": {"rope_parameters": {
           "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
       "num_key_value_heads=2": {"num_key_value_heads": 2},
-      "n_routed_experts=9 is not a multiple of n_group": {"n_routed_experts": 9},
+      "n_routed_experts=8 is not a multiple of n_group=3": {"n_group": 3},
       "topk_group=5 exceeds": {"topk_group": 5},
       "kv_lora_rank must be a positive int": {"kv_lora_rank": 0},
       "mlp_layer_types must hold": {"mlp_layer_types": ["dense", "moe", "sparse"]},
@@ -178,17 +201,32 @@ def test_config_and_checkpoint_errors(checkpoint, tmp_path):
   for message, change in bad.items():
     with pytest.raises(ds.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
       ds.DeepseekV32Config.from_hf_dict({**raw, **change})
+  if base.model_type == ds.GLM_MODEL_TYPE:
+    bad["indexer_types must hold .* the first 'full'"] = {
+        "indexer_types": ["shared", "full", "full", "full"]}
+  else:
+    bad["indexer_types with 'shared' layers is glm_moe_dsa only"] = {
+        "indexer_types": ["full", "shared", "full"]}
   legacy = {k: v for k, v in raw.items() if k not in ("rope_parameters", "mlp_layer_types")}
   legacy.update(rope_theta=50000.0, rope_scaling=None, first_k_dense_replace=2)
   cfg = ds.DeepseekV32Config.from_hf_dict(legacy)
-  assert cfg.rope_theta == 50000.0 and cfg.mlp_layer_types == ("dense", "dense", "sparse")
+  assert cfg.rope_theta == 50000.0
+  assert cfg.mlp_layer_types == ("dense", "dense") + ("sparse",) * (raw["num_hidden_layers"] - 2)
+
+  if base.model_type == ds.GLM_MODEL_TYPE:  # GlmMoeDsaConfig's indexer_types schedule
+    glm = {k: v for k, v in raw.items() if k != "indexer_types"}
+    for extra in ({"index_topk_pattern": "FSSF"}, {"index_topk_freq": 2},
+                  {"index_topk_freq": 3, "index_skip_topk_offset": 1}, {}):
+      want = transformers.GlmMoeDsaConfig(**{**HF_CONFIG, "num_hidden_layers": 4},
+                                          **extra).indexer_types
+      assert ds.DeepseekV32Config.from_hf_dict({**glm, **extra}).indexer_types == tuple(want)
 
   from safetensors.numpy import load_file, save_file  # noqa: PLC0415
   tensors = load_file(path / "model.safetensors")
   broken = tmp_path / "broken"
   broken.mkdir()
   (broken / "config.json").write_text(json.dumps(raw))
-  name = "model.layers.2.mlp.experts.5.up_proj.weight"
+  name = "model.layers.2.mlp.experts.5.up_proj.weight"  # (layer 2 has an indexer in both)
   save_file({k: v for k, v in tensors.items() if k != name}, broken / "model.safetensors")
   with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
     ds.load_pretrained(broken)
@@ -199,9 +237,9 @@ def test_fused_expert_layout_loads_the_same(checkpoint, prompts, tmp_path):
   first; experts.down_proj [E, hidden, inter]) loads to the same model as per-expert
   tensors (the layout save_pretrained writes, as the released checkpoints do)."""
   from safetensors.numpy import load_file, save_file  # noqa: PLC0415
-  path, _, model = checkpoint
+  path, _, model, _ = checkpoint
   tensors = load_file(path / "model.safetensors")
-  for i in (1, 2):
+  for i in range(1, model.config.num_hidden_layers):
     pre = f"model.layers.{i}.mlp.experts."
     per = {p: np.stack([tensors.pop(f"{pre}{j}.{p}.weight") for j in range(8)])
            for p in ("gate_proj", "up_proj", "down_proj")}
