@@ -79,6 +79,55 @@ _GLM_DEFAULTS = dict(
     rms_norm_eps=1e-5, index_n_heads=32)
 
 
+def _get_mscale(scale: float, mscale: float = 1.0) -> float:
+  """HF's yarn `get_mscale`."""
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRope:
+  """YaRN rope scaling as transformers' `_compute_yarn_parameters` reads it (the released
+  DeepSeek-V3.2 checkpoint: factor 40, original_max_position_embeddings 4096, mscale and
+  mscale_all_dim 1.0)."""
+
+  factor: float
+  original_max_position_embeddings: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  attention_factor: float | None = None
+  truncate: bool = True
+
+  @property
+  def cos_sin_scale(self) -> float:
+    """The factor HF multiplies cos and sin by (its `attention_scaling`)."""
+    if self.attention_factor is not None:
+      return self.attention_factor
+    if self.mscale and self.mscale_all_dim:
+      return _get_mscale(self.factor, self.mscale) / _get_mscale(self.factor, self.mscale_all_dim)
+    return _get_mscale(self.factor)
+
+  def inv_freq(self, dim: int, theta: float) -> jax.Array:
+    """float32 [dim // 2]: interpolated (/ factor) low frequencies, extrapolated high ones,
+    a linear ramp between the correction range's dims (as HF computes them)."""
+    def correction_dim(rotations: float) -> float:
+      return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+              / (2 * math.log(theta)))
+    low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+    if self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001
+    pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return (interpolation * (1 - extrapolation_factor)
+            + extrapolation * extrapolation_factor)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekV32Config:
   """Architecture of a DeepSeek-V3.2 decoder (HF `DeepseekV32Config`'s fields we use).
@@ -88,7 +137,7 @@ class DeepseekV32Config:
   topk_group <= n_group; num_experts_per_tok <= the experts of topk_group groups;
   qk_rope_head_dim is even and <= index_head_dim; mlp_layer_types has one "dense" /
   "sparse" entry per layer; indexer_types one "full" / "shared" entry per layer, the first
-  "full" (deepseek_v32: all "full"); rope is the default (unscaled) RoPE.
+  "full" (deepseek_v32: all "full"); rope_yarn None (the default RoPE) or YaRN.
   """
 
   vocab_size: int
@@ -116,6 +165,7 @@ class DeepseekV32Config:
   indexer_types: tuple[str, ...] | None = None  # None: every layer "full"
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
+  rope_yarn: YarnRope | None = None
   max_position_embeddings: int = 163840
   tie_word_embeddings: bool = False
   attention_bias: bool = False
@@ -187,9 +237,13 @@ class DeepseekV32Config:
 
   @property
   def softmax_scale(self) -> float:
-    """HF's `DeepseekV32Attention.scaling`: qk_head_dim ** -0.5 (no yarn mscale: only the
-    default rope is accepted)."""
-    return self.qk_head_dim ** -0.5
+    """HF's `DeepseekV32Attention.scaling` (`yarn_apply_mscale`): qk_head_dim ** -0.5, with
+    YaRN and a non-zero mscale_all_dim times get_mscale(factor, mscale_all_dim) ** 2."""
+    scale = self.qk_head_dim ** -0.5
+    yarn = self.rope_yarn
+    if yarn is not None and yarn.mscale_all_dim:
+      scale *= _get_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+    return scale
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -243,6 +297,7 @@ class DeepseekV32Config:
       raise ConfigError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported (only 1)")
     indexer_types = (_glm_indexer_types(raw, num_layers) if model_type == GLM_MODEL_TYPE
                      else None)
+    rope_theta, rope_yarn = _read_rope(raw, get("max_position_embeddings"))
     floats = {}
     for name in ("routed_scaling_factor", "rms_norm_eps"):
       value = get(name)
@@ -274,7 +329,8 @@ class DeepseekV32Config:
         mlp_layer_types=tuple(mlp_types),
         indexer_types=indexer_types,
         rms_norm_eps=floats["rms_norm_eps"],
-        rope_theta=_read_rope_theta(raw),
+        rope_theta=rope_theta,
+        rope_yarn=rope_yarn,
         max_position_embeddings=get("max_position_embeddings"),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         attention_bias=bool(get("attention_bias")),
@@ -313,9 +369,10 @@ def _glm_indexer_types(raw: Mapping[str, Any], num_layers: Any) -> tuple[str, ..
   return tuple(types)
 
 
-def _read_rope_theta(raw: Mapping[str, Any]) -> float:
-  """rope_theta from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
-  (the released checkpoints' layout); any rope type but "default" is refused, naming it."""
+def _read_rope(raw: Mapping[str, Any], max_positions: Any) -> tuple[float, YarnRope | None]:
+  """(rope_theta, YaRN or None) from `rope_parameters` (transformers 5) or `rope_theta` +
+  `rope_scaling` (the released checkpoints' layout); rope types other than "default" and
+  "yarn" are refused, naming the field."""
   params = raw.get("rope_parameters")
   field = "rope_parameters"
   if params is None:
@@ -325,25 +382,60 @@ def _read_rope_theta(raw: Mapping[str, Any]) -> float:
   if not isinstance(params, Mapping):
     raise ConfigError(f"{field} must be a JSON object, got {params!r}")
   rope_type = params.get("rope_type", params.get("type", "default"))
-  if rope_type != "default":
-    raise ConfigError(f"{field}.rope_type={rope_type!r} is not supported (only 'default'; "
-                      "yarn's frequencies and softmax mscale are not implemented)")
+  if rope_type not in ("default", "yarn"):
+    raise ConfigError(f"{field}.rope_type={rope_type!r} is not supported (only 'default' and "
+                      "'yarn')")
   theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
   if not isinstance(theta, (int, float)) or isinstance(theta, bool):
     raise ConfigError(f"{field}.rope_theta must be a number, got {theta!r}")
-  return float(theta)
+  if rope_type == "default":
+    return float(theta), None
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ConfigError(f"{field}.partial_rotary_factor="
+                      f"{params['partial_rotary_factor']!r} is not supported (only 1.0)")
+
+  def number(key: str, default: Any, *, positive: bool = False) -> Any:
+    value = params.get(key)
+    if value is None:
+      return default
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+        or not math.isfinite(value) or (positive and value <= 0)):
+      raise ConfigError(f"{field}.{key} must be a {'positive ' if positive else ''}number, "
+                        f"got {value!r}")
+    return float(value)
+
+  if params.get("factor") is None:
+    raise ConfigError(f"{field}.factor is missing (rope_type 'yarn')")
+  original = params.get("original_max_position_embeddings", raw.get(
+      "original_max_position_embeddings", max_positions))
+  if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+    raise ConfigError(f"{field}.original_max_position_embeddings must be a positive int, "
+                      f"got {original!r}")
+  yarn = YarnRope(factor=number("factor", None, positive=True),
+                  original_max_position_embeddings=original,
+                  beta_fast=number("beta_fast", None) or 32.0,  # HF: `or 32`, `or 1`
+                  beta_slow=number("beta_slow", None) or 1.0,
+                  mscale=number("mscale", None), mscale_all_dim=number("mscale_all_dim", None),
+                  attention_factor=number("attention_factor", None),
+                  truncate=bool(params.get("truncate", True)))
+  return float(theta), yarn
 
 
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_cos_sin(positions: jax.Array, dim: int, theta: float, dtype: Any
+def rope_cos_sin(positions: jax.Array, config: DeepseekV32Config, dtype: Any
                  ) -> tuple[jax.Array, jax.Array]:
-  """HF's rotary embedding: cos, sin [batch, seq, dim] of cat(freqs, freqs), in `dtype`."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  """HF's rotary embedding over the qk_rope_head_dim dims: cos, sin [batch, seq, dim] of
+  cat(freqs, freqs) (YaRN: its frequencies, both times its cos_sin_scale), in `dtype`."""
+  dim, theta, yarn = config.qk_rope_head_dim, config.rope_theta, config.rope_yarn
+  if yarn is None:
+    inv_freq, scale = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)), 1.0
+  else:
+    inv_freq, scale = yarn.inv_freq(dim, theta), yarn.cos_sin_scale
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+  return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
 
 
 def rope_interleave(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -624,7 +716,7 @@ class DeepseekV32ForCausalLM(nnx.Module):
     if key_mask is not None:
       allowed = allowed & key_mask[:, None, :].astype(bool)
     x = self.embed_tokens[...][input_ids]
-    cos, sin = rope_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(positions, config, x.dtype)
     topks = []
     for layer in self.layers:
       x, topk = layer(x, cos, sin, allowed, config, topks[-1] if topks else None)

@@ -56,13 +56,13 @@ def _forward(model, ids):
   return model(ids, return_topk=True)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def checkpoint(request, tmp_path_factory):
-  """(path, HF eager model, our model, kind): norms, biases and the router's
-  score-correction bias randomised so that every tensor matters."""
-  kind = request.param
-  overrides, (config_cls, model_cls), _, _ = CASES[kind]
-  config = config_cls(**{**HF_CONFIG, **overrides}, attn_implementation="eager")
+def _save_random(path, kind, **overrides):
+  """(HF eager model, our model loaded from `path`): a random HF model of `kind` saved
+  there, its norms, biases and the router's score-correction bias randomised so that every
+  tensor matters."""
+  (config_cls, model_cls) = CASES[kind][1]
+  config = config_cls(**{**HF_CONFIG, **CASES[kind][0], **overrides},
+                      attn_implementation="eager")
   torch.manual_seed(0)
   hf = model_cls(config).eval()
   with torch.no_grad():
@@ -72,9 +72,18 @@ def checkpoint(request, tmp_path_factory):
     for name, b in hf.named_buffers():
       if name.endswith("e_score_correction_bias"):
         b.copy_(torch.randn_like(b) * 0.1)
-  path = tmp_path_factory.mktemp(kind) / "ckpt"
   hf.save_pretrained(path)
-  model, cfg = ds.load_pretrained(path)
+  return hf, ds.load_pretrained(path)[0]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+  """(path, HF eager model, our model, kind)."""
+  kind = request.param
+  overrides = CASES[kind][0]
+  path = tmp_path_factory.mktemp(kind) / "ckpt"
+  hf, model = _save_random(path, kind)
+  cfg, config = model.config, hf.config
   assert cfg.model_type == kind
   assert cfg.mlp_layer_types == ("dense",) + ("sparse",) * (config.num_hidden_layers - 1)
   assert cfg.indexer_types == tuple(overrides.get("indexer_types", ["full"] * 3))
@@ -189,8 +198,10 @@ def test_config_and_checkpoint_errors(checkpoint, tmp_path):
   base = ds.DeepseekV32Config.from_hf_dict(raw)
   assert base.qk_head_dim == 32 and base.softmax_scale == 32 ** -0.5
   bad = {
-      "rope_parameters.rope_type='yarn'": {"rope_parameters": {
-          "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
+      "rope_parameters.rope_type='longrope'": {"rope_parameters": {
+          "rope_type": "longrope", "rope_theta": 10000.0, "factor": 40.0}},
+      "rope_scaling.factor is missing": {"rope_parameters": None, "rope_scaling": {
+          "type": "yarn", "original_max_position_embeddings": 4096}},
       "num_key_value_heads=2": {"num_key_value_heads": 2},
       "n_routed_experts=8 is not a multiple of n_group=3": {"n_group": 3},
       "topk_group=5 exceeds": {"topk_group": 5},
@@ -207,6 +218,17 @@ def test_config_and_checkpoint_errors(checkpoint, tmp_path):
   else:
     bad["indexer_types with 'shared' layers is glm_moe_dsa only"] = {
         "indexer_types": ["full", "shared", "full"]}
+  released = {k: v for k, v in raw.items() if k != "rope_parameters"}  # V3.2's rope config
+  released.update(
+      rope_theta=10000, qk_nope_head_dim=128, qk_rope_head_dim=64, index_head_dim=128,
+      rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                    "type": "yarn"})
+  cfg = ds.DeepseekV32Config.from_hf_dict(released)
+  assert cfg.rope_yarn == ds.YarnRope(factor=40.0, original_max_position_embeddings=4096,
+                                      mscale=1.0, mscale_all_dim=1.0)
+  assert cfg.rope_yarn.cos_sin_scale == 1.0
+  assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
   legacy = {k: v for k, v in raw.items() if k not in ("rope_parameters", "mlp_layer_types")}
   legacy.update(rope_theta=50000.0, rope_scaling=None, first_k_dense_replace=2)
   cfg = ds.DeepseekV32Config.from_hf_dict(legacy)
@@ -253,3 +275,22 @@ def test_fused_expert_layout_loads_the_same(checkpoint, prompts, tmp_path):
   ids = jnp.asarray(_buffer(prompts))
   np.testing.assert_array_equal(np.asarray(_forward(loaded, ids)[0]),
                                 np.asarray(_forward(model, ids)[0]))
+
+
+def test_yarn_rope_matches_transformers(tmp_path, prompts):
+  """YaRN (the released DeepSeek-V3.2's rope type): frequencies ramped between
+  interpolation and extrapolation, cos/sin times mscale / mscale_all_dim's ratio, the
+  softmax scale times get_mscale(factor, mscale_all_dim) ** 2."""
+  rope = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "mscale": 1.0,
+          "mscale_all_dim": 0.8, "original_max_position_embeddings": 8}
+  hf, model = _save_random(tmp_path / "yarn", "deepseek_v32", rope_parameters=rope)
+  yarn = model.config.rope_yarn
+  assert yarn is not None and yarn.cos_sin_scale != 1.0
+  assert model.config.softmax_scale == pytest.approx(
+      32 ** -0.5 * (0.1 * 0.8 * np.log(4.0) + 1) ** 2)
+  ids = prompts[2]
+  logits, topks = _forward(model, jnp.asarray(_buffer([ids])))
+  ref_logits, ref_topks = _hf_run(hf, "deepseek_v32", ids)
+  np.testing.assert_allclose(np.asarray(logits)[0, :len(ids)], ref_logits, atol=1e-4, rtol=0)
+  for ours, ref in zip(topks, ref_topks):
+    assert _causal_sets(np.asarray(ours)[0], len(ids)) == _causal_sets(ref, len(ids))
