@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from models.config import ConfigError
 from models.llama import Linear, ParamInit, RMSNorm
 from models.loader import CheckpointError, _get_variable, _tensor_files
 
@@ -55,10 +56,6 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_interme
                   "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
                   "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
                   "index_topk", "index_head_dim", "index_n_heads", "max_position_embeddings")
-
-
-class ConfigError(ValueError):
-  """A config.json that cannot describe a DeepSeek-V3.2 model we support."""
 
 
 # transformers' DeepseekV32Config defaults (what it reads for a field config.json lacks).
@@ -812,7 +809,10 @@ def load_pretrained(path: str | os.PathLike, dtype: str = "float32"
   """(model, config) from an HF directory (config.json + safetensors, sharded or not).
   Routed experts are read per expert (`mlp.experts.{j}.gate_proj.weight` ...) or fused
   (`mlp.experts.gate_up_proj` [E, 2 * inter, hidden], `mlp.experts.down_proj` [E, hidden,
-  inter]); a missing, unexpected or misshapen tensor is a `CheckpointError` naming it."""
+  inter]); a missing, unexpected or misshapen tensor is a `CheckpointError` naming it.
+  Tensors of layers past num_hidden_layers (the released checkpoints' MTP layer) are
+  skipped, as transformers skips them; FP8 block-quantized checkpoints (`weight_scale_inv`
+  tensors) are refused as unexpected tensors (not dequantized here)."""
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
   path = os.fspath(path)
