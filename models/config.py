@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -21,6 +21,15 @@ _REQUIRED_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_siz
                     "num_hidden_layers", "num_attention_heads")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "mistral": "MistralForCausalLM"}
+
+
+def eos_token_ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+  """A config's `eos_token_id` (HF allows None, an int or a list) as a tuple of ids."""
+  if eos_token_id is None:
+    return ()
+  if isinstance(eos_token_id, int):
+    return (eos_token_id,)
+  return tuple(eos_token_id)
 
 
 class ConfigError(ValueError):
@@ -106,11 +115,7 @@ class ModelConfig:
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
     """All end-of-sequence ids (HF allows an int or a list)."""
-    if self.eos_token_id is None:
-      return ()
-    if isinstance(self.eos_token_id, int):
-      return (self.eos_token_id,)
-    return tuple(self.eos_token_id)
+    return eos_token_ids(self.eos_token_id)
 
   def num_params(self) -> int:
     """Parameter count of the decoder this config describes."""

@@ -28,7 +28,6 @@ fused `experts.gate_up_proj` / `experts.down_proj`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -40,9 +39,9 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from models.config import ConfigError
+from models.config import ConfigError, eos_token_ids
 from models.llama import Linear, ParamInit, RMSNorm
-from models.loader import CheckpointError, _get_variable, _tensor_files
+from models.loader import CheckpointError, _get_variable, _tensor_files, read_config_json
 
 MODEL_TYPE = "deepseek_v32"
 GLM_MODEL_TYPE = "glm_moe_dsa"
@@ -244,11 +243,7 @@ class DeepseekV32Config:
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
-    if self.eos_token_id is None:
-      return ()
-    if isinstance(self.eos_token_id, int):
-      return (self.eos_token_id,)
-    return tuple(self.eos_token_id)
+    return eos_token_ids(self.eos_token_id)
 
   @classmethod
   def from_hf_dict(cls, raw: Mapping[str, Any]) -> DeepseekV32Config:
@@ -780,16 +775,7 @@ def _expert_tensors(config: DeepseekV32Config, i: int, fused: bool) -> list[str]
 
 def load_config(path: str | os.PathLike) -> DeepseekV32Config:
   """The config of the HF directory at `path`; `CheckpointError` names the file."""
-  file = os.path.join(os.fspath(path), "config.json")
-  if not os.path.isfile(file):
-    raise CheckpointError(f"missing file {file}")
-  try:
-    with open(file) as f:
-      raw = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{file} is not valid JSON: {e}") from e
-  if not isinstance(raw, dict):
-    raise CheckpointError(f"{file} does not hold a JSON object")
+  file, raw = read_config_json(path)
   try:
     return DeepseekV32Config.from_hf_dict(raw)
   except ConfigError as e:

@@ -76,7 +76,17 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
   if _is_gguf_path(path):
     from models import gguf_checkpoint  # noqa: PLC0415
     return gguf_checkpoint.load_config(path)
-  file = os.path.join(path, CONFIG_FILE)
+  file, raw = read_config_json(path)
+  try:
+    return ModelConfig.from_hf_dict(raw)
+  except ConfigError as e:
+    raise CheckpointError(f"{file}: {e}") from e
+
+
+def read_config_json(path: str | os.PathLike) -> tuple[str, dict]:
+  """(path of, contents of) the HF directory's config.json; `CheckpointError` names the
+  file when it is missing, not JSON or not a JSON object."""
+  file = os.path.join(os.fspath(path), CONFIG_FILE)
   if not os.path.isfile(file):
     raise CheckpointError(f"missing file {file}")
   try:
@@ -86,10 +96,7 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     raise CheckpointError(f"{file} is not valid JSON: {e}") from e
   if not isinstance(raw, dict):
     raise CheckpointError(f"{file} does not hold a JSON object")
-  try:
-    return ModelConfig.from_hf_dict(raw)
-  except ConfigError as e:
-    raise CheckpointError(f"{file}: {e}") from e
+  return file, raw
 
 
 def checkpoint_dtype(path: str | os.PathLike | None = None) -> str:
