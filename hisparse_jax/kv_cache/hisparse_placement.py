@@ -138,6 +138,11 @@ class HiSparsePlacement:
       seq.hot_slots = self.device_pool.allocate(hot_buffer_blocks)
 
 
-# What `write_through` returns when a sequence has nothing new to copy (shared: plans are
-# read only).
-_NO_WRITES = SwapOutPlan(as_block_ids([]), as_block_ids([]))
+def _empty_plan() -> SwapOutPlan:
+  plan = SwapOutPlan(as_block_ids([]), as_block_ids([]))
+  plan.device_ids.flags.writeable = plan.host_ids.flags.writeable = False  # shared
+  return plan
+
+
+# What `write_through` returns when a sequence has nothing new to copy.
+_NO_WRITES = _empty_plan()
