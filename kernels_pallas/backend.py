@@ -146,6 +146,8 @@ class KernelOps(NamedTuple):
   block_key_bounds: Callable[..., jax.Array]
   ragged_hints: Callable[[Sequence[int]], dict[str, int]] = _no_hints
   hints_cover: Callable[[dict[str, int], Sequence[int]], bool] = _no_hints_cover
+  # DSA models' attention (kernels_pallas.sparse_mla): each query over its listed tokens.
+  sparse_mla_decode: Callable[..., jax.Array] | None = None
 
 
 @functools.cache  # the same KernelOps (a static argument of the step) per backend
@@ -159,15 +161,16 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   C++ kernel: one program for prompts of any length)."""
   # Imported here: the kernel modules import this module for `resolve_interpret`. By module
   # path, since the package re-exports functions under the same names as the modules.
-  pa, rpa, wkv, bkb, xa = (importlib.import_module(f"kernels_pallas.{m}") for m in (
+  pa, rpa, wkv, bkb, xa, smla = (importlib.import_module(f"kernels_pallas.{m}") for m in (
       "paged_attention", "ragged_paged_attention", "write_kv", "block_key_bounds",
-      "xla_attention"))
+      "xla_attention", "sparse_mla"))
 
   name = resolve_backend(backend, platform)
   if name == "pallas":
     bind = functools.partial(functools.partial, interpret=resolve_interpret(None, platform))
     return KernelOps(name, bind(pa.paged_attention), bind(rpa.ragged_paged_attention),
-                     bind(wkv.write_kv), bind(bkb.block_key_bounds))
+                     bind(wkv.write_kv), bind(bkb.block_key_bounds),
+                     sparse_mla_decode=smla.sparse_mla_decode_reference)
   if name == "pallas_mgpu":
     # The decode kernel on Mosaic GPU (bf16/f16, block_size a multiple of 8; see its
     # module), the other three on Triton. Compiled only: its CPU interpreter needs the
@@ -177,13 +180,16 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
     pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")
     bind = functools.partial(functools.partial, interpret=False)
     return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
-                     bind(wkv.write_kv), bind(bkb.block_key_bounds))
+                     bind(wkv.write_kv), bind(bkb.block_key_bounds),
+                     sparse_mla_decode=smla.sparse_mla_decode_reference)
   if name == "xla":
     cpu_kernels = importlib.import_module("kernels_pallas.cpu_kernels")
     kernel = (pages_dtype == "float32" and target_platform(platform) == "cpu"
               and cpu_kernels.available())
     return KernelOps(name, xa.paged_attention_xla, xa.ragged_paged_attention_xla,
                      wkv.write_kv_reference, bkb.block_key_bounds_reference,
-                     xa.kernel_hints if kernel else xa.ragged_hints, xa.hints_cover)
+                     xa.kernel_hints if kernel else xa.ragged_hints, xa.hints_cover,
+                     smla.sparse_mla_decode_reference)
   return KernelOps(name, pa.paged_attention_reference, rpa.ragged_paged_attention_reference,
-                   wkv.write_kv_reference, bkb.block_key_bounds_reference)
+                   wkv.write_kv_reference, bkb.block_key_bounds_reference,
+                   sparse_mla_decode=smla.sparse_mla_decode_reference)

@@ -39,9 +39,11 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from models.attention import DenseAttentionMetadata
 from models.config import ConfigError, eos_token_ids
 from models.llama import Linear, ParamInit, RMSNorm
 from models.loader import CheckpointError, _get_variable, _tensor_files, read_config_json
+from models.mla_attention import MLAAttnFn, MLAStep, reference_mla_attn_fn
 
 MODEL_TYPE = "deepseek_v32"
 GLM_MODEL_TYPE = "glm_moe_dsa"
@@ -481,9 +483,10 @@ class Indexer(nnx.Module):
     self.k_norm = LayerNorm(d, _INDEXER_NORM_EPS, init)
     self.weights_proj = Linear(config.hidden_size, h, use_bias=False, init=_float32(init))
 
-  def scores(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array,
-             allowed: jax.Array, config: DeepseekV32Config) -> jax.Array:
-    """float32 index scores [b, s, t]; -inf where `allowed` [b, s, t] is False."""
+  def project(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array,
+              config: DeepseekV32Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(queries [b, s, h, d], keys [b, s, d], head weights float32 [b, s, h]): the roped
+    indexer queries and keys, and weights_proj(x) * h**-0.5 (HF's order of operations)."""
     b, s, _ = x.shape
     h, d, r = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
     q = self.wq_b(q_resid).reshape(b, s, h, d)
@@ -491,9 +494,16 @@ class Indexer(nnx.Module):
     rope = rope_interleave if config.indexer_rope_interleaved else rope_half
     q = jnp.concatenate([rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
     k = jnp.concatenate([rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)[:, :, 0]
+    weights = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32) * h ** -0.5
+    return q, k, weights
+
+  def scores(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array,
+             allowed: jax.Array, config: DeepseekV32Config) -> jax.Array:
+    """float32 index scores [b, s, t]; -inf where `allowed` [b, s, t] is False."""
+    q, k, weights = self.project(x, q_resid, cos, sin, config)
+    d = config.index_head_dim
     scores = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), k.astype(jnp.float32))
     scores = jax.nn.relu(scores * d ** -0.5)
-    weights = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32) * h ** -0.5
     index_scores = jnp.einsum("bsh,bsht->bst", weights, scores)
     return jnp.where(allowed, index_scores, -jnp.inf)
 
@@ -572,6 +582,34 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhst,bthd->bshd", probs, v).reshape(b, s, n * vd)
     return self.o_proj(out), topk
+
+  def paged(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, layer_idx: int,
+            attn_fn: MLAAttnFn, kv_cache: Any, metadata: Any, config: DeepseekV32Config,
+            prev_topk: jax.Array | None) -> tuple[jax.Array, Any, jax.Array]:
+    """The same attention in its absorbed (MQA) form over a cache `attn_fn` owns
+    (models/mla_attention.py): (output [b, s, hidden], the new cache, top-k key
+    positions [b, s, k]). kv_b_proj's key half multiplies the queries (W_UK) and its value
+    half the attended latents (W_UV), so the cache holds one latent + rope key a token."""
+    b, s, _ = x.shape
+    n, rank = config.num_attention_heads, config.kv_lora_rank
+    nope, vd = config.qk_nope_head_dim, config.v_head_dim
+    q_resid = self.q_a_layernorm(self.q_a_proj(x))
+    q = self.q_b_proj(q_resid).reshape(b, s, n, config.qk_head_dim)
+    kv = self.kv_a_proj_with_mqa(x)
+    latent = self.kv_a_layernorm(kv[..., :rank])
+    k_rot = rope_interleave(kv[..., rank:][:, :, None, :], cos, sin)[:, :, 0]
+    q_rot = rope_interleave(q[..., nope:], cos, sin)
+    w = self.kv_b_proj.kernel[...].reshape(rank, n, nope + vd)  # [latent, head, nope + v]
+    q_latent = jnp.einsum("bsnd,lnd->bsnl", q[..., :nope], w[..., :nope])
+    index = (self.indexer.project(x, q_resid, cos, sin, config) if self.indexer is not None
+             else (None, None, None))
+    step = MLAStep(q=jnp.concatenate([q_latent, q_rot], axis=-1),
+                   kv=jnp.concatenate([latent, k_rot], axis=-1),
+                   index_q=index[0], index_k=index[1], index_w=index[2])
+    out, kv_cache, topk = attn_fn(step, layer_idx=layer_idx, kv_cache=kv_cache,
+                                  metadata=metadata, config=config, prev_topk=prev_topk)
+    out = jnp.einsum("bsnl,lnv->bsnv", out.astype(w.dtype), w[..., nope:])
+    return self.o_proj(out.reshape(b, s, n * vd)), kv_cache, topk
 
 
 class MLP(nnx.Module):
@@ -672,9 +710,17 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, cos, sin, allowed, config, prev_topk=None):
     attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, allowed, config, prev_topk)
-    x = x + attn
+    return self._mlp(x + attn, config), topk
+
+  def paged(self, x, cos, sin, *, config, **attn_kwargs):
+    """`__call__` with the attention over an `MLAAttnFn`'s cache: (x, cache, top-k)."""
+    attn, kv_cache, topk = self.self_attn.paged(self.input_layernorm(x), cos, sin,
+                                                config=config, **attn_kwargs)
+    return self._mlp(x + attn, config), kv_cache, topk
+
+  def _mlp(self, x, config):
     h = self.post_attention_layernorm(x)
-    return x + (self.mlp(h, config) if self.is_moe else self.mlp(h)), topk
+    return x + (self.mlp(h, config) if self.is_moe else self.mlp(h))
 
 
 class DeepseekV32ForCausalLM(nnx.Module):
@@ -717,6 +763,41 @@ class DeepseekV32ForCausalLM(nnx.Module):
     kernel = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
     logits = jnp.einsum("...d,dv->...v", x, kernel, preferred_element_type=jnp.float32)
     return (logits, topks) if return_topk else logits
+
+
+  def hidden_states(self, input_ids: jax.Array, positions: jax.Array, *,
+                    attn_fn: MLAAttnFn | None = None, kv_caches: Any = None,
+                    attn_metadata: Any = None) -> tuple[jax.Array, list[Any]]:
+    """Final-norm hidden states [batch, seq, hidden] and each layer's new cache, every
+    layer's attention through `attn_fn` (models/mla_attention.py; the engine's paged DSA
+    attention), each layer handed the previous layer's top-k (what a "shared" layer
+    attends). attn_fn None: `reference_mla_attn_fn` over these tokens alone, with
+    attn_metadata None, a `DenseAttentionMetadata` or a bool key mask [batch, seq]. The
+    layout of llama.LlamaForCausalLM.hidden_states, so the engine's step runs either."""
+    config = self.config
+    if input_ids.ndim != 2 or positions.shape != input_ids.shape:
+      raise ValueError(f"input_ids {input_ids.shape} and positions {positions.shape} must "
+                       "both be [batch, seq]")
+    if attn_fn is None:
+      attn_fn = reference_mla_attn_fn
+      if not isinstance(attn_metadata, DenseAttentionMetadata):
+        attn_metadata = DenseAttentionMetadata(positions=positions, key_mask=attn_metadata)
+    x = self.embed_tokens[...][input_ids]
+    cos, sin = rope_cos_sin(positions, config, x.dtype)
+    new_caches, topk = [], None
+    for i, layer in enumerate(self.layers):
+      x, cache, topk = layer.paged(x, cos, sin, config=config, layer_idx=i, attn_fn=attn_fn,
+                                   kv_cache=kv_caches[i] if kv_caches else None,
+                                   metadata=attn_metadata, prev_topk=topk)
+      new_caches.append(cache)
+    return self.norm(x), new_caches
+
+  def compute_logits(self, hidden: jax.Array, head: Any = None) -> jax.Array:
+    """float32 logits [..., vocab] of hidden states [..., hidden] (`head`: an output
+    projection to use instead of the model's own, as llama's)."""
+    if head is None:
+      head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
+    return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
 
 GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM  # one module; config.model_type tells them apart

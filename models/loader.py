@@ -77,10 +77,26 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     from models import gguf_checkpoint  # noqa: PLC0415
     return gguf_checkpoint.load_config(path)
   file, raw = read_config_json(path)
+  if _is_dsa(raw):
+    from models import deepseek_v32  # noqa: PLC0415 (it imports this module)
+    return deepseek_v32.load_config(path)
   try:
     return ModelConfig.from_hf_dict(raw)
   except ConfigError as e:
     raise CheckpointError(f"{file}: {e}") from e
+
+
+# DSA models (MLA + lightning indexer): their own config and loader (models/deepseek_v32.py).
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def _is_dsa(raw: dict) -> bool:
+  return raw.get("model_type") in DSA_MODEL_TYPES
+
+
+def is_dsa_config(config: Any) -> bool:
+  """Whether a loaded model config is a DSA model's (models.deepseek_v32)."""
+  return getattr(config, "model_type", None) in DSA_MODEL_TYPES
 
 
 def read_config_json(path: str | os.PathLike) -> tuple[str, dict]:
@@ -256,6 +272,10 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
   into host memory and put straight into its shards (`models.sharding.param_spec`; no
   device holds a full copy of a split parameter); the config returned is
   `models.sharding.tp_config` (KV heads repeated when fewer than the devices).
+
+  A DSA checkpoint (config.json's model_type deepseek_v32 or glm_moe_dsa) loads through
+  `models.deepseek_v32.load_pretrained`: (DeepseekV32ForCausalLM, DeepseekV32Config,
+  tokenizer); no tensor parallelism.
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -264,6 +284,13 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
     from models import gguf_checkpoint  # noqa: PLC0415 (GGUF support is loaded on use)
     return gguf_checkpoint.load_pretrained(path, dtype, mesh)
   config = load_config(path)
+  if is_dsa_config(config):
+    if mesh is not None:
+      raise CheckpointError(f"{path}: DSA models ({config.model_type}) are not supported "
+                            "with tensor parallelism (--tensor_parallel_size > 1)")
+    from models import deepseek_v32  # noqa: PLC0415
+    model, config = deepseek_v32.load_pretrained(path, dtype)
+    return model, config, _load_tokenizer(path)
   expected = hf_param_map(config)
   name_to_file = _tensor_files(path)
   present = {n for n in name_to_file if not n.endswith(_IGNORED_SUFFIXES)}

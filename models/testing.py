@@ -218,3 +218,66 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: dict[str, Any],
 def save_gguf(model: LlamaForCausalLM, path: str | os.PathLike, tokenizer, **kwargs) -> str:
   """`write_gguf(path, *gguf_contents(model, tokenizer, **kwargs))`."""
   return write_gguf(path, *gguf_contents(model, tokenizer, **kwargs))
+
+
+# ----------------------------------------------------------------------------- DSA models
+
+# A tiny DeepSeek-V3.2 as transformers' DeepseekV32Config reads it: a dense first layer,
+# then MoE layers; index_topk 8 (shorter than the tests' prompts, so the indexer's sparsity
+# is active in prefill and decode); 16 index heads, not 4: a key whose q.k is negative in
+# every head scores exactly 0 (ReLU), and with 4 heads such zeros tie at the top-k edge
+# often enough for torch's and XLA's top-k to break the tie differently (both right).
+# initializer_range 0.3: logits far enough apart that greedy ties cannot flip.
+DSA_TINY_HF_CONFIG = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, kv_lora_rank=32,
+    q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
+    index_head_dim=32, index_n_heads=16, first_k_dense_replace=1, initializer_range=0.3,
+    max_position_embeddings=256, routed_scaling_factor=2.5, bos_token_id=0, eos_token_id=1)
+# Each kind's changes to it: GLM-MoE-DSA with layers 1 and 3 sharing the previous layer's
+# selection (no indexer of their own).
+DSA_KIND_OVERRIDES = {
+    "deepseek_v32": {},
+    "glm_moe_dsa": dict(num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+                        indexer_types=["full", "shared", "full", "shared"]),
+}
+
+
+def save_random_dsa(out_dir: str | os.PathLike, kind: str = "deepseek_v32", *,
+                    with_tokenizer: bool = False, **overrides):
+  """Saves a random transformers DSA model of `kind` ("deepseek_v32" or "glm_moe_dsa"):
+  `DSA_TINY_HF_CONFIG` with the kind's and `overrides`' changes, eager attention, its norms,
+  biases and the router's score-correction bias randomised so every tensor matters. With
+  `with_tokenizer`, over the default model's vocabulary with its tokenizer files (what the
+  CLI and `LLM` need). Returns the transformers model (eval mode), the reference of the
+  parity tests. Needs torch and transformers (the `parity` extra)."""
+  import torch  # noqa: PLC0415 (tests only)
+  import transformers  # noqa: PLC0415
+
+  classes = {"deepseek_v32": (transformers.DeepseekV32Config,
+                              transformers.DeepseekV32ForCausalLM),
+             "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM)}
+  fields = {**DSA_TINY_HF_CONFIG, **DSA_KIND_OVERRIDES[kind], **overrides}
+  if with_tokenizer:
+    fields.update(vocab_size=len(data.VOCAB), bos_token_id=data.BOS_ID,
+                  eos_token_id=data.EOS_ID, pad_token_id=data.PAD_ID)
+  config_cls, model_cls = classes[kind]
+  config = config_cls(**fields, attn_implementation="eager")
+  torch.manual_seed(0)
+  hf = model_cls(config).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    for name, b in hf.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(torch.randn_like(b) * 0.1)
+  hf.save_pretrained(out_dir)
+  if with_tokenizer:
+    tok = build_word_level_tokenizer(data.VOCAB, bos=data.BOS, eos=data.EOS, pad=data.PAD,
+                                     unk=data.UNK)
+    save_tokenizer_files(tok, out_dir, bos=data.BOS, eos=data.EOS, pad=data.PAD,
+                         unk=data.UNK, model_max_length=fields["max_position_embeddings"],
+                         chat_template=data.CHAT_TEMPLATE)
+  return hf

@@ -133,3 +133,65 @@ def tiered_decode(model: LlamaForCausalLM, spec: KVCacheSpec, hisparse: HiSparse
                      * spec.head_dim * spec.itemsize)
 
 
+
+
+def fill_kinds(pool: KVPool, seed: int) -> None:
+  """Random values in every block of every array of the pool, whatever its kinds (a DSA
+  model's latent and indexer-key arrays), made on the device of its memory kind."""
+  keys = iter(jax.random.split(jax.random.key(seed), len(pool.arrays())))
+  arrays = []
+  for kind in pool.kinds:
+    make = random_fn(pool.kind_shape(kind), jnp.dtype(pool.kind_dtype(kind)), pool.sharding)
+    arrays += [make(next(keys)) for _ in range(kind.count)]
+  pool.set_arrays(tuple(arrays))
+
+
+def dsa_tiered_decode(model, spec, hisparse: HiSparseConfig, batch_size: int, context: int,
+                      seed: int) -> TieredBatch:
+  """`tiered_decode` for a DSA model (models/deepseek_v32.py, kv_pool.MLACacheSpec): a
+  DsaModelRunner and one decode row per sequence, each `context` tokens of random latent
+  entries and indexer keys in the pinned_host pool (the indexer keys of every host block
+  on the device, as written through), only its newest block resident and a token-granular
+  hot buffer of `hisparse.hot_buffer_tokens`. `hisparse`: the settings the engine runs
+  the model with (`HiSparseConfig.for_index_topk`). block_bytes: one loaded token's
+  latent entry (the step's loads move tokens)."""
+  from hisparse_jax.engine.dsa_runner import DsaModelRunner  # noqa: PLC0415
+
+  blocks = hisparse.blocks(spec.block_size)
+  num_logical = math.ceil(context / spec.block_size)
+  host_pool = KVPool(spec, 1 + batch_size * num_logical, PINNED_HOST)
+  fill_kinds(host_pool, seed)
+  slots = blocks.hot_buffer_blocks
+  per_seq = 1 + slots
+  device_pool = KVPool(spec, 1 + batch_size * per_seq, DEVICE)
+  runner = DsaModelRunner(model, device_pool, hisparse=hisparse, host_pool=host_pool,
+                          max_model_len=context, max_num_seqs=batch_size,
+                          max_num_batched_tokens=batch_size)
+  host_tables = (1 + np.arange(batch_size)[:, None] * num_logical
+                 + np.arange(num_logical)).astype(np.int32)
+  device_tables = np.zeros_like(host_tables)
+  hot_slots = np.zeros((batch_size, slots), np.int32)
+  newest = []
+  for i in range(batch_size):
+    ids = 1 + i * per_seq + np.arange(per_seq)
+    device_tables[i, -1] = ids[0]
+    hot_slots[i] = ids[1:]
+    newest.append(ids[0])
+  src, dst = host_tables[:, -1], np.asarray(newest)
+  device_pool.set_arrays(tuple(
+      d.at[dst].set(jax.device_put(h, device_pool.sharding)[src])
+      for d, h in zip(device_pool.arrays(), host_pool.arrays())))
+  # The indexer keys of every host block, on the device (written through as blocks fill).
+  runner.bounds = tuple(jax.device_put(k, device_pool.sharding, may_alias=False)
+                        for k in host_pool.index_k)
+  rng = np.random.default_rng(seed)
+  chunks = decode_chunks(context, device_tables, spec.block_size, model.config.vocab_size,
+                         rng)
+  tiers = SparseTiers(host_tables=host_tables, hot_slots=hot_slots,
+                      hot_rows=np.arange(batch_size, dtype=np.int32),
+                      hot_reset=np.zeros(batch_size, bool))
+  batch = runner.build_batch(chunks, device_tables, tiers)
+  if not batch.metadata.sparse_rows[:batch_size].all():
+    raise ValueError("the offloaded rows are not the step's tiered rows")
+  cold = runner.hot_state_arrays()
+  return TieredBatch(runner, batch, cold, spec.latent_dim * spec.itemsize)

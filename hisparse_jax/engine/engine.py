@@ -23,6 +23,7 @@ from absl import logging
 
 from hisparse_jax.distributed import parallel
 from hisparse_jax.engine.config import EngineConfig, default_block_size
+from hisparse_jax.engine.dsa_runner import DsaModelRunner
 from hisparse_jax.engine.hot_rows import HotRows
 from hisparse_jax.engine.output_processor import OutputProcessor
 from hisparse_jax.engine.request import (
@@ -44,13 +45,49 @@ from hisparse_jax.kv_cache.capacity import (
   plan_capacity_reserving,
   streamed_device_blocks,
 )
-from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, check_kv_cache_dtype_devices
+from hisparse_jax.kv_cache.kv_pool import (
+  KVCacheSpec,
+  MLACacheSpec,
+  check_kv_cache_dtype_devices,
+)
 from hisparse_jax.kv_cache.transfer import TransferEngine
 from hisparse_jax.observability import engine_metrics
 from hisparse_jax.observability.library_logging import configure_library_logging
 from hisparse_jax.observability.metrics import MetricsRegistry
 
 __all__ = ["Engine", "EngineConfig", "configure_library_logging", "default_block_size"]
+
+
+def _check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> EngineConfig:
+  """The config a model of this kind runs with; ValueError naming the field for an option
+  it does not support. DSA models (models.deepseek_v32): HiSparse only with their learned
+  indexer (`HiSparseConfig.for_index_topk`), no tensor parallelism or 8-bit cache yet;
+  llama-family models have no learned indexer."""
+  hisparse = config.hisparse
+  if not is_dsa:
+    if hisparse is not None and hisparse.indexer == "lightning":
+      raise ValueError(
+          f"hisparse: indexer='lightning' needs a model with a learned (lightning) indexer "
+          f"(DSA models: deepseek_v32, glm_moe_dsa); {model_config.model_type} has none: use "
+          "indexer='block_bounds'")
+    return config
+  kind = model_config.model_type
+  if config.tensor_parallel_size > 1:
+    raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: DSA models "
+                     f"({kind}) run on one device so far; use 1")
+  if config.kv_cache_dtype != "auto":
+    raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype}: 8-bit caches of DSA models "
+                     f"({kind}: MLA latent + indexer keys) are not supported; use auto")
+  if config.kernel_backend == "pallas_mgpu":
+    raise ValueError(f"kernel_backend=pallas_mgpu: DSA models ({kind}) run the Triton "
+                     "sparse MLA kernel; use auto or pallas")
+  if hisparse is not None:
+    try:
+      hisparse = hisparse.for_index_topk(model_config.index_topk, config.max_model_len)
+    except ValueError as e:
+      raise ValueError(f"hisparse: {e}") from None
+    config = dataclasses.replace(config, hisparse=hisparse)
+  return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +111,7 @@ class Engine:
                tokenizer=None):
     from models.loader import (  # heavy import, on use
       checkpoint_dtype,
+      is_dsa_config,
       load_config,
       load_pretrained,
       shard_model,
@@ -87,14 +125,18 @@ class Engine:
       config = dataclasses.replace(config, dtype=dtype)
     if config.block_size is None:
       config = dataclasses.replace(config, block_size=default_block_size())
+    # DSA models (MLA + lightning indexer): refused options and the HiSparse settings
+    # they run with, decided from config.json before any weight is read.
+    unloaded = load_config(config.model) if model is None else model.config
+    self.is_dsa = is_dsa_config(unloaded)
+    config = _check_model_kind(config, unloaded, self.is_dsa)
     self.config = config
     # Tensor parallel: one mesh; the weights go straight into their shards.
     self.mesh = parallel.make_mesh(config.tensor_parallel_size)
     self.kv_head_repeat = 1  # copies of each KV head over the mesh (models.sharding)
     if self.mesh is not None:  # refused before any weight is read
-      unsplit = load_config(config.model) if model is None else model.config
-      check_tensor_parallel(unsplit, config.tensor_parallel_size)
-      self.kv_head_repeat = kv_head_repeat(unsplit, config.tensor_parallel_size)
+      check_tensor_parallel(unloaded, config.tensor_parallel_size)
+      self.kv_head_repeat = kv_head_repeat(unloaded, config.tensor_parallel_size)
     check_kv_cache_dtype_devices(
         config.kv_cache_dtype, jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
     loaded_here = model is None
@@ -122,15 +164,18 @@ class Engine:
     if config.hisparse is not None and getattr(model_config, "sliding_window", None):
       raise ValueError("hisparse: models with sliding-window attention are not supported by "
                        "the sparse path; run without hisparse")
-    spec = KVCacheSpec.from_model_config(model_config, config.dtype, config.block_size,
-                                         config.kv_cache_dtype)
+    spec_cls = MLACacheSpec if self.is_dsa else KVCacheSpec
+    spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
+                                      config.kv_cache_dtype)
     plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
                      device_kv_gib=config.device_kv_gib,
                      num_devices=parallel.tp_size(self.mesh))
     if config.hisparse is None:
       plan = plan_capacity(spec, **plan_args)
     else:
-      if config.enable_chunked_prefill:  # a prompt longer than the device pool streams
+      # A prompt longer than the device pool streams (llama models; a DSA model's
+      # prompt must fit the device pool: its streamed prefill is not built).
+      if config.enable_chunked_prefill and not self.is_dsa:
         plan_args["streamed_device_blocks"] = streamed_device_blocks(
             config.hisparse, spec.block_size, config.max_num_batched_tokens)
       # The indexer's key bounds (by device block and by host block) and the hot-buffer
@@ -138,7 +183,8 @@ class Engine:
       plan = plan_capacity_reserving(
           spec, lambda d, h: self._hisparse_capacity(spec, d, h).reserved_bytes, **plan_args)
     self.device_pool, self.host_pool = plan.allocate(mesh=self.mesh)
-    self.runner = ModelRunner(model, self.device_pool, max_model_len=config.max_model_len,
+    runner_cls = DsaModelRunner if self.is_dsa else ModelRunner
+    self.runner = runner_cls(model, self.device_pool, max_model_len=config.max_model_len,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               kernel_backend=config.kernel_backend, hisparse=config.hisparse,
@@ -386,13 +432,12 @@ class Engine:
         own = num_blocks - earlier
       self._tally_blocks(request, num_blocks, tally,
                          counts[:, i] if counts is not None and sparse_rows[i] else None,
-                         own)
+                         own, self.config.block_size if self.is_dsa else 1)
       if chunk.samples:  # (a prompt chunk before the last has nothing to report)
         self._append_token(request, token, now, tally, row_logprobs)
         outputs[request.request_id] = request
     tally.loaded_block_layers = result.loaded_block_layers
-    spec = self.device_pool.spec
-    self.stats.on_tally(tally, spec.bytes_per_block // spec.num_layers)
+    self.stats.on_tally(tally, self.runner.load_unit_bytes)
 
   def _fail_step(self, out: SchedulerOutput, moved: bool, error: Exception) -> None:
     """Finishes (reason "error") the requests whose KV the failed step may have spoiled.
@@ -442,12 +487,14 @@ class Engine:
 
   @staticmethod
   def _tally_blocks(request: Request, num_blocks: int, tally: engine_metrics.StepTally,
-                    sparse_counts: np.ndarray | None, own_blocks: int = 0) -> None:
+                    sparse_counts: np.ndarray | None, own_blocks: int = 0,
+                    units_per_block: int = 1) -> None:
     """Where a row's blocks came from, into the step's `tally` and the request's
     metrics. `num_blocks`: blocks the row's attention read (all of them, or the
     selected); `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row, per
     layer (counted as the mean over layers); `own_blocks`: a sparse prefill chunk's own
-    blocks, read besides the selected ones (device-resident)."""
+    blocks, read besides the selected ones (device-resident); `units_per_block`: count units
+    per block (1; a DSA model counts tokens: block_size)."""
     from_host = min(request.num_swapped_in_blocks, num_blocks)
     request.num_swapped_in_blocks = 0
     selected = request.blocks_selected
@@ -459,11 +506,14 @@ class Engine:
     layers = sparse_counts.shape[0]
     device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
     device += own_blocks * layers  # a sparse prefill chunk's own blocks (on the device)
-    tally.add_blocks(device / layers, hot / layers, host / layers)
+    # The hot buffer counts in its unit (block-layers; a DSA model's: token-layers); the
+    # blocks read in blocks (a DSA model's selected tokens / block_size).
     tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
-    selected["device"] += device / layers
-    selected["hot"] += hot / layers
-    selected["host"] += host / layers
+    per_block = layers * units_per_block
+    tally.add_blocks(device / per_block, hot / per_block, host / per_block)
+    selected["device"] += device / per_block
+    selected["hot"] += hot / per_block
+    selected["host"] += host / per_block
 
   def _append_token(self, request: Request, token: int, now: float,
                     tally: engine_metrics.StepTally, logprobs) -> None:

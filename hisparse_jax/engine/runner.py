@@ -98,6 +98,8 @@ class StepHandle:
   # (sampled logprob [rows], its rank, top ids [rows, N], top logprobs), or () if none.
   logprobs: tuple = ()
   prompt_logprobs: tuple = ()  # the same four per prompt-logprob row, or () if none
+  # A DSA runner recording selections: int32 [layers, tokens, k] key positions per token.
+  topk: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,7 @@ class StepResult:
   # (sampled logprob [num_seqs], rank, top ids [num_seqs, N], top logprobs) or None.
   logprobs: tuple[np.ndarray, ...] | None = None
   prompt_logprobs: tuple[np.ndarray, ...] | None = None  # per StepBatch.prompt_spans row
+  topk: np.ndarray | None = None  # StepHandle.topk read back (DSA, record_topk)
 
   @property
   def loaded_block_layers(self) -> int:
@@ -166,29 +169,16 @@ class ModelRunner:
     if hisparse is not None:
       if host_pool is None:
         raise ValueError("hisparse needs the host pool (host_pool=...)")
-      spec = device_pool.spec
-      # Blocks written to the host pool keep their key bounds on the device, so a
-      # dropped block can still be scored.
-      bounds_shape = (device_pool.num_blocks + host_pool.num_blocks, 2, spec.num_kv_heads,
-                      spec.head_dim)
-      # bfloat16 bounds are stored as uint16 on CPU, as the pools' bf16 (kv_pool).
-      bounds_storage = storage_dtype(hisparse.bounds_dtype, device_pool.device.platform)
-      self.bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
-                          for _ in range(spec.num_layers))
-      rows, slots = self.num_hot_rows, self.hisparse_blocks.hot_buffer_blocks
-      kinds = (((rows, slots), -1), ((rows, slots), resolver.NEVER),
-               ((rows, self.max_blocks_per_seq), resolver.NEVER))
-      self.hot_state = tuple(
-          device_full_fn(shape, jnp.int32, value, device_pool.replicated)()
-          for shape, value in kinds for _ in range(spec.num_layers))
+      self.bounds, self.hot_state = self._sparse_state()
     self.batch_builder = BatchBuilder(
         block_size=self.block_size, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, ops=self.ops,
         hisparse=hisparse, num_hot_rows=self.num_hot_rows, vocab_size=self.vocab_size,
-        eos_token_ids=self.eos_token_ids)
+        eos_token_ids=self.eos_token_ids, **self._builder_options())
     # The step's weights: on CPU the float32 matrices packed for the C++ matmul (and the
     # output projection as `head`); `model` is the model the step runs (packed or not).
-    self.model, self.head = packed_step_weights(model, self.ops, device_pool.mesh)
+    self.model, self.head = (packed_step_weights(model, self.ops, device_pool.mesh)
+                             if self.packs_weights else (model, None))
     self._graphdef, self.params = nnx.split(self.model)
     # What each step passes: the state's leaves (flattened once here, not per call).
     self._param_leaves, self._params_def = jax.tree.flatten(self.params)
@@ -210,6 +200,37 @@ class ModelRunner:
     # The previous-step tokens of a step that reads none (its token_src is all -1).
     self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
                                      device_pool.replicated)
+
+  # Whether the CPU step multiplies by packed copies of the weights (packed_step_weights).
+  packs_weights = True
+
+  def _sparse_state(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """HiSparse's device arrays besides the pool: (key bounds of every device and host
+    block per layer, hot-buffer state: (slot blocks, last used, evicted at) per layer)."""
+    device_pool, spec = self.pool, self.pool.spec
+    # Blocks written to the host pool keep their key bounds on the device, so a dropped
+    # block can still be scored.
+    bounds_shape = (device_pool.num_blocks + self.host_pool.num_blocks, 2, spec.num_kv_heads,
+                    spec.head_dim)
+    # bfloat16 bounds are stored as uint16 on CPU, as the pools' bf16 (kv_pool).
+    bounds_storage = storage_dtype(self.hisparse.bounds_dtype, device_pool.device.platform)
+    bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
+                   for _ in range(spec.num_layers))
+    return bounds, self._hot_state(self.hisparse_blocks.hot_buffer_blocks,
+                                   self.max_blocks_per_seq)
+
+  def _hot_state(self, num_slots: int, num_logical: int) -> tuple[jax.Array, ...]:
+    """The hot-buffer state of every layer (rows x `num_slots` slots, `num_logical`
+    evicted-at entries: blocks, or tokens for a token-granular buffer)."""
+    rows = self.num_hot_rows
+    kinds = (((rows, num_slots), -1), ((rows, num_slots), resolver.NEVER),
+             ((rows, num_logical), resolver.NEVER))
+    return tuple(device_full_fn(shape, jnp.int32, value, self.pool.replicated)()
+                 for shape, value in kinds for _ in range(self.pool.spec.num_layers))
+
+  def _builder_options(self) -> dict:
+    """Extra BatchBuilder settings of this runner's models (none for llama models)."""
+    return {}
 
   def _pages_dtype(self) -> str | None:
     """The dtype the attention reads the pages in (None: quantized pages)."""
@@ -258,6 +279,12 @@ class ModelRunner:
     """Device bytes of the indexer's key bounds (by device block and by host block)."""
     return sum(int(b.nbytes) for b in self.bounds)
 
+  @property
+  def load_unit_bytes(self) -> int:
+    """Bytes one in-step host load moves per layer (StepResult.loaded's unit): a block."""
+    spec = self.pool.spec
+    return spec.bytes_per_block // spec.num_layers
+
   # --- Host side -----------------------------------------------------------------
 
   def build_batch(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
@@ -288,7 +315,7 @@ class ModelRunner:
           batch, greedy_only, lambda b: self._step_args(b, prev_tokens))
     self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
                               batch.metadata.block_tables.shape[1], greedy_only))
-    (tokens, arrays, self.bounds, hot_state, (counts, loaded),
+    (tokens, arrays, self.bounds, hot_state, (counts, loaded, *topk),
      (logprobs, prompt)) = step(*self._step_args(batch, prev_tokens))
     if not _resident_only(batch):  # (a resident-only step leaves the state as it was)
       self.hot_state = hot_state
@@ -296,7 +323,7 @@ class ModelRunner:
     if self.hisparse is not None:
       self.step_clock += 1
     return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
-                      logprobs, prompt)
+                      logprobs, prompt, topk[0] if topk else None)
 
   def _step_args(self, batch: StepBatch, prev_tokens: jax.Array) -> tuple:
     # A HiSparse step with no sparse row reads neither the host pool nor the hot-buffer
@@ -344,7 +371,8 @@ class ModelRunner:
     if handle.logprobs:
       logprobs = tuple(np.asarray(a)[:handle.num_seqs] for a in handle.logprobs)
     prompt = tuple(np.asarray(a) for a in handle.prompt_logprobs) or None
-    return StepResult(tokens, counts, loaded, logprobs, prompt)
+    topk = None if handle.topk is None else np.asarray(handle.topk)
+    return StepResult(tokens, counts, loaded, logprobs, prompt, topk)
 
   def execute(self, batch: StepBatch) -> np.ndarray:
     """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""

@@ -119,7 +119,11 @@ class BatchBuilder:
 
   def __init__(self, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                max_blocks_per_seq: int, ops, hisparse, num_hot_rows: int, vocab_size: int,
-               eos_token_ids: Sequence[int]):
+               eos_token_ids: Sequence[int], index_topk: int | None = None):
+    """index_topk: a DSA model's (dsa_runner), the tokens each query attends at most. Its
+    learned indexer runs the same in every row, so the only rows of the tiered path
+    (`sparse_rows`) are those of offloaded sequences; a resident row attends its
+    selected tokens in place."""
     self.block_size = block_size
     self.max_num_batched_tokens = max_num_batched_tokens
     self.max_num_seqs = max_num_seqs
@@ -130,6 +134,8 @@ class BatchBuilder:
     self.num_hot_rows = num_hot_rows
     self.vocab_size = vocab_size
     self.eos_token_ids = tuple(eos_token_ids)
+    self.index_topk = index_topk
+    self.tiered_rows_only = index_topk is not None
 
   def build(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
             tiers: SparseTiers | None = None, step_clock: int = 0) -> StepBatch:
@@ -196,9 +202,11 @@ class BatchBuilder:
       offloaded = offloaded_rows[i] = tiers is not None and tiers.hot_rows[i] >= 0
       prefill_row = chunk.start < request.prefill_len
       sparse_rows[i] = self.hisparse is not None and (
-          offloaded or (n == 1 and not prefill_row
+          offloaded or (n == 1 and not prefill_row and not self.tiered_rows_only
                         and self.hisparse.is_sparse(int(kv_lens[i]))))
-      if sparse_rows[i] and n > 1:  # a streamed prompt's chunk: its earlier full blocks
+      if self.tiered_rows_only:  # (DSA) a query's top-k tokens, in blocks' worth
+        blocks_attended[i] = -(-min(int(kv_lens[i]), self.index_topk) // self.block_size)
+      elif sparse_rows[i] and n > 1:  # a streamed prompt's chunk: its earlier full blocks
         # (exact: all; sparse: their top-k) + its own
         earlier = chunk.start // self.block_size
         blocks_attended[i] = num_blocks - earlier + (
@@ -209,7 +217,7 @@ class BatchBuilder:
                               if sparse_rows[i] else num_blocks)
       offset += n
     cu_q_lens[len(chunks)] = offset
-    if self.hisparse is not None:
+    if self.hisparse is not None and not self.tiered_rows_only:
       self._dense_resident_rows(sparse_rows, offloaded_rows, kv_lens, blocks_attended)
     hisparse_meta = {}
     if self.hisparse is not None:
@@ -227,7 +235,8 @@ class BatchBuilder:
                            hot_reset=hot_reset, step=np.int32(step_clock))
     # Sparse decode rows are not in the dense call (kv_len 0 there), so their query
     # counts not; sparse prefill chunks are (over their rewritten tables), exact ones not.
-    sparse_chunks = self.hisparse is not None and self.hisparse.streamed_prefill == "sparse"
+    sparse_chunks = (self.hisparse is not None and not self.tiered_rows_only
+                     and self.hisparse.streamed_prefill == "sparse")
     dense_q_lens = [c.num_tokens for c, sparse in zip(chunks, sparse_rows)
                     if not sparse or (sparse_chunks and c.num_tokens > 1)]
     hints = tuple(sorted(self.ops.ragged_hints(dense_q_lens).items()))
@@ -238,7 +247,7 @@ class BatchBuilder:
         and any(s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows))):
       chunk_queries = CHUNK_QUERIES
     num_sparse_rows = decode_rows_bucket(int(sparse_rows.sum()))
-    if self.hisparse is not None and any(
+    if self.hisparse is not None and not self.tiered_rows_only and any(
         c.num_tokens > 1 and self.hisparse.is_sparse(c.request.prefill_len + 1)
         for c in chunks):
       # A step prefilling a prompt that will decode sparse carries the sparse path even
@@ -250,7 +259,8 @@ class BatchBuilder:
     meta = StepMetadata(slot_ids, tables, kv_lens, cu_q_lens, sparse_rows, **hisparse_meta,
                         ragged_hints=hints, num_sparse_rows=num_sparse_rows,
                         chunk_queries=chunk_queries,
-                        sparse_chunks=self.hisparse is not None and any(
+                        sparse_chunks=self.hisparse is not None and not self.tiered_rows_only
+                        and any(
                             s and c.num_tokens > 1 for c, s in zip(chunks, sparse_rows)))
     extras, spans = None, ()
     if any(needs_extras(c.request.sampling_params) for c in chunks):

@@ -38,6 +38,8 @@ from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
 from hisparse_jax.kv_cache.transfer import hop_free
 from hisparse_jax.sparse.attention import SparseStatic, attend
 from hisparse_jax.sparse.config import HiSparseBlocks
+from hisparse_jax.sparse.dsa_attention import DsaStatic
+from hisparse_jax.sparse.dsa_attention import attend as dsa_attend
 from kernels_pallas.quant import QuantizedPages
 
 
@@ -65,9 +67,113 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
                               sparse)
   if mesh is not None:
     attn_fn = functools.partial(sharded_attend, attn_fn, mesh, sparse is not None)
-  forward = functools.partial(_forward, graphdef, params_def, attn_fn)
+  layout = KVLayout(hisparse=blocks is not None)
+  forward = functools.partial(_forward, graphdef, params_def, attn_fn, layout)
   return jax.jit(forward, donate_argnums=(2, 3, 4),
                  static_argnames=("greedy_only", "num_token_rows"))
+
+
+@functools.cache  # one jitted program per model structure, shared by engines of a process
+def dsa_step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str,
+                     static: DsaStatic, index_layers: tuple[int, ...], *, params_def=None):
+  """The step program of a DSA model (models/deepseek_v32.py): the same forward and
+  sampling, each layer's attention `sparse.dsa_attention.attend` over its latent and
+  indexer-key pages (and, tiered, the host pool's latent pages, the indexer keys of host
+  blocks and the hot-buffer state)."""
+  attn_fn = functools.partial(dsa_attend, ops, jnp.dtype(kv_dtype), static)
+  layout = DsaLayout(index_layers=index_layers, tiered=static.tiered,
+                     record_topk=static.record_topk)
+  forward = functools.partial(_forward, graphdef, params_def, attn_fn, layout)
+  return jax.jit(forward, donate_argnums=(2, 3, 4),
+                 static_argnames=("greedy_only", "num_token_rows"))
+
+
+def _layer_arrays(arrays, num_layers: int, i: int) -> tuple:
+  """Layer i's array of each kind (arrays grouped by kind, num_layers each)."""
+  kinds = len(arrays) // num_layers
+  return tuple(arrays[j * num_layers + i] for j in range(kinds))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """How a llama-family step hands each layer its cache (`attend`'s kv_cache) and
+  gathers the layers' new caches back into the runner's flat arrays.
+
+  The pool's arrays are grouped by kind (k..., v..., and an int8 cache's k_scale...,
+  v_scale...); a layer's pages are its array of each kind (KVPool.arrays). HiSparse: each
+  layer's cache is a dict of its pages, key bounds, host pages and hot-buffer state."""
+
+  hisparse: bool
+
+  def layer_caches(self, num_layers, kv_arrays, bounds, hot_state, host_arrays):
+    if self.hisparse:
+      return [dict(pages=_layer_arrays(kv_arrays, num_layers, i), bounds=bounds[i],
+                   host=_layer_arrays(host_arrays, num_layers, i),
+                   state=_layer_arrays(hot_state, num_layers, i))
+              for i in range(num_layers)]
+    return [_layer_arrays(kv_arrays, num_layers, i) for i in range(num_layers)]
+
+  def outputs(self, kv_caches, bounds, hot_state):
+    """(new pool arrays, new bounds, new hot state, (counts, loaded))."""
+    num_layers = len(kv_caches)
+    if self.hisparse:
+      num_kinds = len(kv_caches[0]["pages"])
+      new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
+      # (A step without sparse rows is called without the state and hands none back.)
+      new_state = tuple(c["state"][j] for j in range(len(hot_state) // num_layers)
+                        for c in kv_caches)
+      counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
+      loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
+      return new_arrays, tuple(c["bounds"] for c in kv_caches), new_state, (counts, loaded)
+    num_kinds = len(kv_caches[0])
+    new_arrays = tuple(c[j] for j in range(num_kinds) for c in kv_caches)
+    return new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
+                                       jnp.zeros((0,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class DsaLayout:
+  """`KVLayout` of a DSA model: pool arrays latent[0..L-1], then index_k of each layer
+  with an indexer (`index_layers`, in order); tiered (HiSparse), `bounds` holds those
+  layers' indexer keys of host blocks (`host_index`), the host arrays are the host pool's
+  (only the latent pages are read: loads move latent entries), the hot state is one
+  (slot, last used, evicted at) triple per layer. record_topk: the step also returns each
+  layer's selection (int32 [layers, tokens, k])."""
+
+  index_layers: tuple[int, ...]
+  tiered: bool
+  record_topk: bool = False
+
+  def layer_caches(self, num_layers, kv_arrays, bounds, hot_state, host_arrays):
+    caches = []
+    for i in range(num_layers):
+      slot = self.index_layers.index(i) if i in self.index_layers else None
+      pages = (kv_arrays[i],) if slot is None else (kv_arrays[i], kv_arrays[num_layers + slot])
+      if not self.tiered:
+        caches.append(pages)
+        continue
+      cache = dict(pages=pages, host=host_arrays[i:i + 1],
+                   state=_layer_arrays(hot_state, num_layers, i))
+      if slot is not None:
+        cache["host_index"] = bounds[slot]
+      caches.append(cache)
+    return caches
+
+  def outputs(self, kv_caches, bounds, hot_state):
+    num_layers = len(kv_caches)
+    pages = [c["pages"] if isinstance(c, dict) else c for c in kv_caches]
+    new_arrays = tuple(p[0] for p in pages) + tuple(p[1] for p in pages if len(p) > 1)
+    topk = ()
+    if self.record_topk:
+      topk = (jnp.stack([c["topk"] for c in kv_caches]),)
+    if not self.tiered:
+      zeros = jnp.zeros((0,), jnp.int32)
+      return new_arrays, bounds, hot_state, (zeros, zeros, *topk)
+    new_state = tuple(c["state"][j] for j in range(len(hot_state) // num_layers)
+                      for c in kv_caches)
+    counts = jnp.stack([c["counts"] for c in kv_caches])
+    loaded = jnp.stack([c["loaded"] for c in kv_caches])
+    return new_arrays, bounds, new_state, (counts, loaded, *topk)
 
 
 @functools.cache
@@ -130,8 +236,8 @@ def _copy_blocks(arrays, src, dst):
   return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
 
 
-def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot_state,
-             host_arrays,
+def _forward(graphdef, params_def, attn_fn, layout, params, head, kv_arrays, bounds,
+             hot_state, host_arrays,
              input_ids, token_src, prev_tokens, positions, metadata: StepMetadata,
              logits_indices, temperature, top_p, top_k, seeds, counters,
              extras: SamplerExtras | None, *, greedy_only: bool, num_token_rows: int):
@@ -139,27 +245,15 @@ def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot
   # model's own (`ModelRunner.packed_step_weights`). params: the model's state, or its
   # leaves when params_def (its tree structure) is given: a flat tuple of arrays is
   # what the call passes fastest (the state's variables flatten in Python each call).
+  # layout: how the layers' caches come out of and go back into the flat arrays
+  # (KVLayout, DsaLayout).
   if params_def is not None:
     params = jax.tree.unflatten(params_def, params)
   model = nnx.merge(graphdef, params)
   # Tokens still in flight on the host come from the previous step's output.
   input_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], input_ids)
-  # The pool's arrays are grouped by kind (k..., v..., and an int8 cache's k_scale...,
-  # v_scale...); a layer's pages are its array of each kind (KVPool.arrays).
-  num_layers = model.config.num_hidden_layers
-  num_kinds = len(kv_arrays) // num_layers
-
-  def layer_arrays(arrays, i):
-    kinds = len(arrays) // num_layers
-    return tuple(arrays[j * num_layers + i] for j in range(kinds))
-
-  if bounds:  # HiSparse: each layer's cache is a dict (see attend)
-    kv_caches = [dict(pages=layer_arrays(kv_arrays, i), bounds=bounds[i],
-                      host=layer_arrays(host_arrays, i),
-                      state=layer_arrays(hot_state, i))
-                 for i in range(num_layers)]
-  else:
-    kv_caches = [layer_arrays(kv_arrays, i) for i in range(num_layers)]
+  kv_caches = layout.layer_caches(model.config.num_hidden_layers, kv_arrays, bounds,
+                                  hot_state, host_arrays)
   hidden, kv_caches = model.hidden_states(input_ids[None], positions[None], attn_fn=attn_fn,
                                           kv_caches=kv_caches, attn_metadata=metadata)
   logits = model.compute_logits(hidden[0, logits_indices], head)  # [num_seqs, vocab]
@@ -183,18 +277,9 @@ def _forward(graphdef, params_def, attn_fn, params, head, kv_arrays, bounds, hot
   logprobs = (logprobs, prompt_logprobs)
   # One shape for every step (the next step reads it as prev_tokens).
   tokens = jnp.zeros((num_token_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
-  if bounds:
-    new_arrays = tuple(c["pages"][j] for j in range(num_kinds) for c in kv_caches)
-    # (A step without sparse rows is called without the state and hands none back.)
-    new_state = tuple(c["state"][j] for j in range(len(hot_state) // num_layers)
-                      for c in kv_caches)
-    counts = jnp.stack([c["counts"] for c in kv_caches])  # [layers, num_seqs, 5]
-    loaded = jnp.stack([c["loaded"] for c in kv_caches])  # [layers]: blocks moved h2d
-    return (tokens, new_arrays, tuple(c["bounds"] for c in kv_caches), new_state,
-            (counts, loaded), logprobs)
-  new_arrays = tuple(c[j] for j in range(num_kinds) for c in kv_caches)
-  return tokens, new_arrays, (), hot_state, (jnp.zeros((0,), jnp.int32),
-                                             jnp.zeros((0,), jnp.int32)), logprobs
+  new_arrays, new_bounds, new_state, sparse_out = layout.outputs(kv_caches, bounds,
+                                                                 hot_state)
+  return tokens, new_arrays, new_bounds, new_state, sparse_out, logprobs
 
 
 def _process_logits(logits, extras: SamplerExtras, last_input, inflight):

@@ -144,8 +144,9 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"{need}; raise --device_kv_gib or lower --max_model_len"
         + (", --hot_buffer_tokens or --max_num_batched_tokens" if device_need
            < blocks_per_request else "")
-        + (" (or lower --host_pool_gib or raise --block_size: the indexer keeps the key "
-           "bounds of every host block on the device)" if device_reserved_bytes else ""))
+        + (" (or lower --host_pool_gib or raise --block_size: the indexer keeps the "
+           f"{'indexer keys' if spec.is_mla else 'key bounds'} of every host block on the "
+           "device)" if device_reserved_bytes else ""))
 
   # Host tier.
   if host_pool_gib < 0:
@@ -226,6 +227,9 @@ class TierCapacity:
   process_index: int = 0
   num_processes: int = 1
   kv_dtype: str = ""  # what the pool stores (KVCacheSpec.describe()); "" = not named
+  # A pool of several caches (a DSA model's MLA latent and indexer keys): (name, bytes per
+  # token, allocated bytes) of each, measured on its arrays; () for K/V alone.
+  caches: tuple[tuple[str, int, int], ...] = ()
 
   def log_line(self) -> str:
     where = f"memory_kind={self.memory_kind}"
@@ -234,6 +238,9 @@ class TierCapacity:
     line = (f"KV cache capacity [{where}]: {_gib(self.kv_bytes)} = "
             f"{self.num_blocks:,} blocks x {self.block_size} tokens = "
             f"{self.num_tokens:,} tokens; {self.bytes_per_token:,} bytes per token")
+    if self.caches:
+      line += " (" + "; ".join(f"{name} {per_token:,} bytes per token = {_gib(nbytes)}"
+                               for name, per_token, nbytes in self.caches) + ")"
     if self.kv_dtype:
       line += f" (KV {self.kv_dtype})"
     if self.num_null_blocks:
@@ -266,12 +273,22 @@ class HiSparseCapacity:
   # Device blocks a prompt longer than the device pool streams through (chunked
   # prefill); None: prompts must fit the device pool.
   streamed_device_blocks: int | None = None
+  # A DSA model's learned indexer (HiSparseConfig.indexer "lightning"): indexer_bytes are
+  # the indexer keys of host blocks, the top-k and hot buffer are in tokens.
+  lightning: bool = False
+  top_k_tokens: int = 0
 
   @property
   def reserved_bytes(self) -> int:
     return self.indexer_bytes + self.hot_state_bytes
 
   def device_detail(self, block_size: int) -> str:
+    if self.lightning:
+      return (f"HiSparse (learned indexer, top-k {self.top_k_tokens:,} tokens): indexer keys "
+              f"of host blocks {self.indexer_bytes:,} bytes + hot-buffer state "
+              f"{self.hot_state_bytes:,} bytes; hot buffer {self.hot_buffer_blocks:,} blocks "
+              f"= {self.hot_buffer_blocks * block_size:,} token slots per offloaded request, "
+              "from the pool")
     return (f"HiSparse: indexer key bounds ({self.bounds_dtype}) {self.indexer_bytes:,} "
             f"bytes + hot-buffer state "
             f"{self.hot_state_bytes:,} bytes; hot buffer {self.hot_buffer_blocks:,} blocks "
@@ -308,6 +325,15 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
   chunk a prompt longer than the device pool streams through (None: no streaming)."""
   blocks = hisparse.blocks(spec.block_size)
   max_blocks = math.ceil(max_model_len / spec.block_size)
+  if spec.is_mla:  # token-granular hot buffer; the indexer keys of every host block
+    bs = spec.block_size
+    state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * bs
+    return HiSparseCapacity(
+        indexer_bytes=num_host_blocks * bs * spec.index_bytes_per_token,
+        hot_state_bytes=state * 4 * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
+        top_k_blocks=blocks.top_k_blocks,
+        sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
+        bounds_dtype=spec.dtype, lightning=True, top_k_tokens=hisparse.top_k_tokens)
   state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
   return HiSparseCapacity(
       indexer_bytes=(num_device_blocks + num_host_blocks)
@@ -358,15 +384,26 @@ class CapacityReport:
         acc["kv_bytes"] += sum(live_bytes([array]).values())  # every shard, every copy
       acc["num_blocks"] += pool.num_usable_blocks
       acc["num_null_blocks"] += pool.num_blocks - pool.num_usable_blocks
+      if len(pool.spec.caches) > 1:  # each cache apart, from its own arrays
+        by_cache = acc.setdefault("cache_bytes", {})
+        for name, nbytes in pool.cache_bytes().items():
+          by_cache[name] = by_cache.get(name, 0) + nbytes
     specs = {pool.spec for pool in pools}
     if len(specs) != 1:
       raise ValueError(f"pools of one report must share one KVCacheSpec, got {specs}")
     spec = specs.pop()
+    per_token = dict(spec.caches)
+
+    def caches(acc: dict[str, int]) -> tuple[tuple[str, int, int], ...]:
+      return tuple((name, per_token[name], nbytes)
+                   for name, nbytes in acc.pop("cache_bytes", {}).items())
+
     tiers = tuple(
         TierCapacity(memory_kind=kind, block_size=spec.block_size,
                      num_tokens=acc["num_blocks"] * spec.block_size,
                      bytes_per_token=spec.bytes_per_token, kv_dtype=spec.describe(),
-                     reserved_bytes=device_reserved_bytes if kind == DEVICE else 0, **acc)
+                     reserved_bytes=device_reserved_bytes if kind == DEVICE else 0,
+                     caches=caches(acc), **acc)
         for kind in MEMORY_KINDS if (acc := by_kind.get(kind)) is not None)
     devices = {d for pool in pools for d in pool.devices}
     local = {d for pool in pools for d in pool.local_devices}  # multi-host: this process's

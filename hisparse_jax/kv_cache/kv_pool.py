@@ -139,6 +139,142 @@ class KVCacheSpec:
     """The scales of a quantized cache: one per token and KV head."""
     return (num_blocks, self.block_size, self.num_kv_heads, 1)
 
+  def array_kinds(self) -> tuple[ArrayKind, ...]:
+    """The pool's arrays by kind, in `KVPool.arrays()` order: k, v (and the scales of a
+    quantized cache), one array per layer each."""
+    values = (self.num_kv_heads, self.head_dim)
+    kinds = (ArrayKind("k", self.num_layers, values), ArrayKind("v", self.num_layers, values))
+    if self.quantized:
+      scales = (self.num_kv_heads, 1)
+      kinds += (ArrayKind("k_scale", self.num_layers, scales, "float32"),
+                ArrayKind("v_scale", self.num_layers, scales, "float32"))
+    return kinds
+
+  @property
+  def caches(self) -> tuple[tuple[str, int], ...]:
+    """(name, bytes per token over all layers) of each cache the capacity lines name."""
+    return (("K/V", self.bytes_per_token),)
+
+  @property
+  def is_mla(self) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayKind:
+  """`count` arrays of a pool (one per layer, or per layer with an indexer), each
+  [num_blocks, block_size, *tail]; `dtype` None: the pool's storage dtype."""
+
+  name: str
+  count: int
+  tail: tuple[int, ...]
+  dtype: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MLACacheSpec:
+  """The caches of a DSA model (MLA + lightning indexer, models/deepseek_v32.py), paged
+  like K/V with shared block ids in both memory kinds::
+
+    latent[l]   [num_blocks, block_size, 1, kv_lora_rank + rope_dim]   every layer l:
+                the normalized kv latent, then the roped shared key (MLA's absorbed form:
+                one entry per token for all heads; DeepSeek-V3.2: 512 + 64)
+    index_k[j]  [num_blocks, block_size, 1, index_head_dim]   every layer with an indexer
+                (`index_layers`; GLM-MoE-DSA's "shared" layers have none): the lightning
+                indexer's key of each token
+
+  Invariants as KVCacheSpec's; `kv_cache_dtype` "auto" only (8-bit DSA caches are not
+  built); `index_layers` sorted, within [0, num_layers), the first layer among them."""
+
+  num_layers: int
+  kv_lora_rank: int
+  rope_dim: int
+  index_head_dim: int
+  index_layers: tuple[int, ...]
+  dtype: str
+  block_size: int
+  kv_cache_dtype: str = "auto"
+
+  def __post_init__(self):
+    for name in ("num_layers", "kv_lora_rank", "rope_dim", "index_head_dim", "block_size"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"MLACacheSpec.{name} must be a positive integer, got {value!r}")
+    if self.block_size & (self.block_size - 1):
+      raise ValueError(f"--block_size must be a power of two, got {self.block_size}")
+    dtype = jnp.dtype(self.dtype).name if not isinstance(self.dtype, str) else self.dtype
+    if dtype not in KV_DTYPES:
+      raise ValueError(f"--dtype: KV cache dtype must be one of {KV_DTYPES}, got {dtype!r}")
+    object.__setattr__(self, "dtype", dtype)
+    if self.kv_cache_dtype != "auto":
+      raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype}: 8-bit caches of DSA models "
+                       "(MLA latent + indexer keys) are not supported; use kv_cache_dtype=auto")
+    layers = tuple(int(i) for i in self.index_layers)
+    if not layers or list(layers) != sorted(set(layers)) or layers[0] != 0 or (
+        layers[-1] >= self.num_layers):
+      raise ValueError(f"MLACacheSpec.index_layers must be sorted distinct layers of "
+                       f"[0, {self.num_layers}) starting at 0, got {self.index_layers!r}")
+    object.__setattr__(self, "index_layers", layers)
+
+  @classmethod
+  def from_model_config(cls, config: Any, dtype: str, block_size: int,
+                        kv_cache_dtype: str = "auto") -> MLACacheSpec:
+    """From a models.deepseek_v32.DeepseekV32Config."""
+    return cls(num_layers=config.num_hidden_layers, kv_lora_rank=config.kv_lora_rank,
+               rope_dim=config.qk_rope_head_dim, index_head_dim=config.index_head_dim,
+               index_layers=tuple(i for i, t in enumerate(config.indexer_types)
+                                  if t == "full"),
+               dtype=dtype, block_size=int(block_size), kv_cache_dtype=kv_cache_dtype)
+
+  quantized = False
+  is_mla = True
+  num_kv_heads = 1  # (one latent "head" shared by every query head)
+
+  @property
+  def latent_dim(self) -> int:
+    return self.kv_lora_rank + self.rope_dim
+
+  @property
+  def cache_dtype(self) -> str:
+    return self.dtype
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def latent_bytes_per_token(self) -> int:
+    return self.num_layers * self.latent_dim * self.itemsize
+
+  @property
+  def index_bytes_per_token(self) -> int:
+    return len(self.index_layers) * self.index_head_dim * self.itemsize
+
+  @property
+  def bytes_per_token(self) -> int:
+    """Both caches of one token over all layers."""
+    return self.latent_bytes_per_token + self.index_bytes_per_token
+
+  @property
+  def bytes_per_block(self) -> int:
+    return self.block_size * self.bytes_per_token
+
+  @property
+  def caches(self) -> tuple[tuple[str, int], ...]:
+    return (("MLA latent", self.latent_bytes_per_token),
+            ("indexer keys", self.index_bytes_per_token))
+
+  def describe(self) -> str:
+    return self.dtype
+
+  def array_kinds(self) -> tuple[ArrayKind, ...]:
+    return (ArrayKind("latent", self.num_layers, (1, self.latent_dim)),
+            ArrayKind("index_k", len(self.index_layers), (1, self.index_head_dim)))
+
+  def index_slot(self, layer: int) -> int | None:
+    """Which `index_k` array holds `layer`'s indexer keys (None: the layer has none)."""
+    return self.index_layers.index(layer) if layer in self.index_layers else None
+
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
   """ValueError naming the kv_cache_dtype field for a name this engine cannot store
@@ -201,17 +337,17 @@ def from_storage(x: jax.Array, kv_dtype) -> jax.Array:
 
 
 class KVPool:
-  """The K and V block arrays of every layer in one memory kind of one device.
+  """The cache block arrays of every layer in one memory kind of one device.
 
-  Invariants: `len(k) == len(v) == spec.num_layers`; every array has shape
-  `spec.block_shape(num_blocks)`, dtype `storage_dtype` and a sharding of kind
-  `memory_kind`; block `NULL_BLOCK_ID` (0, the null block, in both memory kinds) is
-  reserved, so usable ids are `[1, num_blocks)`. The
-  arrays change only through `set_arrays`, with arrays returned by a donating jitted
-  update.
+  Invariants: the arrays are those of `spec.array_kinds()` (K and V per layer, or a DSA
+  model's latent and indexer-key arrays: MLACacheSpec), each of shape [num_blocks,
+  block_size, *tail], of its kind's dtype (the storage dtype unless the kind names one)
+  and a sharding of kind `memory_kind`; block `NULL_BLOCK_ID` (0, the null block, in both
+  memory kinds) is reserved, so usable ids are `[1, num_blocks)`. The arrays change only
+  through `set_arrays`, with arrays returned by a donating jitted update.
   """
 
-  def __init__(self, spec: KVCacheSpec, num_blocks: int, memory_kind: str,
+  def __init__(self, spec: KVCacheSpec | MLACacheSpec, num_blocks: int, memory_kind: str,
                device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None):
     """mesh: tensor parallelism, the arrays split by KV head over its devices
     (`hisparse_jax.distributed.parallel`); `device` is then the mesh's first."""
@@ -227,6 +363,9 @@ class KVPool:
     # What is not split (the runner's hot-buffer state, step inputs): one copy per device.
     self.replicated = self.sharding
     if mesh is not None:
+      if spec.is_mla:
+        raise ValueError("--tensor_parallel_size > 1: DSA models (MLA latent cache) are "
+                         "not supported with tensor parallelism; use 1")
       if spec.num_kv_heads % parallel.tp_size(mesh):
         raise ValueError(f"--tensor_parallel_size={parallel.tp_size(mesh)} does not divide "
                          f"the KV cache's num_kv_heads={spec.num_kv_heads}")
@@ -238,15 +377,17 @@ class KVPool:
     self.num_blocks = int(num_blocks)
     self.storage_dtype = (np.dtype(spec.cache_dtype) if spec.quantized
                           else storage_dtype(spec.dtype, self.device.platform))
-    shape = spec.block_shape(self.num_blocks)
-    self.k: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))
-    self.v: tuple[jax.Array, ...] = tuple(self._zeros(shape) for _ in range(spec.num_layers))
-    self.k_scale: tuple[jax.Array, ...] = ()
-    self.v_scale: tuple[jax.Array, ...] = ()
-    if spec.quantized:
-      scales = spec.scale_shape(self.num_blocks)
-      self.k_scale = tuple(self._zeros(scales, np.float32) for _ in range(spec.num_layers))
-      self.v_scale = tuple(self._zeros(scales, np.float32) for _ in range(spec.num_layers))
+    self.kinds = spec.array_kinds()
+    self._arrays: dict[str, tuple[jax.Array, ...]] = {
+        kind.name: tuple(self._zeros(self.kind_shape(kind), kind.dtype)
+                         for _ in range(kind.count))
+        for kind in self.kinds}
+
+  def kind_shape(self, kind: ArrayKind) -> tuple[int, ...]:
+    return (self.num_blocks, self.spec.block_size, *kind.tail)
+
+  def kind_dtype(self, kind: ArrayKind) -> np.dtype:
+    return self.storage_dtype if kind.dtype is None else np.dtype(kind.dtype)
 
   def _zeros(self, shape: tuple[int, ...], dtype=None) -> jax.Array:
     dtype = self.storage_dtype if dtype is None else np.dtype(dtype)
@@ -267,6 +408,19 @@ class KVPool:
     staged = jax.device_put(np.zeros(shape, dtype), self.sharding, may_alias=False)
     return _host_copy_fn(self.sharding)(staged)
 
+  def kind(self, name: str) -> tuple[jax.Array, ...]:
+    """The arrays of kind `name` (() when the spec has no such kind)."""
+    return self._arrays.get(name, ())
+
+  # K/V caches (KVCacheSpec): pool.k[layer], pool.v[layer], and a quantized cache's scales.
+  k = property(lambda self: self.kind("k"))
+  v = property(lambda self: self.kind("v"))
+  k_scale = property(lambda self: self.kind("k_scale"))
+  v_scale = property(lambda self: self.kind("v_scale"))
+  # DSA caches (MLACacheSpec): pool.latent[layer], pool.index_k[spec.index_slot(layer)].
+  latent = property(lambda self: self.kind("latent"))
+  index_k = property(lambda self: self.kind("index_k"))
+
   @property
   def num_usable_blocks(self) -> int:
     return num_usable_blocks(self.num_blocks)
@@ -275,37 +429,39 @@ class KVPool:
   def num_layers(self) -> int:
     return self.spec.num_layers
 
-  @property
-  def num_arrays_per_layer(self) -> int:
-    """2 (K, V), or 4 (K, V, K scales, V scales) for a quantized cache."""
-    return 4 if self.spec.quantized else 2
-
   def arrays(self) -> tuple[jax.Array, ...]:
-    """All arrays as one flat tuple: `k[0], ..., k[L-1], v[0], ..., v[L-1]` (then
-    `k_scale[0], ..., v_scale[L-1]` for a quantized cache)."""
-    return self.k + self.v + self.k_scale + self.v_scale
+    """All arrays as one flat tuple, kind after kind: `k[0], ..., k[L-1], v[0], ...,
+    v[L-1]` (then `k_scale[0], ..., v_scale[L-1]` for a quantized cache); a DSA model's:
+    `latent[0], ..., latent[L-1], index_k[0], ...`."""
+    return tuple(a for kind in self.kinds for a in self._arrays[kind.name])
 
   def set_arrays(self, arrays: tuple[jax.Array, ...]) -> None:
     """Installs the arrays returned by a donating update (same order as `arrays()`)."""
     arrays = tuple(arrays)
-    num_layers = self.spec.num_layers
-    want = self.num_arrays_per_layer * num_layers
+    want = sum(kind.count for kind in self.kinds)
     if len(arrays) != want:
       raise ValueError(f"expected {want} arrays, got {len(arrays)}")
-    for i, a in enumerate(arrays):
-      if i < 2 * num_layers:
-        shape, dtype = self.spec.block_shape(self.num_blocks), self.storage_dtype
-      else:
-        shape, dtype = self.spec.scale_shape(self.num_blocks), np.dtype(np.float32)
-      if a.shape != shape or a.dtype != dtype:
-        raise ValueError(f"pool array must be {dtype}{list(shape)}, "
-                         f"got {a.dtype}{list(a.shape)}")
-      if a.sharding.memory_kind != self.memory_kind:
-        raise ValueError(f"pool array must live in {self.memory_kind}, "
-                         f"got {a.sharding.memory_kind}")
-    self.k, self.v = arrays[:num_layers], arrays[num_layers:2 * num_layers]
-    self.k_scale = arrays[2 * num_layers:3 * num_layers]
-    self.v_scale = arrays[3 * num_layers:]
+    new, start = {}, 0
+    for kind in self.kinds:
+      shape, dtype = self.kind_shape(kind), self.kind_dtype(kind)
+      for a in arrays[start:start + kind.count]:
+        if a.shape != shape or a.dtype != dtype:
+          raise ValueError(f"pool array must be {dtype}{list(shape)}, "
+                           f"got {a.dtype}{list(a.shape)}")
+        if a.sharding.memory_kind != self.memory_kind:
+          raise ValueError(f"pool array must live in {self.memory_kind}, "
+                           f"got {a.sharding.memory_kind}")
+      new[kind.name] = arrays[start:start + kind.count]
+      start += kind.count
+    self._arrays = new
+
+  def cache_bytes(self) -> dict[str, int]:
+    """Allocated bytes of each cache the capacity lines name (`spec.caches`): a DSA
+    model's latent and indexer-key arrays apart, K/V (with scales) as one."""
+    if self.spec.is_mla:
+      return {name: sum(int(a.nbytes) for a in self.kind(kind))
+              for (name, _), kind in zip(self.spec.caches, ("latent", "index_k"))}
+    return {self.spec.caches[0][0]: self.nbytes}
 
   @property
   def nbytes(self) -> int:
@@ -331,11 +487,10 @@ class KVPool:
     return from_storage(x, self.spec.dtype)
 
   def __repr__(self) -> str:
-    scales = (f" + 2 x float32{list(self.spec.scale_shape(self.num_blocks))}"
-              if self.spec.quantized else "")
-    return (f"KVPool({self.memory_kind}, {self.num_layers} layers x 2 x "
-            f"{self.storage_dtype}{list(self.spec.block_shape(self.num_blocks))}{scales}, "
-            f"{self.nbytes:,} bytes)")
+    kinds = " + ".join(
+        f"{kind.count} x {self.kind_dtype(kind)}{list(self.kind_shape(kind))}"
+        for kind in self.kinds)
+    return f"KVPool({self.memory_kind}, {kinds}, {self.nbytes:,} bytes)"
 
 
 @functools.cache

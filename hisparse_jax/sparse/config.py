@@ -75,8 +75,9 @@ class HiSparseConfig:
   min(64, top_k / 8) and min(256, top_k / 4): 64 and 256 from a top-k of 1,024) and
   `sink_tokens + local_tokens <= top_k_tokens` (they are part of the budget);
   `sparse_threshold_tokens > 0` (default: `hot_buffer_tokens`; sequences up to this
-  length take the dense path, exact and without host traffic); `indexer ==
-  "block_bounds"` ("lightning" is reserved for models with a learned indexer);
+  length take the dense path, exact and without host traffic); `indexer` in INDEXERS:
+  "block_bounds" (llama-family models: per-block key bounds) or "lightning" (DSA models:
+  their learned indexer, `for_index_topk`; the engine refuses the other pairings);
   `selection` in SELECTIONS (default "union": one set of blocks for all heads, the
   union of each query head's best-ranked ones; sparse/indexer.py);
   `resident_sparse_min_tokens >= 0` (default DEFAULT_RESIDENT_SPARSE_MIN_TOKENS, 0: a
@@ -121,20 +122,18 @@ class HiSparseConfig:
                  "resident_sparse_min_tokens"):
       if _int(self, name) < 0:
         raise ValueError(f"HiSparseConfig.{name} must be >= 0, got {getattr(self, name)}")
-    if self.hot_buffer_tokens < self.top_k_tokens:
+    # (lightning: the model's index_topk is the top-k; for_index_topk checks against it)
+    if self.hot_buffer_tokens < self.top_k_tokens and self.indexer != "lightning":
       raise ValueError(
           f"HiSparseConfig.hot_buffer_tokens ({self.hot_buffer_tokens}) must be >= "
           f"top_k_tokens ({self.top_k_tokens}): a step's selected blocks must fit the "
           "hot buffer at once")
-    if self.sink_tokens + self.local_tokens > self.top_k_tokens:
+    if (self.sink_tokens + self.local_tokens > self.top_k_tokens
+        and self.indexer != "lightning"):
       raise ValueError(
           f"HiSparseConfig.sink_tokens + local_tokens ({self.sink_tokens} + "
           f"{self.local_tokens}) must be <= top_k_tokens ({self.top_k_tokens}): sink and "
           "local blocks are part of the top-k budget")
-    if self.indexer == "lightning":
-      raise ValueError(
-          "HiSparseConfig.indexer='lightning' needs a model with a learned (lightning) "
-          "indexer, which no supported model has; use indexer='block_bounds'")
     if self.indexer not in INDEXERS:
       raise ValueError(f"HiSparseConfig.indexer must be one of {INDEXERS}, got "
                        f"{self.indexer!r}")
@@ -165,6 +164,28 @@ class HiSparseConfig:
       settings["top_k_tokens"] = max(MIN_DEFAULT_TOP_K_BLOCKS * block_size,
                                      min(cls.top_k_tokens, quarter))
     return cls(**settings)
+
+  def for_index_topk(self, index_topk: int, max_model_len: int) -> HiSparseConfig:
+    """The settings a DSA model runs with (`indexer="lightning"`): its learned indexer
+    attends the model's `index_topk` tokens per query, so that is the top-k (whatever
+    top_k_tokens said), with no sink or local window (the indexer picks every token); the
+    hot buffer (token slots per offloaded request) must hold index_topk tokens. ValueError
+    naming the field: a hot buffer below index_topk, or an index_topk not below
+    max_model_len (every query would attend every earlier token: nothing to select)."""
+    if self.indexer != "lightning":
+      raise ValueError(f"HiSparseConfig.indexer={self.indexer!r}: a DSA model selects with "
+                       "its learned indexer; use indexer='lightning' (--hisparse_indexer="
+                       "lightning)")
+    if index_topk >= max_model_len:
+      raise ValueError(f"index_topk={index_topk} (the model's config.json) is not below "
+                       f"max_model_len={max_model_len}: every query attends every earlier "
+                       "token, so HiSparse has nothing to select; raise max_model_len or run "
+                       "without hisparse")
+    if self.hot_buffer_tokens < index_topk:
+      raise ValueError(f"HiSparseConfig.hot_buffer_tokens ({self.hot_buffer_tokens}) must "
+                       f"be >= the model's index_topk ({index_topk}): a step's selected "
+                       "tokens must fit the hot buffer at once")
+    return dataclasses.replace(self, top_k_tokens=index_topk, sink_tokens=0, local_tokens=0)
 
   def blocks(self, block_size: int) -> HiSparseBlocks:
     """The settings in blocks: each token figure rounded up to whole blocks, the local

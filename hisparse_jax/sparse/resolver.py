@@ -256,9 +256,9 @@ def load_blocks(
   loads are a loop of exactly `loads` block copies (transfer.copy_block_loop, the
   swap-ins' mechanism there): the blocks moved equal the misses, with no bucket.
   """
-  if len(host_arrays) != len(device_arrays) or len(host_arrays) % 2:
-    raise ValueError(f"host and device arrays must be the same even number (k..., v...), "
-                     f"got {len(host_arrays)} and {len(device_arrays)}")
+  if len(host_arrays) != len(device_arrays) or not host_arrays:
+    raise ValueError(f"host and device arrays must be the same number (k..., v...; a DSA "
+                     f"layer's latent pages), got {len(host_arrays)} and {len(device_arrays)}")
   total = host_ids.shape[0]
   num_device_blocks = device_arrays[0].shape[0]
   device_ids = device_ids.astype(jnp.int32)

@@ -27,21 +27,16 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
 from models import deepseek_v32 as ds
+from models import testing
 from models.loader import CheckpointError
 
-HF_CONFIG = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-    n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, kv_lora_rank=32,
-    q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
-    index_head_dim=32, index_n_heads=16, first_k_dense_replace=1, initializer_range=0.3,
-    max_position_embeddings=256, routed_scaling_factor=2.5, bos_token_id=0, eos_token_id=1)
+HF_CONFIG = testing.DSA_TINY_HF_CONFIG
 # kind -> (config overrides, transformers classes, indexer class).
 CASES = {
-    "deepseek_v32": ({}, (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
+    "deepseek_v32": (testing.DSA_KIND_OVERRIDES["deepseek_v32"],
+                     (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
                      hf_ds.DeepseekV32Indexer),
-    "glm_moe_dsa": (dict(num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5,
-                         indexer_types=["full", "shared", "full", "shared"]),
+    "glm_moe_dsa": (testing.DSA_KIND_OVERRIDES["glm_moe_dsa"],
                     (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
                     hf_glm.GlmMoeDsaIndexer),
 }
@@ -66,22 +61,8 @@ def _forward(model, ids):
 
 
 def _save_random(path, kind, **overrides):
-  """(HF eager model, our model loaded from `path`): a random HF model of `kind` saved
-  there, its norms, biases and the router's score-correction bias randomised so that every
-  tensor matters."""
-  (config_cls, model_cls) = CASES[kind][1]
-  config = config_cls(**{**HF_CONFIG, **CASES[kind][0], **overrides},
-                      attn_implementation="eager")
-  torch.manual_seed(0)
-  hf = model_cls(config).eval()
-  with torch.no_grad():
-    for name, p in hf.named_parameters():
-      if "norm" in name:
-        p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
-    for name, b in hf.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.copy_(torch.randn_like(b) * 0.1)
-  hf.save_pretrained(path)
+  """(HF eager model, our model loaded from `path`): models.testing.save_random_dsa."""
+  hf = testing.save_random_dsa(path, kind, **overrides)
   return hf, ds.load_pretrained(path)[0]
 
 

@@ -11,6 +11,8 @@ Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
 
   transfer                TransferEngine h2d / d2h vs a numpy copy of the same bytes
   decode_sparse_vs_dense  engine decode step, HiSparse top-k vs dense, 4k-64k context
+  dsa_decode              a DSA model's decode step (learned indexer, host tier in:
+                          offloaded, warm and cold hot buffer) vs dense MLA, 4k-64k context
   capacity_concurrency    requests at once and tokens/s at one device budget
   engine_vs_hf            greedy batch generation vs transformers and a plain JAX loop
   engine_vs_vllm          tokens/s vs vLLM's CPU build (its venv: `make peers`), 3 workloads
@@ -52,6 +54,7 @@ SUITES = {
     "kernel": "kernel",
     "transfer": "transfer",
     "decode_sparse_vs_dense": "decode",
+    "dsa_decode": "dsa_decode",
     "hisparse_hot_buffer": "hot_buffer",
     "capacity_concurrency": "capacity",
     "engine_vs_hf": "engine_vs_hf",

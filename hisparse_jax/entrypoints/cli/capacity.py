@@ -11,7 +11,8 @@ the lines `hisparse_jax.kv_cache.capacity.CapacityReport.log` writes at model lo
 exits 0. With --hisparse, the device line details the indexer and hot-buffer bytes and the
 total line says how many long requests HiSparse runs at once. Bad flag values (a budget
 too small for one request of `--max_model_len`, a host pool above 95% of the available
-RAM) exit 2 with one line naming the flag.
+RAM) exit 2 with one line naming the flag. A DSA model's lines name its two caches (MLA
+latent, indexer keys) per memory kind.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hisparse_jax.kv_cache.capacity import (
   plan_capacity_reserving,
   streamed_device_blocks,
 )
-from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, check_kv_cache_dtype
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, MLACacheSpec, check_kv_cache_dtype
 
 FLAGS = flags.FLAGS
 
@@ -37,7 +38,11 @@ def main(argv: list[str]) -> int:
     check_kv_cache_dtype(FLAGS.kv_cache_dtype)
   except ValueError as e:
     raise ValueError(f"--{e}") from None
-  from models.loader import checkpoint_dtype, load_pretrained  # noqa: PLC0415 (heavy)
+  from models.loader import (  # noqa: PLC0415 (heavy)
+    checkpoint_dtype,
+    is_dsa_config,
+    load_pretrained,
+  )
 
   if FLAGS.tensor_parallel_size != 1:  # over a mesh: the engine's own pools and lines
     return _tensor_parallel()
@@ -47,8 +52,13 @@ def main(argv: list[str]) -> int:
   if max_positions is not None and FLAGS.max_model_len > max_positions:
     raise ValueError(f"--max_model_len={FLAGS.max_model_len} exceeds the model's "
                      f"max_position_embeddings={max_positions}")
-  spec = KVCacheSpec.from_model_config(config, dtype, block_size_from_flags(),
-                                       FLAGS.kv_cache_dtype)
+  is_dsa = is_dsa_config(config)
+  if is_dsa and FLAGS.kv_cache_dtype != "auto":
+    raise ValueError(f"--kv_cache_dtype={FLAGS.kv_cache_dtype}: 8-bit caches of DSA models "
+                     f"({config.model_type}: MLA latent + indexer keys) are not supported; "
+                     "use auto")
+  spec = (MLACacheSpec if is_dsa else KVCacheSpec).from_model_config(
+      config, dtype, block_size_from_flags(), FLAGS.kv_cache_dtype)
   plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
                    device_kv_gib=FLAGS.device_kv_gib)
   hisparse = hisparse_from_flags()
@@ -61,8 +71,14 @@ def main(argv: list[str]) -> int:
   # and a prompt longer than the device pool streams through it (chunked prefill).
   sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len,
                max_num_batched_tokens=FLAGS.max_num_batched_tokens)
-  plan_args["streamed_device_blocks"] = streamed_device_blocks(
-      hisparse, spec.block_size, FLAGS.max_num_batched_tokens)
+  if is_dsa:  # (as the engine: its learned indexer's settings; prompts fit the device)
+    try:
+      hisparse = hisparse.for_index_topk(config.index_topk, FLAGS.max_model_len)
+    except ValueError as e:
+      raise ValueError(f"--hisparse: {str(e).replace('HiSparseConfig.', '--')}") from None
+  else:
+    plan_args["streamed_device_blocks"] = streamed_device_blocks(
+        hisparse, spec.block_size, FLAGS.max_num_batched_tokens)
   pools = plan_capacity_reserving(
       spec, lambda d, h: hisparse_capacity(spec, hisparse, num_device_blocks=d,
                                            num_host_blocks=h, **sizes).reserved_bytes,

@@ -221,10 +221,16 @@ HISPARSE_FLAGS = ("top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tok
                   "selection", "streamed_prefill")
 
 
+# The HiSparse flags a DSA model reads (the others tune the block indexer of llama models).
+DSA_HISPARSE_FLAGS = ("hot_buffer_tokens", "sparse_threshold_tokens")
+
+
 def hisparse_from_flags():
   """The HiSparseConfig of --hisparse and its flags (None without --hisparse), the flags
   not given derived from --max_model_len and the block size
-  (`HiSparseConfig.for_max_model_len`); errors name the flag."""
+  (`HiSparseConfig.for_max_model_len`); for a DSA model (--model's config.json), its
+  learned indexer ("lightning") with the model's index_topk, refusing the flags of the
+  block indexer; errors name the flag."""
   from hisparse_jax.sparse.config import HiSparseConfig  # noqa: PLC0415
 
   if not FLAGS.hisparse:
@@ -232,7 +238,22 @@ def hisparse_from_flags():
     if given:
       raise ValueError(f"--{given[0]} is a HiSparse setting; add --hisparse to use it")
     return None
+  from models.loader import is_dsa_config, load_config  # noqa: PLC0415
+
+  config = load_config(FLAGS.model)
   try:
+    if is_dsa_config(config):  # its learned indexer picks index_topk tokens per query
+      given = [name for name in HISPARSE_FLAGS
+               if FLAGS[name].present and name not in DSA_HISPARSE_FLAGS]
+      if given:
+        raise ValueError(f"--{given[0]} is not a setting of DSA models ({config.model_type}: "
+                         f"the learned indexer attends index_topk={config.index_topk} "
+                         f"tokens); their HiSparse flags: --"
+                         + ", --".join(DSA_HISPARSE_FLAGS))
+      return HiSparseConfig(
+          indexer="lightning", top_k_tokens=config.index_topk,
+          **{name: FLAGS[name].value for name in DSA_HISPARSE_FLAGS
+             if FLAGS[name].value is not None})
     return HiSparseConfig.for_max_model_len(
         FLAGS.max_model_len, block_size_from_flags(),
         **{name: FLAGS[name].value for name in HISPARSE_FLAGS})
