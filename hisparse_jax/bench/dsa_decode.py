@@ -24,9 +24,10 @@ JSON gives the step times, `dense_over_offloaded` (warm) and `dense_over_offload
 the tokens the cold step loaded, and `bytes_bound` = the cache bytes a dense step reads /
 (indexer-key bytes of every key + latent bytes of the index_topk selected + 2 x the bytes
 the warm step's loads moved): what a memory-bound step could reach. The synthetic model's
-attention is a small DeepSeek-V3.2 (8 heads, kv_lora_rank 128 + rope 32, an indexer of 4
-heads x 64, index_topk 2,048, every MLP dense so the weights stay small); its weights are
-random (time does not depend on them).
+attention has DeepSeek-V3.2's cache geometry (kv_lora_rank 512 + rope 64, indexer keys of
+128, index_topk 2,048) and its 2:1 ratio of attention to indexer heads at 16 and 8 heads,
+2 layers, every MLP dense so the weights stay small; its weights are random (time does
+not depend on them). float32 caches (the CPU's C++ dense kernel reads float32 pages).
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ class Size:
 
 
 SIZES = {
+    # DeepSeek-V3.2's cache geometry (latent 512 + rope 64, indexer keys of 128, top-k
+    # 2,048) and its 2:1 ratio of attention to indexer heads, at 16 and 8 heads.
     "full": Size((4096, 16384, 65536), batch=2, index_topk=2048, block_size=16, reps=5,
-                 num_layers=2, hidden_size=256, num_heads=8, kv_lora_rank=128, rope_dim=32,
-                 index_heads=4, index_dim=64, vocab_size=2048),
+                 num_layers=2, hidden_size=512, num_heads=16, kv_lora_rank=512, rope_dim=64,
+                 index_heads=8, index_dim=128, vocab_size=2048),
     "smoke": Size((256,), batch=1, index_topk=32, block_size=4, reps=1, num_layers=2,
                   hidden_size=64, num_heads=4, kv_lora_rank=32, rope_dim=16, index_heads=4,
                   index_dim=16, vocab_size=128),

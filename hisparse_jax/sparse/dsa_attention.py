@@ -31,8 +31,8 @@ models); a dropped block's keys are read there. The indexer picks tokens, so the
 buffer is token-granular: its device blocks (`hot_slots`, hot_buffer_blocks of them)
 are hot_buffer_blocks x block_size token slots, and `resolver.resolve` runs with a token
 as its unit (resident token / hot-buffer token / miss loaded from its host token into the
-LRU slot), as does `resolver.load_blocks` over token views of the pools (a host load
-moves exactly the missed tokens' latent entries, one batched call per layer). SGLang's
+LRU slot), and `resolver.load_tokens` moves exactly the missed tokens' latent entries
+(one batched call per layer). SGLang's
 HiSparse keeps the same token-granular buffer for DSA.
 """
 
@@ -53,7 +53,7 @@ from models.mla_attention import MLAStep, index_scores
 
 # The indexer scores a tile of query tokens at a time against their rows' keys: at most
 # this many float32 key elements ([tile, keys, index_dim]) are gathered at once.
-MAX_TILE_KEY_ELEMENTS = 1 << 24
+MAX_TILE_KEY_ELEMENTS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +77,13 @@ def write_entries(pages: jax.Array, new: jax.Array, slot_ids: jax.Array, kv_dtyp
                   ) -> jax.Array:
   """new [tokens, width] (logical dtype) into pages [num_blocks, block_size, 1, width]
   (storage dtype) at slot_ids (block * block_size + offset; negative: not written)."""
-  num_blocks, block_size, _, width = pages.shape
-  flat = pages.reshape(num_blocks * block_size, width)
-  dst = jnp.where(slot_ids >= 0, slot_ids, num_blocks * block_size)
-  flat = flat.at[dst].set(to_storage(new, kv_dtype, pages.dtype), mode="drop")
-  return flat.reshape(pages.shape)
+  num_blocks, block_size = pages.shape[:2]
+  # Indexed by (block, offset), not through a reshape of the pages: XLA:CPU updates the
+  # donated pages in place only when the scatter is on them as they are (a reshaped view
+  # made it copy the whole array every step).
+  block = jnp.where(slot_ids >= 0, slot_ids // block_size, num_blocks)
+  return pages.at[block, slot_ids % block_size, 0].set(
+      to_storage(new, kv_dtype, pages.dtype), mode="drop")
 
 
 def token_rows(metadata: StepMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -252,15 +254,10 @@ def _tiered_rows(ops: kernels_pallas.KernelOps, static: DsaStatic, latent, cache
                          host, metadata.step, num_device_blocks=num_device_blocks * block_size,
                          thrash_window_steps=static.thrash_window_steps,
                          cpu_kernel=ops.backend == "xla" and _cpu_target())
-  width_all = latent.shape[-1]
-  tokens_view = latent.reshape(num_device_blocks * block_size, 1, 1, width_all)
-  host_latent = cache["host"][0]
-  host_view = host_latent.reshape(host_latent.shape[0] * block_size, 1, 1, width_all)
-  (tokens_view,), loaded = resolver.load_blocks(
-      (host_view,), (tokens_view,), res.load_host_ids, res.load_device_ids,
+  latent, loaded = resolver.load_tokens(
+      cache["host"][0], latent, res.load_host_ids, res.load_device_ids,
       device_sharding=static.device_sharding, host_sharding=static.host_sharding,
       one_memory=static.one_memory)
-  latent = tokens_view.reshape(latent.shape)
   resolved = jnp.where(valid, res.block_tables, -1)
   addresses = addresses.at[jnp.where(live, token, addresses.shape[0])].set(resolved,
                                                                             mode="drop")

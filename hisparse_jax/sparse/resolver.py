@@ -55,10 +55,12 @@ How the engine plugs this in:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.kv_cache import transfer
 from kernels_pallas import cpu_kernels
@@ -293,3 +295,71 @@ def load_blocks(
   new_arrays = tuple(d.at[device_packed].set(b, mode="drop")
                      for d, b in zip(device_arrays, blocks))
   return new_arrays, jnp.asarray(sizes, jnp.int32)[which]
+
+
+@functools.cache
+def _token_gather_program(device_sharding, host_sharding, block_size: int):
+  """(host pages, host token ids) -> the tokens' rows [n, width] on the device: the
+  gather runs on the host (compute_on("device_host")), only the rows cross."""
+
+  def gather(host_pages, host_ids):
+    host_ids = jax.device_put(host_ids, host_sharding)
+    with compute_on("device_host"):
+      rows = host_pages[host_ids // block_size, host_ids % block_size, 0]
+    return jax.device_put(rows, device_sharding)
+
+  return jax.jit(gather, out_shardings=device_sharding)
+
+
+def load_tokens(
+    host_pages: jax.Array,  # pinned_host [num_host_blocks, block_size, 1, width]
+    device_pages: jax.Array,  # device [num_device_blocks, block_size, 1, width]
+    host_ids: jax.Array,  # int32 [n]: host tokens (block * block_size + offset)
+    device_ids: jax.Array,  # int32 [n]: device tokens; out of range = no load (padding)
+    *,
+    device_sharding: jax.sharding.Sharding | None,
+    host_sharding: jax.sharding.Sharding | None,
+    one_memory: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """`load_blocks` at token granularity (a DSA layer's latent entries: its hot buffer
+  holds tokens): device token t := host token h for each listed pair with an in-range
+  device token; returns (new device pages, int32 tokens moved). The pages are indexed by
+  (block, offset), never through a reshaped view of the donated device pages (XLA:CPU
+  would copy them whole). One memory (CPU): a loop of exactly the loads' row copies; else
+  one host gather of the packed tokens, of the smallest `load_buckets` size that holds
+  them, crossing to the device, then one scatter into the pages."""
+  num_blocks, block_size = device_pages.shape[:2]
+  width = device_pages.shape[-1]
+  total = host_ids.shape[0]
+  num_tokens = num_blocks * block_size
+  device_ids = device_ids.astype(jnp.int32)
+  loads = (device_ids >= 0) & (device_ids < num_tokens)
+  order, packed = packed_ids(loads, total)
+  host_packed = jnp.where(packed, host_ids.astype(jnp.int32)[order], 0)
+  device_packed = jnp.where(packed, device_ids[order], num_tokens)
+  count = loads.sum(dtype=jnp.int32)
+  if transfer.hop_free(device_sharding) if one_memory is None else one_memory:
+    host = host_pages if device_sharding is None else jax.device_put(host_pages,
+                                                                     device_sharding)
+
+    def body(i, pages):
+      h, d = host_packed[i], device_packed[i]
+      row = lax.dynamic_slice(host, (h // block_size, h % block_size, 0, 0), (1, 1, 1, width))
+      return lax.dynamic_update_slice(pages, row, (d // block_size, d % block_size, 0, 0))
+
+    return lax.fori_loop(0, count, body, device_pages), count
+  sizes = load_buckets(total)
+  gather = _token_gather_program(device_sharding, host_sharding, block_size)
+
+  def fetch(size):  # [total, width] device rows; the first `size` from the host
+    def branch(host_pages, host_ids):
+      if size == 0:
+        return jnp.zeros((total, width), device_pages.dtype)
+      return jnp.pad(gather(host_pages, host_ids[:size]), ((0, total - size), (0, 0)))
+    return branch
+
+  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
+  rows = lax.switch(which, [fetch(n) for n in sizes], host_pages, host_packed)
+  pages = device_pages.at[device_packed // block_size, device_packed % block_size, 0].set(
+      rows, mode="drop")
+  return pages, jnp.asarray(sizes, jnp.int32)[which]

@@ -80,9 +80,20 @@ def test_invalid_field_is_named(kwargs, field):
     HiSparseConfig(**kwargs)
 
 
-def test_lightning_is_reserved_with_a_clear_error():
-  with pytest.raises(ValueError, match="learned .*indexer"):
-    HiSparseConfig(indexer="lightning")
+def test_lightning_takes_the_model_index_topk():
+  # A DSA model's learned indexer: its index_topk is the top-k, no sink / local window;
+  # the hot buffer must hold index_topk tokens; index_topk must be below max_model_len.
+  config = HiSparseConfig(indexer="lightning", hot_buffer_tokens=64)
+  runs = config.for_index_topk(32, max_model_len=128)
+  assert (runs.top_k_tokens, runs.sink_tokens, runs.local_tokens) == (32, 0, 0)
+  assert runs.blocks(4).hot_buffer_blocks == 16 and runs.blocks(4).top_k_blocks == 8
+  with pytest.raises(ValueError, match=re.escape("hot_buffer_tokens (64) must be >= the "
+                                                 "model's index_topk (128)")):
+    config.for_index_topk(128, max_model_len=256)
+  with pytest.raises(ValueError, match="index_topk=128 .* is not below max_model_len=128"):
+    config.for_index_topk(128, max_model_len=128)
+  with pytest.raises(ValueError, match="use indexer='lightning'"):
+    HiSparseConfig(top_k_tokens=64).for_index_topk(32, max_model_len=128)
 
 
 def test_rounding_that_breaks_the_budget_is_refused():
