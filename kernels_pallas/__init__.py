@@ -22,6 +22,10 @@ XLA:CPU, tested against the references):
   negative slots skipped.
 * ``block_key_bounds(bounds, k_pages, slot_ids)`` -- per-block key min/max,
   ``bounds [num_blocks, 2, num_kv_heads, head_dim]`` (0 = min, 1 = max), donated.
+* ``sparse_mla_decode(q, kv_pages, indices, *, sm_scale, kv_lora_rank, interpret=None)``
+  -- DSA models: each query row over its own listed tokens of a paged MLA latent cache
+  (``kv_pages [num_blocks, block_size, 1, kv_lora_rank + rope]``, flat token ids,
+  negative = padding), absorbed form: the value is an entry's latent part.
 
 Every kernel that reads pages also takes 8-bit pages (``kernels_pallas.quant.
 QuantizedPages``: int8 or fp8_e4m3 values + a float32 scale per token and KV head),
@@ -49,6 +53,7 @@ from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from kernels_pallas.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 from kernels_pallas.write_kv import write_kv, write_kv_reference
 from kernels_pallas.xla_attention import paged_attention_xla, ragged_paged_attention_xla
 
@@ -66,6 +71,8 @@ __all__ = [
     "ragged_paged_attention_xla",
     "resolve_backend",
     "resolve_interpret",
+    "sparse_mla_decode",
+    "sparse_mla_decode_reference",
     "write_kv",
     "write_kv_reference",
 ]

@@ -131,7 +131,9 @@ def _no_hints_cover(hints: dict[str, int], q_lens: Sequence[int]) -> bool:
 
 
 class KernelOps(NamedTuple):
-  """The four kernels bound to one backend; every field has its kernel's signature.
+  """The kernels bound to one backend; every field has its kernel's signature (the four
+  of llama-family models, and DSA models' sparse_mla_decode: the Triton kernel for the
+  Pallas backends, its reference for xla and reference).
 
   `ragged_hints(q_lens)` (host side) gives the static keyword arguments that size
   `ragged_paged_attention` for a batch whose rows have these query lengths (the xla
@@ -170,7 +172,7 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
     bind = functools.partial(functools.partial, interpret=resolve_interpret(None, platform))
     return KernelOps(name, bind(pa.paged_attention), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
-                     sparse_mla_decode=smla.sparse_mla_decode_reference)
+                     sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "pallas_mgpu":
     # The decode kernel on Mosaic GPU (bf16/f16, block_size a multiple of 8; see its
     # module), the other three on Triton. Compiled only: its CPU interpreter needs the
@@ -181,7 +183,7 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
     bind = functools.partial(functools.partial, interpret=False)
     return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
-                     sparse_mla_decode=smla.sparse_mla_decode_reference)
+                     sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "xla":
     cpu_kernels = importlib.import_module("kernels_pallas.cpu_kernels")
     kernel = (pages_dtype == "float32" and target_platform(platform) == "cpu"

@@ -11,6 +11,19 @@ an entry being its first kv_lora_rank dims:
 
 Every listed entry counts once per listing; a row with no valid entry gives zeros; pages
 not listed never reach the output (NaN there cannot leak).
+
+The Pallas kernel: grid (query row, head tile, split); a program holds `block_h` heads of
+one query row (padded to a power of 2, at least Triton's 16 dot rows when compiled) and
+walks its split of the row's list `tokens_per_step` entries at a time: the entries' rows
+are gathered straight from the whole latent pool (one BlockSpec over every block: a
+pointer gather through the flat ids on a GPU), latent and rope parts loaded apart so each
+dot is power-of-2 wide (DeepSeek: 512 + 64), scores q_lat . k_lat + q_rope . k_rope, an
+online softmax, acc += p . latent. Splits are merged outside with a log-sum-exp combine
+(paged_attention's). The pure-jnp reference at the bottom is the CPU engine's path.
+
+  indices[i] = [ 907, 12, -1, 4410, ... ]    flat token ids, -1 = padding
+                 |split 0 ...| |split 1 ...|  each split: online softmax over its tiles
+                 -> (acc, m, l) per split -> combine -> out[i]
 """
 
 from __future__ import annotations
@@ -20,6 +33,172 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend, common
+
+# Entries gathered per inner step (Triton needs at least 16 columns per dot).
+DEFAULT_TOKENS_PER_STEP = 16
+# Split-K: at most this many splits, each of at least this many entries.
+MAX_SPLITS = 16
+MIN_TOKENS_PER_SPLIT = 256
+# Query heads per program at most (the tile [block_h, kv_lora_rank] stays in registers).
+MAX_BLOCK_H = 64
+
+
+def _sparse_mla_kernel(
+    q_lat_ref,  # [block_h, kv_lora_rank]
+    q_rope_ref,  # [block_h, rope]
+    kv_ref,  # [num_blocks, block_size, kv_lora_rank + rope] (the whole latent pool)
+    idx_ref,  # [tokens_per_split] int32 flat token ids; negative = padding
+    o_ref,  # [block_h, kv_lora_rank] f32, unnormalised
+    m_ref,  # [block_h] f32 running max
+    l_ref,  # [block_h] f32 running sum
+    *,
+    sm_scale: float,
+    tokens_per_step: int,
+    kv_lora_rank: int,
+):
+  block_h = q_lat_ref.shape[0]
+  rope = q_rope_ref.shape[1]
+  block_size = kv_ref.shape[1]
+  num_steps = idx_ref.shape[0] // tokens_per_step
+  q_lat, q_rope = q_lat_ref[...], q_rope_ref[...]
+
+  def body(step, carry):
+    m_prev, l_prev, acc_prev = carry
+    idx = idx_ref[pl.ds(step * tokens_per_step, tokens_per_step)]
+    valid = idx >= 0
+    safe = jnp.where(valid, idx, 0)
+    blk, off = safe // block_size, safe % block_size
+    # Every axis an array index: [tokens, width] rows gathered through the flat ids.
+    shape_lat, shape_rope = (tokens_per_step, kv_lora_rank), (tokens_per_step, rope)
+    k_lat = kv_ref[jnp.broadcast_to(blk[:, None], shape_lat),
+                   jnp.broadcast_to(off[:, None], shape_lat),
+                   lax.broadcasted_iota(jnp.int32, shape_lat, 1)]
+    k_rope = kv_ref[jnp.broadcast_to(blk[:, None], shape_rope),
+                    jnp.broadcast_to(off[:, None], shape_rope),
+                    kv_lora_rank + lax.broadcasted_iota(jnp.int32, shape_rope, 1)]
+    s = (jnp.dot(q_lat, k_lat.T, precision=lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+         + jnp.dot(q_rope, k_rope.T, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)) * sm_scale  # [block_h, tokens]
+    # Masks built in the shape they are used in (no transposes of masks inside Triton).
+    valid_s = jnp.broadcast_to(valid[None, :], (block_h, tokens_per_step))
+    valid_v = jnp.broadcast_to(valid[:, None], shape_lat)
+    s = jnp.where(valid_s, s, common.MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=-1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(valid_s, jnp.exp(s - m_next[:, None]), 0.0)
+    l_next = alpha * l_prev + p.sum(axis=-1)
+    # Padding entries read token 0 of the null block: zero them, NaN cannot leak.
+    v = jnp.where(valid_v, k_lat, jnp.zeros_like(k_lat))
+    pv = jnp.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+    return m_next, l_next, alpha[:, None] * acc_prev + pv
+
+  m0 = jnp.full((block_h,), common.MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((block_h,), jnp.float32)
+  acc0 = jnp.zeros((block_h, kv_lora_rank), jnp.float32)
+  m, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
+  o_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def _sparse_mla_call(q, kv_pages, indices, *, sm_scale, kv_lora_rank, block_h,
+                     tokens_per_step, num_splits, interpret):
+  """Builds grid and BlockSpecs; returns [num_queries, num_heads, kv_lora_rank]."""
+  num_queries, num_heads, width = q.shape
+  num_blocks, block_size = kv_pages.shape[:2]
+  rope = width - kv_lora_rank
+  topk = indices.shape[1]
+  head_tiles = common.cdiv(num_heads, block_h)
+  per_split = common.round_up(common.cdiv(topk, num_splits), tokens_per_step)
+  idx = jnp.pad(indices, ((0, 0), (0, num_splits * per_split - topk)), constant_values=-1)
+  idx = idx.reshape(num_queries, num_splits, per_split)
+  q = jnp.pad(q, ((0, 0), (0, head_tiles * block_h - num_heads), (0, 0)))
+  q = q.reshape(num_queries, head_tiles, block_h, width)
+  kernel = functools.partial(_sparse_mla_kernel, sm_scale=sm_scale,
+                             tokens_per_step=tokens_per_step, kv_lora_rank=kv_lora_rank)
+  part_shape = (num_splits, num_queries, head_tiles, block_h)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(num_queries, head_tiles, num_splits),
+      in_specs=[
+          pl.BlockSpec((None, None, block_h, kv_lora_rank), lambda i, h, s: (i, h, 0, 0)),
+          pl.BlockSpec((None, None, block_h, rope), lambda i, h, s: (i, h, 0, 0)),
+          pl.BlockSpec((num_blocks, block_size, None, width), lambda i, h, s: (0, 0, 0, 0)),
+          pl.BlockSpec((None, None, per_split), lambda i, h, s: (i, s, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, block_h, kv_lora_rank),
+                       lambda i, h, s: (s, i, h, 0, 0)),
+          pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (s, i, h, 0)),
+          pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (s, i, h, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((*part_shape, kv_lora_rank), jnp.float32),
+          jax.ShapeDtypeStruct(part_shape, jnp.float32),
+          jax.ShapeDtypeStruct(part_shape, jnp.float32),
+      ],
+      interpret=interpret,
+      compiler_params=backend.compiler_params(interpret),
+      name="sparse_mla_decode",
+  )(q[..., :kv_lora_rank], q[..., kv_lora_rank:], kv_pages, idx)
+  # Log-sum-exp combine of the splits. Empty splits carry m = MASK_VALUE, l = 0.
+  m_all = m.max(axis=0)
+  w = jnp.exp(m - m_all[None])
+  l_all = (w * l).sum(axis=0)
+  o_all = (w[..., None] * o).sum(axis=0)
+  out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None],
+                  0.0)
+  out = out.reshape(num_queries, head_tiles * block_h, kv_lora_rank)[:, :num_heads]
+  return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_lora_rank", "interpret",
+                                             "block_h", "tokens_per_step", "num_splits"))
+def sparse_mla_decode(
+    q: jax.Array,  # [num_queries, num_heads, kv_lora_rank + rope]
+    kv_pages: jax.Array,  # [num_blocks, block_size, 1, kv_lora_rank + rope]
+    indices: jax.Array,  # int32 [num_queries, topk]; negative = padding
+    *,
+    sm_scale: float,
+    kv_lora_rank: int,
+    interpret: bool | None = None,
+    block_h: int | None = None,
+    tokens_per_step: int | None = None,
+    num_splits: int | None = None,
+) -> jax.Array:
+  """Each query row over its listed tokens (module docstring): [num_queries, num_heads,
+  kv_lora_rank] in q's dtype. interpret: None = interpret mode on CPU, compiled on GPU;
+  block_h, tokens_per_step, num_splits: tuning knobs (None: defaults). The compiled kernel
+  needs power-of-2 kv_lora_rank, rope, block_h and tokens_per_step (Triton tensors)."""
+  _check(q, kv_pages, indices, kv_lora_rank)
+  interpret = backend.resolve_interpret(interpret)
+  num_heads, width = q.shape[1:]
+  topk = indices.shape[1]
+  if tokens_per_step is None:
+    tokens_per_step = max(DEFAULT_TOKENS_PER_STEP, backend.min_dot_rows(interpret))
+  if block_h is None:
+    block_h = min(MAX_BLOCK_H, common.next_power_of_2(
+        max(num_heads, backend.min_dot_rows(interpret))))
+  if num_splits is None:
+    steps = common.cdiv(topk, tokens_per_step)
+    num_splits = max(1, min(MAX_SPLITS, topk // MIN_TOKENS_PER_SPLIT, steps))
+  for name, value in (("block_h", block_h), ("tokens_per_step", tokens_per_step),
+                      ("num_splits", num_splits)):
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}")
+  backend.check_triton_sizes(interpret, kv_lora_rank=kv_lora_rank,
+                             rope_dim=width - kv_lora_rank, block_h=block_h,
+                             tokens_per_step=tokens_per_step)
+  return _sparse_mla_call(q, kv_pages, indices, sm_scale=float(sm_scale),
+                          kv_lora_rank=kv_lora_rank, block_h=block_h,
+                          tokens_per_step=tokens_per_step, num_splits=num_splits,
+                          interpret=interpret)
+
 
 # Query rows of the reference gathered at once: at most this many float32 elements of
 # gathered entries ([rows, topk, width]) live at a time.
@@ -30,7 +209,7 @@ def _check(q, kv_pages, indices, kv_lora_rank):
   if q.ndim != 3 or kv_pages.ndim != 4 or kv_pages.shape[2] != 1:
     raise ValueError(f"q must be [num_queries, num_heads, width] and kv_pages [num_blocks, "
                      f"block_size, 1, width], got q {q.shape}, kv_pages {kv_pages.shape}")
-  if q.shape[-1] != kv_pages.shape[-1] or not 0 < kv_lora_rank <= q.shape[-1]:
+  if q.shape[-1] != kv_pages.shape[-1] or not 0 < kv_lora_rank < q.shape[-1]:
     raise ValueError(f"q {q.shape} and kv_pages {kv_pages.shape} must share the width "
                      f"kv_lora_rank ({kv_lora_rank}) + rope")
   if indices.ndim != 2 or indices.shape[0] != q.shape[0] or indices.dtype != jnp.int32:

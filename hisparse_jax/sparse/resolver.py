@@ -298,14 +298,14 @@ def load_blocks(
 
 
 @functools.cache
-def _token_gather_program(device_sharding, host_sharding, block_size: int):
+def _token_gather_program(device_sharding, host_sharding):
   """(host pages, host token ids) -> the tokens' rows [n, width] on the device: the
   gather runs on the host (compute_on("device_host")), only the rows cross."""
 
   def gather(host_pages, host_ids):
     host_ids = jax.device_put(host_ids, host_sharding)
-    with compute_on("device_host"):
-      rows = host_pages[host_ids // block_size, host_ids % block_size, 0]
+    with compute_on("device_host"):  # (the host pages viewed as token rows, on the host)
+      rows = host_pages.reshape(-1, host_pages.shape[-1])[host_ids]
     return jax.device_put(rows, device_sharding)
 
   return jax.jit(gather, out_shardings=device_sharding)
@@ -349,7 +349,7 @@ def load_tokens(
 
     return lax.fori_loop(0, count, body, device_pages), count
   sizes = load_buckets(total)
-  gather = _token_gather_program(device_sharding, host_sharding, block_size)
+  gather = _token_gather_program(device_sharding, host_sharding)
 
   def fetch(size):  # [total, width] device rows; the first `size` from the host
     def branch(host_pages, host_ids):

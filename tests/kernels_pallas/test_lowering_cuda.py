@@ -182,3 +182,20 @@ def test_8bit_pages_lower_for_cuda_read_as_bytes_and_converted_in_registers(
                             asm)) == loads
       assert len(re.findall(r"tt\.fp_to_fp %\w+ : tensor<[\dx]+xf8E4M3FN> -> "
                             r"tensor<[\dx]+xf32>", asm)) == loads
+
+
+# DSA models' attention at DeepSeek-V3.2's sizes (128 heads, latent 512 + rope 64, top-k
+# 2,048 tokens; its 64-token pages and token pages), a 16-head tile, and a small case.
+SPARSE_MLA_CASES = ((128, 512, 64, 64, 2048, "bfloat16"), (16, 512, 64, 1, 2048, "bfloat16"),
+                    (4, 32, 16, 4, 64, "float32"))
+
+
+@pytest.mark.parametrize(("heads", "rank", "rope", "block_size", "topk", "dtype"),
+                         SPARSE_MLA_CASES)
+def test_sparse_mla_decode_lowers_for_cuda(heads, rank, rope, block_size, topk, dtype):
+  kernel = functools.partial(kernels_pallas.sparse_mla_decode, sm_scale=0.1,
+                             kv_lora_rank=rank, interpret=False)
+  lowered = lower_for_cuda(kernel, S((BATCH, heads, rank + rope), dtype),
+                           S((NUM_BLOCKS, block_size, 1, rank + rope), dtype),
+                           S((BATCH, topk), I32))
+  assert triton_kernels(lowered) == ["sparse_mla_decode"]

@@ -248,3 +248,29 @@ def test_a_llama_model_refuses_the_learned_indexer():
   model = LlamaForCausalLM(testing.tiny_random_config(), seed=0)
   with pytest.raises(ValueError, match="indexer='lightning' needs a model with a learned"):
     _engine(model, hisparse=LIGHTNING)
+
+
+def test_the_dsa_step_lowers_for_cuda_with_in_step_token_loads(checkpoint):
+  # The batches a CPU engine ran (an offloaded decode step among them), lowered for a GPU
+  # from this host: the Triton sparse MLA kernel, the host pool's latent pages of every
+  # layer in pinned_host, the missed tokens gathered by a host computation.
+  import copy  # noqa: PLC0415
+  model = checkpoint[3]
+  engine = _engine(model, device_kv_gib=0.00026, hisparse=LIGHTNING)
+  batches, dispatch = [], engine.runner.dispatch
+
+  def recording(batch, prev_tokens=None):
+    batches.append(copy.deepcopy(batch))
+    return dispatch(batch, prev_tokens)
+
+  engine.runner.dispatch = recording
+  _run(engine, checkpoint[4])
+  tiered = next(b for b in batches if b.metadata.num_sparse_rows)
+  for batch in (batches[0], tiered):
+    text = engine.runner.lower(batch, platform="cuda").as_text()
+    calls = set(re.findall(r"custom_call @([\w$.]+)\(", text)) - {"annotate_device_placement"}
+    assert calls == {"__gpu$xla.gpu.triton"}, calls
+    assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == ["sparse_mla_decode"]
+  kinds = re.findall(r'mhlo.memory_kind = "(\w+)"', text)
+  assert kinds.count("pinned_host") == model.config.num_hidden_layers
+  assert '_xla_compute_type = "host"' in text
