@@ -6,7 +6,8 @@ correctness tool, expected to be far slower) and the XLA column is the jitted pu
 reference, which is what the engine uses on CPU. On a GPU the Pallas column is the
 compiled Triton kernel, and each row also reports achieved bandwidth (bytes the kernel
 must move / median time) as a fraction of the device's HBM peak. The two attention kernels
-also run over an int8 cache (rows "... int8"), bytes counted at 8 bits + scales.
+also run over an int8 cache (rows "... int8"), bytes counted at 8 bits + scales; DSA
+models' sparse_mla_decode runs at DeepSeek-V3.2's sizes on a GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from kernels_pallas.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 from kernels_pallas.write_kv import write_kv, write_kv_reference
 
 # HBM peak (bytes/s) by jax device_kind prefix; vendor datasheet figures.
@@ -192,6 +194,24 @@ def _cases(size: Size, rng: np.random.Generator):
          int(num_new * (size.block_size + 2) * token_bytes),
          _chained(block_key_bounds, (bounds.copy(),), k_pages, slots),
          _chained(block_key_bounds_reference, (bounds.copy(),), k_pages, slots))
+
+
+  # DSA models' sparse MLA decode: each query over its listed tokens of the latent pool
+  # (on a GPU, DeepSeek-V3.2's: 128 heads, latent 512 + rope 64, top-k 2,048); bytes = the
+  # listed entries gathered + the queries.
+  large = size == SIZES["large"]
+  heads, rank, rope, topk = (128, 512, 64, 2048) if large else (16, 64, 16, 256)
+  num_tokens = size.batch * size.max_blocks * size.block_size
+  latent = jnp.asarray(rng.standard_normal((num_blocks, size.block_size, 1, rank + rope)),
+                       dtype)
+  mq = jnp.asarray(rng.standard_normal((size.batch, heads, rank + rope)), dtype)
+  idx = jnp.asarray(rng.integers(size.block_size, num_tokens, (size.batch, topk)), jnp.int32)
+  margs, mkw = (mq, latent, idx), dict(sm_scale=(rank + rope) ** -0.5, kv_lora_rank=rank)
+  yield ("sparse_mla_decode", f"B={size.batch} H={heads} latent={rank}+{rope} topk={topk} "
+         f"bs={size.block_size}",
+         int(size.batch * topk * (rank + rope) * item + 2 * mq.size * item),
+         lambda: sparse_mla_decode(*margs, **mkw),
+         lambda: sparse_mla_decode_reference(*margs, **mkw))
 
 
 def _chained(fn, state: tuple, *args) -> Callable[[], object]:

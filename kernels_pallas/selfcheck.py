@@ -25,6 +25,7 @@ from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from kernels_pallas.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 from kernels_pallas.write_kv import write_kv, write_kv_reference
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -130,6 +131,23 @@ def check_8bit(rng, ratio, block_size, head_dim, dtype_name, kind) -> list[tuple
   return out
 
 
+def check_sparse_mla(rng, block_size, dtype_name) -> list[tuple[str, float]]:
+  """DSA models' sparse MLA decode (kernels_pallas.sparse_mla): 16 heads, latent 64 + rope
+  16 (512 + 64 on a GPU: DeepSeek's), 8 queries over 256 listed tokens with padding."""
+  compiled = not backend.resolve_interpret(None)
+  rank, rope, topk = (512, 64, 2048) if compiled else (64, 16, 256)
+  dtype = jnp.dtype(dtype_name)
+  num_blocks = max(8, 2 * topk // block_size)
+  pages = jnp.asarray(rng.standard_normal((num_blocks, block_size, 1, rank + rope)), dtype)
+  q = jnp.asarray(rng.standard_normal((8, 16, rank + rope)), dtype)
+  idx = rng.integers(block_size, num_blocks * block_size, size=(8, topk)).astype(np.int32)
+  idx[rng.random(idx.shape) < 0.1] = -1
+  args = (q, pages, jnp.asarray(idx))
+  kw = dict(sm_scale=(rank + rope) ** -0.5, kv_lora_rank=rank)
+  return [("sparse_mla_decode", _err(sparse_mla_decode(*args, **kw),
+                                     sparse_mla_decode_reference(*args, **kw)))]
+
+
 def main() -> int:
   rng = np.random.default_rng(0)
   mode = "interpret" if backend.resolve_interpret(None) else "compiled"
@@ -142,6 +160,8 @@ def main() -> int:
     rows += check_write_and_bounds(rng, block_size, head_dim, dtype)
     kind = "int8" if i % 2 or not fp8 else "fp8_e4m3"  # both kinds over the grid
     rows += check_8bit(rng, ratio, block_size, head_dim, dtype, kind)
+    if head_dim == 64:  # five rows: every block size, both dtypes
+      rows += check_sparse_mla(rng, block_size, dtype)
     for name, err in rows:
       # write_kv and block_key_bounds move bytes: they must match exactly.
       tol = 0.0 if name.startswith(("write_kv", "block_key_bounds")) else TOL[dtype]

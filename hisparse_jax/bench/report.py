@@ -204,7 +204,31 @@ def markdown(result: dict) -> str:
     lines += passkey_lines(result["suites"]["passkey"])
   if "hisparse_throughput" in result["suites"]:
     lines += throughput_lines(result["suites"]["hisparse_throughput"])
+  if "dsa_decode" in result["suites"]:
+    lines += dsa_decode_lines(result["suites"]["dsa_decode"])
   return "\n".join(lines)
+
+
+def dsa_decode_lines(d: dict) -> list[str]:
+  """The dsa_decode suite: a DSA model's decode step against dense MLA, by context."""
+  m = d["model"]
+  lines = ["", f"DSA decode step (`dsa_decode`): batch {d['batch']}, {m['num_hidden_layers']} "
+           f"layers, {m['num_attention_heads']} heads over a latent of {m['kv_lora_rank']} + "
+           f"{m['qk_rope_head_dim']}, indexer {m['index_n_heads']} heads x "
+           f"{m['index_head_dim']}, index_topk {d['index_topk']:,}, {d['kv_dtype']} caches, "
+           f"block size {d['block_size']}, backend {d['kernel_backend']}; offloaded: every "
+           f"block in the pinned_host pool, only the newest on the device, a hot buffer of "
+           f"{d['hot_buffer_tokens']:,} tokens (warm: holding the last step's selection; cold: "
+           "emptied before each step):", "",
+           "| context | dense MLA ms | DSA resident ms | DSA offloaded ms | cold ms "
+           "| dense / offloaded | dense / cold | bytes_bound | cold tokens loaded |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['context']:,} | {_fmt(r['dense_ms'])} | {_fmt(r['resident_ms'])} | "
+            f"{_fmt(r['offloaded_ms'])} | {_fmt(r['offloaded_cold_ms'])} | "
+            f"{_fmt(r['dense_over_offloaded'])} | {_fmt(r['dense_over_offloaded_cold'])} | "
+            f"{_fmt(r['bytes_bound'])} | {r['cold_step_tokens_loaded']:,} |"
+            for r in d["rows"]]
+  return lines
 
 
 def throughput_lines(t: dict) -> list[str]:

@@ -73,10 +73,10 @@ def _check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> Engin
     return config
   kind = model_config.model_type
   if config.tensor_parallel_size > 1:
-    raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: DSA models "
+    raise ValueError(f"--tensor_parallel_size={config.tensor_parallel_size}: DSA models "
                      f"({kind}) run on one device so far; use 1")
   if config.kv_cache_dtype != "auto":
-    raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype}: 8-bit caches of DSA models "
+    raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype}: 8-bit caches of DSA models "
                      f"({kind}: MLA latent + indexer keys) are not supported; use auto")
   if config.kernel_backend == "pallas_mgpu":
     raise ValueError(f"kernel_backend=pallas_mgpu: DSA models ({kind}) run the Triton "
@@ -85,7 +85,7 @@ def _check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> Engin
     try:
       hisparse = hisparse.for_index_topk(model_config.index_topk, config.max_model_len)
     except ValueError as e:
-      raise ValueError(f"hisparse: {e}") from None
+      raise ValueError(f"--hisparse: {str(e).replace('HiSparseConfig.', '--')}") from None
     config = dataclasses.replace(config, hisparse=hisparse)
   return config
 

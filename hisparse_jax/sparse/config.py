@@ -109,12 +109,13 @@ class HiSparseConfig:
       _set_default(self, "hot_buffer_tokens", 2 * _int(self, "top_k_tokens"))
     if self.sparse_threshold_tokens is None:
       _set_default(self, "sparse_threshold_tokens", _int(self, "hot_buffer_tokens"))
+    lightning = self.indexer == "lightning"  # (the learned indexer picks every token)
     if self.sink_tokens is None:
-      _set_default(self, "sink_tokens", min(MAX_DEFAULT_SINK_TOKENS,
-                                             _int(self, "top_k_tokens") // 8))
+      _set_default(self, "sink_tokens", 0 if lightning else min(
+          MAX_DEFAULT_SINK_TOKENS, _int(self, "top_k_tokens") // 8))
     if self.local_tokens is None:
-      _set_default(self, "local_tokens", min(MAX_DEFAULT_LOCAL_TOKENS,
-                                              _int(self, "top_k_tokens") // 4))
+      _set_default(self, "local_tokens", 0 if lightning else min(
+          MAX_DEFAULT_LOCAL_TOKENS, _int(self, "top_k_tokens") // 4))
     for name in ("top_k_tokens", "hot_buffer_tokens", "sparse_threshold_tokens"):
       if _int(self, name) <= 0:
         raise ValueError(f"HiSparseConfig.{name} must be positive, got {getattr(self, name)}")
@@ -199,7 +200,7 @@ class HiSparseConfig:
         sink_blocks=math.ceil(self.sink_tokens / block_size),
         local_blocks=max(1, math.ceil(self.local_tokens / block_size)),
         sparse_threshold_blocks=math.ceil(self.sparse_threshold_tokens / block_size))
-    if out.sink_blocks + out.local_blocks > out.top_k_blocks:
+    if out.sink_blocks + out.local_blocks > out.top_k_blocks and self.indexer != "lightning":
       raise ValueError(
           f"HiSparseConfig: with block_size {block_size}, sink_tokens {self.sink_tokens} "
           f"and local_tokens {self.local_tokens} round to {out.sink_blocks} + "

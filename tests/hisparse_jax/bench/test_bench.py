@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 from matplotlib import image as plt_image
 
-from hisparse_jax.bench import capacity, common, decode, engine_vs_vllm, hot_buffer, passkey, report
+from hisparse_jax.bench import (
+  capacity,
+  common,
+  decode,
+  dsa_decode,
+  engine_vs_vllm,
+  hot_buffer,
+  passkey,
+  report,
+)
 from hisparse_jax.entrypoints.cli import bench as bench_cmd
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
 from kernels_pallas import bench as kernel_bench
@@ -246,7 +255,7 @@ def test_kernel_fields(smoke):
   k = smoke[0]["suites"]["kernel"]
   assert set(k["summary"]) == {"paged_attention", "ragged_paged_attention", "write_kv",
                                "block_key_bounds", "paged_attention int8",
-                               "ragged_paged_attention int8"}
+                               "ragged_paged_attention int8", "sparse_mla_decode"}
   assert all(_positive(v["pallas_over_reference"]) for v in k["summary"].values())
   assert _positive(k["summary"]["paged_attention int8"]["pallas_over_float_cache"])
   rows = {(r["kernel"], r["impl"]): r for r in k["rows"]}
@@ -309,6 +318,38 @@ def passkey_smoke(tmp_path_factory):
   bench_cmd.run_suites(["passkey"], "smoke", 16, out, plot)
   with open(out) as f:
     return json.load(f), plot
+
+
+def test_dsa_decode_smoke_fields(tmp_path):
+  """The DSA decode suite (by name) at smoke size: every contender ran the same batch; the
+  offloaded side loaded every selected token when cold and none when warm."""
+  assert "dsa_decode" not in bench_cmd.suite_names("all")
+  out = str(tmp_path / "dsa.json")
+  bench_cmd.run_suites(["dsa_decode"], "smoke", 16, out)
+  with open(out) as f:
+    d = json.load(f)["suites"]["dsa_decode"]
+  size = dsa_decode.SIZES["smoke"]
+  assert [r["context"] for r in d["rows"]] == list(size.contexts)
+  for r in d["rows"]:
+    assert _positive(r["dense_ms"], r["resident_ms"], r["offloaded_ms"],
+                     r["offloaded_cold_ms"], r["bytes_bound"])
+    assert r["dense_over_offloaded"] == pytest.approx(r["dense_ms"] / r["offloaded_ms"])
+    # Cold: index_topk tokens of each row and layer from the host (its newest block's
+    # tokens are resident); warm: none.
+    layers = size.num_layers * size.batch
+    assert size.index_topk * layers - size.block_size * layers <= (
+        r["cold_step_tokens_loaded"]) <= size.index_topk * layers
+    assert r["h2d_bytes_per_step"] == 0
+  assert "DSA decode step" in report.markdown({"machine": common.machine(), "seconds":
+                                               {"total": 1.0}, "suites": {"dsa_decode": d}})
+
+
+def test_readme_dsa_decode_matches_committed_json():
+  """README's DSA decode table is the report of results/dsa_decode_cpu.json."""
+  with open(os.path.join(REPO, "results", "dsa_decode_cpu.json")) as f:
+    result = json.load(f)
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert report.markdown(result) in f.read()
 
 
 def test_passkey_is_run_by_name_only():

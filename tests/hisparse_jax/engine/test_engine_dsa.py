@@ -221,13 +221,13 @@ def test_bad_input_names_the_field(checkpoint, tmp_path):
   one_line = functools.partial(pytest.raises, ValueError)
   with one_line(match=r"index_topk=8 \(the model's config.json\) is not below max_model_len=8"):
     _engine(model, max_model_len=8, hisparse=LIGHTNING)
-  with one_line(match=r"hot_buffer_tokens \(4\) must be >= the model's index_topk \(8\)"):
+  with one_line(match=r"--hot_buffer_tokens \(4\) must be >= the model's index_topk \(8\)"):
     _engine(model, hisparse=HiSparseConfig(indexer="lightning", hot_buffer_tokens=4))
   with one_line(match="selects with its learned indexer; use indexer='lightning'"):
     _engine(model, hisparse=HiSparseConfig(top_k_tokens=16))
-  with one_line(match=r"kv_cache_dtype=int8: 8-bit caches of DSA models"):
+  with one_line(match=r"--kv_cache_dtype=int8: 8-bit caches of DSA models"):
     _engine(model, kv_cache_dtype="int8")
-  with one_line(match=r"tensor_parallel_size=2: DSA models"):
+  with one_line(match=r"--tensor_parallel_size=2: DSA models"):
     _engine(model, tensor_parallel_size=2)
   # A checkpoint without one of its indexer's tensors.
   from safetensors.numpy import load_file, save_file  # noqa: PLC0415
@@ -274,3 +274,13 @@ def test_the_dsa_step_lowers_for_cuda_with_in_step_token_loads(checkpoint):
   kinds = re.findall(r'mhlo.memory_kind = "(\w+)"', text)
   assert kinds.count("pinned_host") == model.config.num_hidden_layers
   assert '_xla_compute_type = "host"' in text
+
+
+def test_the_pallas_kernels_give_the_xla_tokens(checkpoint):
+  # The engine on the Pallas kernels (interpret mode here: the sparse MLA kernel body a GPU
+  # compiles), offloaded rows included, gives the tokens of the CPU path (and of HF).
+  _, _, _, model, prompts, greedy = checkpoint
+  engine = _engine(model, device_kv_gib=0.00026, hisparse=LIGHTNING, kernel_backend="pallas")
+  assert engine.runner.ops.backend == "pallas"
+  assert _run(engine, prompts[:3]) == greedy[:3]
+  assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
