@@ -57,7 +57,8 @@ STEPS = {
     "transfer": (120, "host<->device GB/s over pinned_host and % of PCIe peak"),
     "hisparse_engine": (240, "HiSparse engine tests and Pallas-vs-xla engine tokens "
                             "(float and int8 KV)"),
-    "hf_parity": (180, "engine tokens vs HF transformers"),
+    "hf_parity": (240, "engine tokens vs HF transformers (llama and DSA models: the sparse "
+                       "MLA kernel, every indexer selection, offloaded DSA decoding)"),
     "decode": (240, "HiSparse vs dense decode step time"),
 }
 
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"in {python} (install .[parity]): {text.strip().splitlines()[-1:]}",
                     probe, output=text)
       return
-    runner.run("hf_parity", pytest + ["tests/hisparse_jax/engine/test_engine_hf_parity.py"],
+    runner.run("hf_parity", pytest + ["tests/hisparse_jax/engine/test_engine_hf_parity.py",
+                                      "tests/hisparse_jax/engine/test_engine_dsa.py"],
                skipped_parts=no_gpu)
 
   plan = {
