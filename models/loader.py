@@ -407,6 +407,10 @@ def convert(path: str | os.PathLike | None, out_dir: str | os.PathLike, *,
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
     raise ValueError(f"{out_dir} exists and is not an empty directory")
   path = _resolve(path)
+  if not _is_gguf_path(path) and is_dsa_config(config := load_config(path)):
+    raise CheckpointError(f"{path} is a DSA model ({config.model_type}), already in HF "
+                          "layout; convert writes llama-family models (from GGUF files or "
+                          "HF directories)")
   if dtype == "auto":
     dtype = checkpoint_dtype(path)
   if dtype not in _SAVE_DTYPES:

@@ -282,5 +282,7 @@ def test_the_pallas_kernels_give_the_xla_tokens(checkpoint):
   _, _, _, model, prompts, greedy = checkpoint
   engine = _engine(model, device_kv_gib=0.00026, hisparse=LIGHTNING, kernel_backend="pallas")
   assert engine.runner.ops.backend == "pallas"
-  assert _run(engine, prompts[:3]) == greedy[:3]
+  # All four prompts: GLM's smaller latent fits three requests' blocks in this device pool.
+  assert _run(engine, prompts) == greedy
+  assert engine.metrics()["hisparse_offloads_total"] > 0
   assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0

@@ -90,3 +90,13 @@ def test_a_missing_indexer_tensor_names_it(dsa_dir, tmp_path, capsys):
   assert _one_line(capsys.readouterr().err) == (
       f"hisparse-jax generate: error: --model: missing tensor {name!r} in {broken} "
       "(1 missing in all)")
+
+
+def test_convert_refuses_a_dsa_checkpoint(dsa_dir, tmp_path, capsys):
+  out = tmp_path / "out"
+  assert _main("convert", f"--model={dsa_dir}", f"--out={out}") == 2
+  assert _one_line(capsys.readouterr().err) == (
+      f"hisparse-jax convert: error: --model: {dsa_dir} is a DSA model (deepseek_v32), "
+      "already in HF layout; convert writes llama-family models (from GGUF files or HF "
+      "directories)")
+  assert not out.exists()
