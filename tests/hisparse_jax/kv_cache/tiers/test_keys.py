@@ -91,3 +91,14 @@ def test_payload_rejects_another_key_namespace_or_size():
     payload.decode(blob, bytes(32), k0, 128)
   with pytest.raises(payload.CorruptPayload, match="payload length 128, expected 64"):
     payload.decode(blob, digest, k0, 64)
+
+
+def test_public_names_of_the_package():
+  import hisparse_jax.kv_cache.tiers as tiers
+  from hisparse_jax.kv_cache.tiers.disk import DiskBackend
+  from hisparse_jax.kv_cache.tiers.tier import KVTier
+  assert tiers.KVTier is KVTier and tiers.DiskBackend is DiskBackend
+  assert tiers.chain_keys is chain_keys and issubclass(tiers.TierError, ValueError)
+  assert sorted(tiers.__all__) == sorted([
+    "Namespace", "chain_keys", "KVTier", "LookupResult", "TierJob", "TierError", "BlockIO",
+    "Backend", "DiskBackend", "RemoteBackend"])
