@@ -182,7 +182,12 @@ def test_server_killed_mid_store_is_counted_not_raised(own_redis_server):
   io = ArrayBlockIO(np.ones((32, big), np.uint8))
   tier = KVTier(RemoteBackend(server.url, ns, max_batch_bytes=8 << 20), io)
   keys = chain_keys(range(64), 4, ns)
-  server.proc.send_signal(signal.SIGSTOP)  # the store is surely mid-flight at the kill
+  server.proc.send_signal(signal.SIGSTOP)  # hung, not dead: calls time out, never hang
+  start = time.monotonic()
+  assert tier.exists(keys) == 0
+  assert time.monotonic() - start < 3
+  assert tier.stats()["failures"] == {"timeout": 1}
+  # The store is surely mid-flight at the kill.
   tier.submit_store(keys, list(range(16)))
   time.sleep(0.3)
   server.proc.kill()
@@ -196,7 +201,8 @@ def test_server_killed_mid_store_is_counted_not_raised(own_redis_server):
   assert run(tier, "load", keys[:2], [20, 21], timeout_s=5).success == [False, False]
   assert time.monotonic() - start < 8
   failures = tier.stats()["failures"]
-  assert sum(failures.values()) == 16 + 1 + 2  # the store's keys, exists, the load's keys
+  # exists while hung; the store's keys, exists, the load's keys once dead
+  assert sum(failures.values()) == 1 + 16 + 1 + 2
   assert set(failures) <= {"connection", "timeout"}
   assert (io.pool[20:22] == 1).all() and io.num_writes == 0
   tier.close()
