@@ -200,12 +200,9 @@ class KVTier:
       except IndexError:
         return out
       job = work.job
-      if job.kind == "load":
-        num = 0
-        while num < len(job.success) and job.success[num]:
-          num += 1
-        if num:
-          self._io.write(job.host_ids[:num], work.data[:num])
+      num = job.num_succeeded  # a load's successes are a prefix of its chain
+      if job.kind == "load" and num:
+        self._io.write(job.host_ids[:num], work.data[:num])
       out.append(job)
 
   def stats(self) -> dict:
