@@ -16,6 +16,7 @@ bookkeeping.
     hisparse_placement.py  HiSparsePlacement: write-through, offload, hot-buffer slots
   block_invariants.py    the BlockManager's invariants, checked (tests)
   block_plans.py         the plans the BlockManager returns (SwapOutPlan, SwapInPlan, ...)
+  tiers/                 the third tier: blocks on disk or a Redis-protocol server (KVTier)
 
 May import: distributed, observability, kernels_pallas. Never sparse, engine,
 entrypoints or bench (tests/test_layering.py): a serving stack can embed it alone.
