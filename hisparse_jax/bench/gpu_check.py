@@ -212,14 +212,23 @@ def _environment(runner: Runner, gpu_reason: str) -> tuple[str | None, dict]:
   log = []
   skipped = []
   if runner.gpu:
-    if not (GPU_VENV / "bin" / "python").exists():
+    # The interpreter running this script first: a machine image with jax[cuda] and the
+    # rest installed (often itself a venv, whose packages a venv made from it with
+    # --system-site-packages would NOT see: that sees the base interpreter's).
+    code, text, _ = runner.call(name, [sys.executable, "-c", _IMPORTS], 120)
+    if code == 0:
+      log.append(f"every package of .[cuda,test] imports in {sys.executable} and jax sees a "
+                 "GPU: no venv, no install")
+      python = sys.executable
+    elif not (GPU_VENV / "bin" / "python").exists():
       subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(GPU_VENV)],
                      check=False)
-    python = str(GPU_VENV / "bin" / "python")
-    code, text, _ = runner.call(name, [python, "-c", _IMPORTS], 120)
-    if code == 0:
-      log.append("every package of .[cuda,test] imports and jax sees a GPU: no install")
-    else:
+    if code != 0:
+      python = str(GPU_VENV / "bin" / "python")
+      code, text, _ = runner.call(name, [python, "-c", _IMPORTS], 120)
+      if code == 0:
+        log.append("every package of .[cuda,test] imports and jax sees a GPU: no install")
+    if code != 0:
       argv = [python, "-m", "pip", "install", "-q", "--retries", "1", "--timeout", "20", "-e",
               ".[cuda,test]"]
       try:
@@ -232,7 +241,8 @@ def _environment(runner: Runner, gpu_reason: str) -> tuple[str | None, dict]:
       # and this checkout on PYTHONPATH may still do.
       status = "timed out" if code is None else f"exit {code}"
       skipped.append(f"pip install -e .[cuda,test] failed ({status}); using the packages "
-                     "the machine has, this checkout on PYTHONPATH")
+                     f"the machine has ({sys.executable}), this checkout on PYTHONPATH")
+      python = sys.executable
   else:
     python = str(CPU_VENV / "bin" / "python") if (CPU_VENV / "bin" / "python").exists() \
         else sys.executable

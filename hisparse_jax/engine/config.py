@@ -7,6 +7,7 @@ generate --help` lists them); a bad value raises ValueError naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -58,6 +59,16 @@ class EngineConfig:
   # Devices of the one mesh the engine runs over (heads, MLP and KV cache split); 1: one
   # device, no mesh (hisparse_jax.distributed.parallel).
   tensor_parallel_size: int = 1
+  # The third KV tier (engine/tier_connector.py): a local directory of block files with a
+  # byte cap, and/or a Redis-protocol store shared by engines (redis://host:port/db).
+  # Prompt blocks missing in device and host are loaded from it into the host pool, and
+  # computed prompt blocks are stored to it (write_through: once the prompt is computed;
+  # write_back: when the host pool evicts them, and at close).
+  disk_cache_dir: str | None = None
+  disk_cache_gib: float = 16.0
+  remote_cache_url: str | None = None
+  remote_cache_ttl_s: int = 86400
+  kv_tier_write_policy: str = "write_through"
 
   def __post_init__(self):
     tp = self.tensor_parallel_size
@@ -89,6 +100,23 @@ class EngineConfig:
       # A recomputed request prefills up to max_model_len tokens in one step.
       raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                        f"max_model_len={self.max_model_len} without chunked prefill")
+    if not (math.isfinite(self.disk_cache_gib) and self.disk_cache_gib > 0):
+      raise ValueError(f"disk_cache_gib must be a positive number, got {self.disk_cache_gib}")
+    if (not isinstance(self.remote_cache_ttl_s, (int, np.integer))
+        or isinstance(self.remote_cache_ttl_s, bool) or self.remote_cache_ttl_s <= 0):
+      raise ValueError(f"remote_cache_ttl_s must be a positive integer, got "
+                       f"{self.remote_cache_ttl_s!r}")
+    if self.kv_tier_write_policy not in ("write_through", "write_back"):
+      raise ValueError(f"kv_tier_write_policy must be write_through or write_back, got "
+                       f"{self.kv_tier_write_policy!r}")
+    if self.disk_cache_dir or self.remote_cache_url:
+      flag = "disk_cache_dir" if self.disk_cache_dir else "remote_cache_url"
+      if not self.enable_prefix_caching:
+        raise ValueError(f"{flag}: the third KV tier serves prefix-cache hits; it needs "
+                         "enable_prefix_caching=True")
+      if self.host_pool_gib is not None and self.host_pool_gib <= 0:
+        raise ValueError(f"{flag}: the third KV tier loads blocks through the host pool; "
+                         f"host_pool_gib must be > 0, got {self.host_pool_gib}")
     if self.hisparse is not None:
       if not isinstance(self.hisparse, HiSparseConfig):
         raise ValueError(f"hisparse must be a HiSparseConfig or None, got "

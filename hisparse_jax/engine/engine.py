@@ -36,6 +36,13 @@ from hisparse_jax.engine.request import (
 from hisparse_jax.engine.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.engine.scheduler import Scheduler, SchedulerOutput
+from hisparse_jax.engine.tier_connector import (
+  TierConnector,
+  hashes_of,
+  model_identity,
+  namespace_for,
+  open_tiers,
+)
 from hisparse_jax.kv_cache.block_manager import BlockManager
 from hisparse_jax.kv_cache.capacity import (
   CapacityReport,
@@ -50,6 +57,7 @@ from hisparse_jax.kv_cache.kv_pool import (
   MLACacheSpec,
   check_kv_cache_dtype_devices,
 )
+from hisparse_jax.kv_cache.tiers.pool_io import HostPoolIO
 from hisparse_jax.kv_cache.transfer import TransferEngine
 from hisparse_jax.observability import engine_metrics
 from hisparse_jax.observability.library_logging import configure_library_logging
@@ -208,6 +216,12 @@ class Engine:
                                               self.runner.reserved_bytes, hisparse,
                                               reserved_arrays=self.runner.reserved_arrays())
     configure_library_logging()
+    # The third KV tier(s): opened before the capacity lines, which name them.
+    self._tier_parts = None
+    if config.disk_cache_dir or config.remote_cache_url:
+      self._tier_parts = self._open_tiers(spec)
+      self.capacity = dataclasses.replace(self.capacity,
+                                          third_tiers=tuple(self._tier_parts[3]))
     self.capacity.log(config.max_model_len)
     self.metrics_registry = MetricsRegistry()
     self.capacity.export(self.metrics_registry)
@@ -221,6 +235,13 @@ class Engine:
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                enable_chunked_prefill=config.enable_chunked_prefill,
                                hisparse=config.hisparse, max_model_len=config.max_model_len)
+    self.tier: TierConnector | None = None
+    if self._tier_parts is not None:
+      tiers, failed, namespace, _ = self._tier_parts
+      self.tier = TierConnector(tiers, self.block_manager, self.transfer, self.runner,
+                                namespace, write_policy=config.kv_tier_write_policy,
+                                failed_at_open=failed, registry=self.metrics_registry)
+      self.scheduler.tier = self.tier if tiers else None
     self.hot_rows = HotRows(self.runner.num_hot_rows)  # (HiSparse)
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long
     self._inflight: _InflightStep | None = None  # dispatched, tokens not read back yet
@@ -231,6 +252,32 @@ class Engine:
     self.num_steps = 0
     self.last_step_num_tokens = 0  # tokens the last step() scheduled
     self.last_step_prefill_tokens = 0  # of those, prompt (or recomputed) tokens
+
+  def _open_tiers(self, spec):
+    """(tiers, failures at open, namespace, capacity lines) of the configured third
+    tiers; one that cannot open is logged on one line and left out (the engine serves
+    without it, recomputing)."""
+    c = self.config
+    if self.mesh is not None:
+      raise ValueError(f"--disk_cache_dir / --remote_cache_url: the third KV tier does not "
+                       f"support --tensor_parallel_size={c.tensor_parallel_size} yet; use 1")
+    block_io = HostPoolIO(self.host_pool)
+    name = (self.model_config.name_or_path if getattr(self.model_config, "name_or_path", None)
+            else (c.model or "hisparse-tiny"))
+    namespace = namespace_for(model_identity(name, self.model), c.dtype, c.block_size,
+                              block_io.layout(), block_io.block_nbytes)
+    tiers, failed = open_tiers(c, self.host_pool, namespace, block_io)
+    lines = TierConnector.capacity_of(tiers, namespace)
+    return tiers, failed, namespace, lines
+
+  def close(self) -> None:
+    """Finishes the third tier's pending stores (write_back: stores the host blocks it
+    lacks first) and releases its files and connections. Idempotent; the engine may not
+    be stepped after it."""
+    if self.tier is not None:
+      self.tier.close()
+      self.tier = None
+      self.scheduler.tier = None
 
   def _hisparse_capacity(self, spec: KVCacheSpec, num_device_blocks: int,
                          num_host_blocks: int) -> HiSparseCapacity:
@@ -343,11 +390,19 @@ class Engine:
     token of step t - 1 may have a row in step t: that row is dropped.
     """
     self.transfer.poll()
+    if self.tier is not None:
+      for request in self.tier.poll():
+        self.scheduler.requeue_loaded(request)
     out = self.scheduler.schedule()
     self.last_step_num_tokens = out.num_tokens
     self.last_step_prefill_tokens = sum(
         c.num_tokens for c in out.chunks
         if c.num_tokens > 1 or c.start < c.request.num_prompt_tokens)
+    if (out.is_empty and self._inflight is None and self.tier is not None
+        and self.tier.num_loading):
+      # Nothing to run but third-tier loads in flight: wait for one (a few ms at most)
+      # rather than spin, which would starve the tier's worker thread of the GIL.
+      self.tier.wait(0.05)
     dispatched = self._run(out)
     outputs: dict[str, Request] = {}
     previous, self._inflight = self._inflight, dispatched
@@ -405,6 +460,10 @@ class Engine:
     tokens, counts = result.tokens, result.counts
     now = time.perf_counter()  # every row's token arrives now
     self.stats.on_step(step.out, now - step.start, self.block_manager)
+    if self.tier is not None:  # the per-token prefill time the tier's load gate weighs
+      self.tier.observe_prefill(
+          sum(c.num_tokens for c in step.out.chunks if c.start < c.request.num_prompt_tokens),
+          now - step.start)
     sparse_rows = step.batch.metadata.sparse_rows
     if result.prompt_logprobs is not None:
       for i, first, num in step.batch.prompt_spans:
@@ -474,6 +533,8 @@ class Engine:
     """Executes the step's block moves in the BlockManager contract's order."""
     self.stats.on_preempt(len(out.preempted) + len(out.recomputed))
     self.stats.on_offload(len(out.offloaded))
+    if self.tier is not None:  # write_back: evicted host blocks stored before reuse
+      self.tier.store_evicted()
     if out.swap_out:
       device_ids = np.concatenate([p.device_ids for p in out.swap_out])
       host_ids = np.concatenate([p.host_ids for p in out.swap_out])
@@ -482,8 +543,11 @@ class Engine:
     self.runner.copy_blocks(out.copies)
     if out.swap_in:
       device_ids = np.concatenate([p.device_ids for p in out.swap_in])
-      self.transfer.swap_in(np.concatenate([p.host_ids for p in out.swap_in]), device_ids)
+      host_ids = np.concatenate([p.host_ids for p in out.swap_in])
+      self.transfer.swap_in(host_ids, device_ids)
       self.runner.refresh_bounds(device_ids)  # the key bounds follow the pages
+      if self.tier is not None:  # a block loaded from the third tier has no host bounds
+        self.runner.copy_bounds_to_host_index(device_ids, host_ids)
 
   @staticmethod
   def _tally_blocks(request: Request, num_blocks: int, tally: engine_metrics.StepTally,
@@ -522,6 +586,11 @@ class Engine:
     if request.first_token_time is None:
       request.first_token_time = now
       tally.ttft.append(now - request.arrival_time)
+      if self.tier is not None and self.config.enable_prefix_caching:
+        # Its prompt's KV is computed: host copies of its full blocks, stored behind.
+        self.tier.on_prefilled(request, hashes_of(request.prompt_token_ids,
+                                                  self.config.block_size,
+                                                  request.block_hashes))
     else:
       tally.token_gaps.append(now - request.last_token_time)
     request.last_token_time = now
@@ -556,6 +625,8 @@ class Engine:
     self.transfer.poll()
     self.stats.on_usage(self.block_manager, self.scheduler)
     self.stats.on_shapes(len(self.runner.shapes_compiled), self.runner.compiler)
+    if self.tier is not None:
+      self.tier.export()
     return self.metrics_registry.to_dict()
 
   def check_invariants(self) -> None:
@@ -563,7 +634,8 @@ class Engine:
     each in one scheduler queue, and only they hold blocks."""
     self.block_manager.check_invariants()
     sched = self.scheduler
-    queued = [r.request_id for r in [*sched.waiting, *sched.running, *sched.swapped]]
+    queued = [r.request_id for r in [*sched.waiting, *sched.running, *sched.swapped,
+                                     *sched.loading]]
     queued += [c.request_id for r in self.requests.values() for c in r.pending_children]
     assert sorted(queued) == sorted(self.requests), (queued, sorted(self.requests))
     reserved = sum(len(r.pending_children) for r in [*sched.running, *sched.swapped])

@@ -115,6 +115,13 @@ class Request:
   # admission needs them (Scheduler._prefix_hashes): a request that waits for blocks is
   # hashed once, not every step. Valid because tokens are only ever appended.
   block_hashes: list = dataclasses.field(default_factory=list)
+  # The third KV tier (engine/tier_connector.py): the tier keys of the same blocks, whether
+  # the tiers were asked for this request's prompt, its loads in flight and the blocks they
+  # brought into the host pool.
+  tier_keys: list = dataclasses.field(default_factory=list)
+  tier_checked: bool = False
+  num_tier_loads: int = 0
+  num_tier_loaded_blocks: int = 0
 
   @property
   def num_prompt_tokens(self) -> int:

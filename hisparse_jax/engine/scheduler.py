@@ -129,6 +129,11 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.swapped: collections.deque[Request] = collections.deque()
+    # The third KV tier (engine/tier_connector.py; None: none configured): waiting requests
+    # whose prompt blocks it is loading into the host pool wait in `loading` meanwhile,
+    # and others are admitted past them.
+    self.tier = None
+    self.loading: list[Request] = []
     # Seats of the sequences not forked yet of admitted (running or swapped) requests.
     self.num_reserved_seats = 0
 
@@ -140,7 +145,14 @@ class Scheduler:
 
   @property
   def num_unfinished(self) -> int:
-    return len(self.waiting) + len(self.running) + len(self.swapped)
+    return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.loading)
+
+  def requeue_loaded(self, request: Request) -> None:
+    """A request whose third-tier load finished: back to the waiting queue, in arrival
+    order (its loaded blocks are host prefix hits now)."""
+    if request in self.loading:
+      self.loading.remove(request)
+      _insert_by_arrival(self.waiting, request)
 
   def remove(self, request: Request) -> None:
     """Takes a request out of whichever queue holds it and frees its blocks."""
@@ -153,6 +165,8 @@ class Scheduler:
       self.swapped.remove(request)
     elif request in self.waiting:
       self.waiting.remove(request)
+    elif request in self.loading:  # (its load finishes in the tier; the blocks are kept)
+      self.loading.remove(request)
     if request.request_id in self.bm:
       self.bm.free(request.request_id)
 
@@ -415,6 +429,15 @@ class Scheduler:
           break
       read_cache = request.sampling_params.prompt_logprobs is None
       hashes = self._prefix_hashes(request, len(allocated))
+      if (self.tier is not None and read_cache and not request.tier_checked
+          and not request.streamed and self.bm.prefix_cache.enabled):
+        # Prefix misses in both pools that a third tier holds: loaded into the host pool
+        # while others run; the request comes back through requeue_loaded.
+        request.tier_checked = True
+        if self.tier.start_load(request, allocated, hashes):
+          self.waiting.popleft()
+          self.loading.append(request)
+          continue
       if not self.bm.can_allocate(allocated, read_cache=read_cache, hashes=hashes):
         break
       if self.running and self.bm.device_pool.num_free_blocks < needed + spare:

@@ -109,6 +109,9 @@ class BlockManager:
                                 self.prefix_cache)
     self.placement = HiSparsePlacement(self.device_pool, self.host_pool, block_size,
                                        self.tier_mover)
+    # Host blocks held by third-tier loads in flight (engine/tier_connector.py), one
+    # reference each, until the load finishes (`release_host_blocks`).
+    self.tier_held: dict[int, list[int]] = {}
 
   @property
   def pools(self) -> dict[str, BlockPool]:
@@ -118,8 +121,8 @@ class BlockManager:
   def check_invariants(self) -> None:
     """Raises AssertionError when a class invariant does not hold."""
     check_block_manager(self.device_pool, self.host_pool, self._seqs,
-                        self.tier_mover.pinned_host_groups, self.block_size,
-                        self.enable_prefix_caching)
+                        [*self.tier_mover.pinned_host_groups, *self.tier_held.values()],
+                        self.block_size, self.enable_prefix_caching)
 
   # --- Queries -------------------------------------------------------------------
 
@@ -384,6 +387,57 @@ class BlockManager:
     Idempotent; blocks cached already stay cached.
     """
     self.prefix_cache.cache_full_blocks(self._resident(seq_id), num_computed_tokens)
+
+  # --- The third tier (engine/tier_connector.py) ------------------------------------
+
+  def take_host_blocks(self, num_blocks: int) -> list[int]:
+    """Up to `num_blocks` host blocks (fewer when fewer are free) for a third-tier load to
+    write into, held (`tier_held`) until `release_host_blocks`."""
+    host_ids = self.host_pool.allocate(min(num_blocks, self.host_pool.num_free_blocks))
+    if host_ids:
+      self.tier_held[host_ids[0]] = host_ids
+    return host_ids
+
+  def release_host_blocks(self, host_ids: Sequence[int], hashes: Sequence[BlockHash] | None
+                          ) -> None:
+    """Drops the hold on `host_ids` (from `take_host_blocks` or `host_copies`); the first
+    len(hashes) of them hold those blocks' verified KV and stay CACHED under their
+    hashes (as host prefix hits), unless the host tier holds the hash already."""
+    if not host_ids:
+      return
+    self.tier_held.pop(host_ids[0], None)
+    if hashes and self.enable_prefix_caching:
+      for block_id, block_hash in zip(host_ids, hashes):
+        if (self.host_pool.block_hash(block_id) is None
+            and self.host_pool.peek_cached_block(block_hash) is None):
+          self.host_pool.cache_block(block_id, block_hash)
+    self.host_pool.free(reversed(list(host_ids)))  # the chain's tail evicted first
+
+  def host_copies(self, hashes: Sequence[BlockHash]
+                  ) -> tuple[list[int], np.ndarray, np.ndarray, list[int]]:
+    """Host blocks holding the blocks of `hashes` (a chain), for a third-tier store:
+    (host ids, each held until `release_host_blocks(host_ids, None)`; device ids and new
+    host ids of the d2h copies the caller must dispatch first; the indices into `hashes`
+    found). A block the host tier holds is shared; one only the device holds gets a new
+    host block, CACHED under its hash once released. Stops at the first block in neither
+    tier or when the host pool has no free block."""
+    host_ids, device_ids, copy_ids, found = [], [], [], []
+    for j, block_hash in enumerate(hashes):
+      host_id = self.host_pool.peek_cached_block(block_hash)
+      if host_id is not None:
+        self.host_pool.touch([host_id])
+      else:
+        device_id = self.device_pool.peek_cached_block(block_hash)
+        if device_id is None or self.host_pool.num_free_blocks == 0:
+          break
+        (host_id,) = self.host_pool.allocate(1)
+        self.host_pool.cache_block(host_id, block_hash)
+        device_ids.append(device_id)
+        copy_ids.append(host_id)
+      host_ids.append(host_id)
+      found.append(j)
+    return (host_ids, np.asarray(device_ids, np.int32), np.asarray(copy_ids, np.int32),
+            found)
 
   # --- Moves between tiers (tier_mover.py: the plan contract of one step) ---------
 

@@ -138,6 +138,10 @@ class BlockPool:
     # exports them as metrics).
     self.prefix_cache_queries = 0
     self.prefix_cache_hits = 0
+    # Called as on_evict(block_id, hash) when `allocate` reuses a CACHED block, before its
+    # hash is dropped (a write-back third tier stores the block then; its content is
+    # intact until a transfer dispatched after this call overwrites it).
+    self.on_evict = None
 
   # --- Usage figures -------------------------------------------------------------
 
@@ -227,6 +231,8 @@ class BlockPool:
     block_ids = []
     for _ in range(num_blocks):
       block = self._free_queue.popleft()
+      if block.block_hash is not None and self.on_evict is not None:
+        self.on_evict(block.block_id, block.block_hash)  # (before its content is reused)
       self._evict_hash(block)  # Lazy eviction: only now does a CACHED block lose its hash.
       block.ref_cnt = 1
       block_ids.append(block.block_id)

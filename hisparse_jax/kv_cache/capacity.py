@@ -365,6 +365,10 @@ class CapacityReport:
   # Tensor parallel: each device's shards, by memory kind (device order of the mesh);
   # their kv_bytes / reserved_bytes add up to the tiers'. Empty on one device.
   per_device: tuple[TierCapacity, ...] = ()
+  # The third KV tier(s) (engine/tier_connector.ThirdTierCapacity: disk, remote), each
+  # with its own line; their tokens are not in `total_tokens` (the pools' tokens), and
+  # the total line names them apart.
+  third_tiers: tuple = ()
 
   @classmethod
   def from_pools(cls, pools: Sequence[KVPool], device_reserved_bytes: int = 0,
@@ -465,6 +469,7 @@ class CapacityReport:
   def log_lines(self, tokens_per_request: int) -> list[str]:
     lines = [t.log_line() for t in self.per_device]  # tensor parallel: each device first
     lines += [t.log_line() for t in self.tiers]
+    lines += [t.log_line() for t in self.third_tiers]
     if self.hisparse is not None:
       lines[len(self.per_device)] += "; " + self.hisparse.device_detail(
           self.tiers[0].block_size)
@@ -472,6 +477,10 @@ class CapacityReport:
             f"{tokens_per_request:,} tokens per request: "
             f"{self.max_concurrency(tokens_per_request):,.2f}x (device only: "
             f"{self.max_concurrency(tokens_per_request, (DEVICE,)):,.2f}x)")
+    if self.third_tiers:
+      line += "; behind them " + ", ".join(
+          f"tier={t.kind}: " + (f"{t.num_tokens:,} tokens" if t.num_tokens is not None
+                                else "bounded by the server") for t in self.third_tiers)
     running = self.hisparse_concurrency(tokens_per_request)
     if running is not None:
       line += (f"; HiSparse runs {running:,.2f}x at once (full KV on {PINNED_HOST}, hot "

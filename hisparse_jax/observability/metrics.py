@@ -35,6 +35,25 @@ KV_CAPACITY_TOKENS = "hisparse_kv_capacity_tokens"  # {memory_kind}
 # {memory_kind, device}: tensor parallel only, each device's live KV shard bytes
 KV_CAPACITY_BYTES = "hisparse_kv_capacity_bytes"
 
+# The third KV tier (hisparse_jax.engine.tier_connector), labelled {tier}: disk, remote.
+# Named after vLLM's external prefix cache (queries / hits in tokens) and SGLang HiCache's
+# storage metrics (bytes and seconds each way, failures).
+TIER_USED_BYTES = "hisparse_kv_tier_used_bytes"  # stored bytes (residency)
+TIER_USED_TOKENS = "hisparse_kv_tier_used_tokens"
+TIER_CAPACITY_BYTES = "hisparse_kv_tier_capacity_bytes"  # configured cap; 0: server-bounded
+TIER_PENDING_STORES = "hisparse_kv_tier_pending_stores"  # blocks queued for a store
+TIER_LOADING_REQUESTS = "hisparse_kv_tier_loading_requests"  # requests waiting on a load
+TIER_LOOKUP_TOKENS = "hisparse_kv_tier_lookup_tokens_total"  # after device+host misses
+TIER_HIT_TOKENS = "hisparse_kv_tier_hit_tokens_total"
+TIER_LOADED_BLOCKS = "hisparse_kv_tier_loaded_blocks_total"
+TIER_GATE_REFUSALS = "hisparse_kv_tier_gate_refusals_total"  # load slower than recompute
+TIER_LOAD_BYTES = "hisparse_kv_tier_load_bytes_total"
+TIER_LOAD_SECONDS = "hisparse_kv_tier_load_seconds_total"
+TIER_STORE_BYTES = "hisparse_kv_tier_store_bytes_total"
+TIER_STORE_SECONDS = "hisparse_kv_tier_store_seconds_total"
+TIER_EVICTIONS = "hisparse_kv_tier_evictions_total"  # by the tier's byte cap
+TIER_FAILURES = "hisparse_kv_tier_failures_total"  # {tier, reason}: blocks (or an open)
+
 DIRECTION_H2D = "h2d"  # host pool -> device pool (swap in)
 DIRECTION_D2H = "d2h"  # device pool -> host pool (swap out / write-back)
 

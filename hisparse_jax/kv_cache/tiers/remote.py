@@ -13,7 +13,8 @@ remote URL never needs the package.
 What the engine's non-blocking `lookup` knows: the server is not asked. `contains` answers
 from a bounded set of keys this process knows to be stored (stored, loaded, or seen by
 `exists_many`), so a block another engine stored is a MISS until an `exists` call (one
-round trip, which the engine makes once per new request) has seen it. The set can be
+round trip, which the engine makes once per new request) has seen it, or the SCAN at
+open (the blocks of this namespace stored before this process started) has. The set can be
 stale (TTL expiry, the server's maxmemory eviction, a flush): a load of such a key then
 reports "missing", the key is forgotten, and nothing is served.
 
@@ -22,8 +23,8 @@ retries, so an unreachable URL fails construction fast (TierError naming
 --remote_cache_url) and a server that dies mid-run turns each call into a
 BackendError("connection" | "timeout") within a timeout, never a hang. The URL's password
 is never logged (`redact_url`). capacity_bytes: the server's `maxmemory` when set, else
-None ("unbounded (server)"); used_* count the keys this process knows, not the server's
-total.
+None ("unbounded (server)"); used_* count the keys this process knows (those on the server
+at open, plus those stored or seen since), not other namespaces'.
 """
 
 from __future__ import annotations
@@ -101,6 +102,29 @@ class RemoteBackend(Backend):
     self.capacity_bytes = capacity_bytes
     self._lock = threading.Lock()  # guards _known
     self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+    try:
+      self._scan_known()
+    except redis.RedisError as e:
+      self._client.close()
+      raise TierError(f"{flag}: cannot list the stored blocks ({type(e).__name__}: {e})"
+                      ) from None
+
+  def _scan_known(self) -> None:
+    """Knows the blocks of this namespace already on the server (SCAN at open, up to
+    max_known_keys): the capacity line's used bytes, and lookups that hit without a
+    round trip."""
+    manifest = self._prefix + b"manifest"
+    keys = []
+    for name in self._client.scan_iter(match=self._prefix + b"*", count=1000):
+      if name == manifest:
+        continue
+      try:
+        keys.append(bytes.fromhex(name[len(self._prefix):].decode()))
+      except ValueError:
+        continue
+      if len(keys) >= self._max_known_keys:
+        break
+    self._remember(keys, [True] * len(keys))
 
   def _check_manifest(self, flag: str) -> None:
     manifest = self._prefix + b"manifest"

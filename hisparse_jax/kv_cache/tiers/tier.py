@@ -86,6 +86,7 @@ class KVTier:
     self._lock = threading.Lock()  # guards everything below
     self._queue: queue.Queue[_Work | None] = queue.Queue()
     self._done: collections.deque[_Work] = collections.deque()
+    self._done_event = threading.Event()  # set when the worker finished a job
     self._pending_store: set[bytes] = set()
     self._pending_load: collections.Counter[bytes] = collections.Counter()
     self._pending_store_bytes = 0
@@ -123,6 +124,17 @@ class KVTier:
         self._counts["hits"] += 1
       return LookupResult.HIT
     return LookupResult.MISS
+
+  def has(self, key: bytes) -> bool:
+    """Whether `key` is stored or being stored, from memory only (not counted as a
+    lookup: the engine asks before storing)."""
+    with self._lock:
+      if key in self._pending_store:
+        return True
+    try:
+      return self.backend.contains(key)
+    except Exception:  # noqa: BLE001 (memory only; a backend bug is a miss)
+      return False
 
   def exists(self, keys: list[bytes]) -> int:
     """Length of the longest prefix of the chain `keys` that is stored or being stored."""
@@ -191,9 +203,18 @@ class KVTier:
     self._queue.put(_Work(job))
     return job_id
 
+  def wait(self, timeout_s: float) -> bool:
+    """Blocks until a job has finished since the last `finished()` (True) or `timeout_s`
+    passed (False): an engine with nothing to run but loads in flight waits here instead
+    of spinning (a spinning engine thread starves the worker of the GIL)."""
+    if self._done:
+      return True
+    return self._done_event.wait(timeout_s)
+
   def finished(self) -> list[TierJob]:
     """Jobs completed since the last call; writes each load's verified rows into the pool."""
     out = []
+    self._done_event.clear()
     while True:
       try:
         work = self._done.popleft()
@@ -306,6 +327,7 @@ class KVTier:
         work.job.error = work.job.error or f"error: {e}"
         self._release(work.job)
         self._done.append(work)
+      self._done_event.set()
 
   def _release(self, job: TierJob) -> None:
     with self._lock:
