@@ -218,8 +218,10 @@ class Engine:
     configure_library_logging()
     # The third KV tier(s): opened before the capacity lines, which name them.
     self._tier_parts = None
+    self.tier_namespace = None  # the third tier's Namespace (tier_connector.namespace_for)
     if config.disk_cache_dir or config.remote_cache_url:
       self._tier_parts = self._open_tiers(spec)
+      self.tier_namespace = self._tier_parts[2]
       self.capacity = dataclasses.replace(self.capacity,
                                           third_tiers=tuple(self._tier_parts[3]))
     self.capacity.log(config.max_model_len)
@@ -267,7 +269,7 @@ class Engine:
     namespace = namespace_for(model_identity(name, self.model), c.dtype, c.block_size,
                               block_io.layout(), block_io.block_nbytes)
     tiers, failed = open_tiers(c, self.host_pool, namespace, block_io)
-    lines = TierConnector.capacity_of(tiers, namespace)
+    lines = [*TierConnector.capacity_of(tiers, namespace), *failed]
     return tiers, failed, namespace, lines
 
   def close(self) -> None:

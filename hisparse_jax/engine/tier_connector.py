@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 
@@ -92,6 +93,20 @@ class ThirdTierCapacity:
             f"{self.used_blocks * self.block_size:,} tokens")
 
 
+@dataclasses.dataclass(frozen=True)
+class FailedTier:
+  """A configured tier that did not open: its capacity line says so."""
+
+  kind: str
+  where: str
+  error: str
+  num_tokens = None
+
+  def log_line(self) -> str:
+    return (f"KV cache capacity [tier={self.kind} {self.where}]: unavailable, the engine "
+            f"recomputes instead ({self.error})")
+
+
 def model_identity(name: str, model, samples_per_array: int = 4096) -> str:
   """The model part of a tier namespace: the checkpoint's name and a SHA-256 over a
   strided sample of every weight array (the same checkpoint gives the same identity in
@@ -122,25 +137,28 @@ def namespace_for(model_name: str, dtype: str, block_size: int, layout: str,
 
 def open_tiers(config, host_pool, namespace: Namespace, block_io) -> tuple[list[KVTier],
                                                                           list[tuple[str, str]]]:
-  """The configured tiers (disk first), and (kind, message) of those that failed to open
-  (each logged on one line; the engine runs without them)."""
-  from hisparse_jax.kv_cache.tiers.disk import DiskBackend
-  from hisparse_jax.kv_cache.tiers.remote import RemoteBackend
+  """The configured tiers (disk first), and those that failed to open (`FailedTier`, each
+  logged on one line; the engine runs without them)."""
+  from hisparse_jax.kv_cache.tiers import disk
+  from hisparse_jax.kv_cache.tiers.remote import RemoteBackend, redact_url
 
   tiers, failed = [], []
   wanted = []
   if config.disk_cache_dir:
-    wanted.append(("disk", lambda: DiskBackend(
-        config.disk_cache_dir, int(config.disk_cache_gib * 2**30), namespace)))
+    wanted.append(("disk", f"path={os.path.abspath(config.disk_cache_dir)}",
+                   lambda: disk.DiskBackend(config.disk_cache_dir,
+                                            int(config.disk_cache_gib * 2**30), namespace,
+                                            min_free_bytes=disk.DEFAULT_MIN_FREE_BYTES)))
   if config.remote_cache_url:
-    wanted.append(("remote", lambda: RemoteBackend(
-        config.remote_cache_url, namespace, ttl_s=config.remote_cache_ttl_s)))
-  for kind, make in wanted:
+    wanted.append(("remote", f"url={redact_url(config.remote_cache_url)}",
+                   lambda: RemoteBackend(config.remote_cache_url, namespace,
+                                         ttl_s=config.remote_cache_ttl_s)))
+  for kind, where, make in wanted:
     try:
       backend = make()
     except TierError as e:
       logging.warning("KV tier %s not used (the engine recomputes instead): %s", kind, e)
-      failed.append((kind, str(e)))
+      failed.append(FailedTier(kind, where, str(e)))
       continue
     tiers.append(KVTier(backend, block_io))
   return tiers, failed
@@ -157,7 +175,7 @@ class TierConnector:
 
   def __init__(self, tiers: Sequence[KVTier], block_manager, transfer, runner,
                namespace: Namespace, *, write_policy: str = "write_through",
-               failed_at_open: Sequence[tuple[str, str]] = (),
+               failed_at_open: Sequence[FailedTier] = (),
                registry: m.MetricsRegistry | None = None):
     if write_policy not in WRITE_POLICIES:
       raise ValueError(f"kv_tier_write_policy must be one of {WRITE_POLICIES}, got "
@@ -420,8 +438,8 @@ class TierConnector:
     }
     self._c_fail = r.counter(m.TIER_FAILURES, "Blocks (or opens) that failed, by reason.",
                              ("tier", "reason"))
-    for kind, _ in self.failed_at_open:
-      self._c_fail.inc(1, tier=kind, reason="open")
+    for failed in self.failed_at_open:
+      self._c_fail.inc(1, tier=failed.kind, reason="open")
     for tier in self.tiers:
       kind = tier.backend.kind
       for c in self._c.values():
@@ -464,8 +482,8 @@ class TierConnector:
                    "partial_loads", "no_host_blocks"):
         s[name] = self.counts[f"{kind}/{name}"]
       out[kind] = s
-    for kind, message in self.failed_at_open:
-      out.setdefault(kind, {"open_error": message})
+    for failed in self.failed_at_open:
+      out.setdefault(failed.kind, {"open_error": failed.error})
     return out
 
 
@@ -481,5 +499,5 @@ def hashes_of(tokens: Sequence[int], block_size: int, have: list) -> list:
   return have[:full]
 
 
-__all__ = ["WRITE_POLICIES", "ThirdTierCapacity", "TierConnector", "hashes_of",
+__all__ = ["WRITE_POLICIES", "FailedTier", "ThirdTierCapacity", "TierConnector", "hashes_of",
            "model_identity", "namespace_for", "open_tiers"]

@@ -70,6 +70,8 @@ class AsyncEngine:
     self._wake.set()
     if self._thread.is_alive():
       self._thread.join(timeout_s)
+    if not self._thread.is_alive():  # the third tier's pending stores, its connections
+      self.engine.close()
 
   @property
   def num_unfinished(self) -> int:

@@ -112,6 +112,18 @@ class LLM:
     vLLM's `LLM.get_tokenizer()`; None for a checkpoint without one."""
     return self.engine.tokenizer
 
+  def close(self) -> None:
+    """Finishes the third KV tier's pending stores and releases its files and
+    connections (`Engine.close`); idempotent. Without a third tier there is nothing to
+    release."""
+    self.engine.close()
+
+  def __enter__(self) -> LLM:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def metrics(self) -> dict[str, float]:
     """All engine metrics as a flat dict (`name{label="x"}` keys, histogram p50/p99)."""
     return self.engine.metrics()
@@ -215,7 +227,9 @@ class LLM:
               disable=None if use_tqdm else True, dynamic_ncols=True) as bar:
       while pending:
         outputs = self.engine.step()
-        idle = 0 if outputs or self.engine.last_step_num_tokens else idle + 1
+        # (a step that waited on a third-tier load is not idle: the load is progress)
+        loading = self.engine.tier is not None and self.engine.tier.num_loading
+        idle = 0 if outputs or self.engine.last_step_num_tokens or loading else idle + 1
         if idle > MAX_IDLE_STEPS:
           raise RuntimeError(f"the engine made no progress in {MAX_IDLE_STEPS} steps with "
                              f"{len(pending)} requests unfinished")

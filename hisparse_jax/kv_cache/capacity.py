@@ -480,6 +480,7 @@ class CapacityReport:
     if self.third_tiers:
       line += "; behind them " + ", ".join(
           f"tier={t.kind}: " + (f"{t.num_tokens:,} tokens" if t.num_tokens is not None
+                                else "unavailable" if getattr(t, "error", None)
                                 else "bounded by the server") for t in self.third_tiers)
     running = self.hisparse_concurrency(tokens_per_request)
     if running is not None:

@@ -12,7 +12,9 @@ exits 0. With --hisparse, the device line details the indexer and hot-buffer byt
 total line says how many long requests HiSparse runs at once. Bad flag values (a budget
 too small for one request of `--max_model_len`, a host pool above 95% of the available
 RAM) exit 2 with one line naming the flag. A DSA model's lines name its two caches (MLA
-latent, indexer keys) per memory kind.
+latent, indexer keys) per memory kind. With --disk_cache_dir / --remote_cache_url the
+engine is built and each third tier it opened gets a line (`[tier=disk path=...]`,
+`[tier=remote url=...]`: its cap, bytes per stored block, and what it holds now).
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ def main(argv: list[str]) -> int:
     check_kv_cache_dtype(FLAGS.kv_cache_dtype)
   except ValueError as e:
     raise ValueError(f"--{e}") from None
+  from hisparse_jax.entrypoints.cli.generate import tier_kwargs_from_flags  # noqa: PLC0415
   from models.loader import (  # noqa: PLC0415 (heavy)
     checkpoint_dtype,
     is_dsa_config,
     load_pretrained,
   )
 
-  if FLAGS.tensor_parallel_size != 1:  # over a mesh: the engine's own pools and lines
+  tier_kwargs_from_flags()  # (its flags' values checked even when no tier is configured)
+  if (FLAGS.tensor_parallel_size != 1 or FLAGS.disk_cache_dir is not None
+      or FLAGS.remote_cache_url is not None):
+    # Over a mesh, or with a third tier: the engine's own pools, tiers and lines.
     return _tensor_parallel()
   dtype = checkpoint_dtype(FLAGS.model) if FLAGS.dtype == "auto" else FLAGS.dtype
   _, config, _ = load_pretrained(FLAGS.model, dtype=dtype)
@@ -90,22 +96,27 @@ def main(argv: list[str]) -> int:
 
 
 def _tensor_parallel() -> int:
-  """The capacity lines of an engine over --tensor_parallel_size devices (weights loaded
-  into their shards; the lines per device come from the live shards)."""
+  """The capacity lines of an engine: over --tensor_parallel_size devices (weights loaded
+  into their shards; the lines per device come from the live shards), and with the third
+  KV tier's flags (a line per tier, from the opened tier: its cap and what it holds)."""
   from hisparse_jax.engine.engine import Engine, EngineConfig  # noqa: PLC0415 (heavy)
+  from hisparse_jax.entrypoints.cli.generate import tier_kwargs_from_flags  # noqa: PLC0415
 
   # Only the flags this command reads (its --help groups).
   kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
                 device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
                 max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                 hisparse=hisparse_from_flags(),
-                tensor_parallel_size=FLAGS.tensor_parallel_size)
+                tensor_parallel_size=FLAGS.tensor_parallel_size, **tier_kwargs_from_flags())
   try:
     config = EngineConfig(**kwargs)
   except ValueError as e:
     raise ValueError(f"--{e}") from None
   engine = Engine(config)
-  _print(engine.capacity)
+  try:
+    _print(engine.capacity)
+  finally:
+    engine.close()
   return 0
 
 

@@ -174,7 +174,8 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
                 compile_in_background=(compile_in_background
                                        if FLAGS.compile_in_background is None
                                        else FLAGS.compile_in_background),
-                tensor_parallel_size=FLAGS.tensor_parallel_size)
+                tensor_parallel_size=FLAGS.tensor_parallel_size,
+                **tier_kwargs_from_flags())
   try:
     EngineConfig(**kwargs)
   except ValueError as e:
@@ -187,6 +188,23 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
                            if FLAGS.compilation_cache_dir is None
                            else FLAGS.compilation_cache_dir)
   return kwargs
+
+
+def tier_kwargs_from_flags() -> dict[str, Any]:
+  """The third KV tier's `EngineConfig` fields from their flags (same names)."""
+  for name in ("disk_cache_gib",):
+    value = FLAGS[name].value
+    if not (math.isfinite(value) and value > 0):
+      raise ValueError(f"--{name} must be a positive number, got {value}")
+  if FLAGS.disk_cache_dir == "":
+    raise ValueError("--disk_cache_dir is empty; give a directory or leave the flag out")
+  if FLAGS.remote_cache_url == "":
+    raise ValueError("--remote_cache_url is empty; give redis://HOST:PORT[/DB] or leave the "
+                     "flag out")
+  return dict(disk_cache_dir=FLAGS.disk_cache_dir, disk_cache_gib=FLAGS.disk_cache_gib,
+              remote_cache_url=FLAGS.remote_cache_url,
+              remote_cache_ttl_s=FLAGS.remote_cache_ttl_s,
+              kv_tier_write_policy=FLAGS.kv_tier_write_policy)
 
 
 def block_size_from_flags() -> int:
@@ -457,6 +475,7 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
     metrics = llm.metrics()
   finally:
     registry.close()
+    llm.close()  # the third tier's stores finish before the command exits
   num_right = num_expected = 0
   for i, (spec, output) in enumerate(zip(specs, outputs)):
     for completion in output.outputs:

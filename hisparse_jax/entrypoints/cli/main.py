@@ -199,6 +199,24 @@ flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode ste
                     "of passkey accuracy against length (--suite=passkey), or of decode "
                     "tokens/s against concurrency (--suite=hisparse_throughput).")
 
+# The third KV tier (hisparse_jax.engine.tier_connector): generate, demo, serve, capacity.
+flags.DEFINE_string("disk_cache_dir", None,
+                    "Third KV tier on local disk: a directory of block files (one per KV "
+                    "block, checksummed; a manifest refuses another model's or layout's "
+                    "blocks). Prompt blocks missing in device and host memory are loaded "
+                    "from it; computed prompt blocks are stored to it; it survives restarts.")
+flags.DEFINE_float("disk_cache_gib", 16.0, "Byte cap of --disk_cache_dir in GiB (least "
+                   "recently used blocks evicted beyond it; 1 GiB of free space is kept).")
+flags.DEFINE_string("remote_cache_url", None,
+                    "Third KV tier on a Redis-protocol server shared by engines "
+                    "(redis://[:PASSWORD@]HOST:PORT[/DB]; Redis or Valkey); an unreachable "
+                    "server is logged once and the engine runs without it.")
+flags.DEFINE_integer("remote_cache_ttl_s", 86400, "Seconds a block stays in "
+                     "--remote_cache_url after its last store or load.")
+flags.DEFINE_enum("kv_tier_write_policy", "write_through", ["write_through", "write_back"],
+                  "When prompt blocks reach the third tier: write_through = as soon as the "
+                  "prompt is computed; write_back = when the host pool evicts them (and at "
+                  "exit).")
 
 # serve (hisparse_jax.entrypoints.cli.serve); it also takes the engine flags of generate.
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
@@ -221,25 +239,29 @@ _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "lo
              "sparse_threshold_tokens", "resident_sparse_min_tokens", "bounds_dtype",
              "selection", "streamed_prefill")
 _OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
+_TIER = ("disk_cache_dir", "disk_cache_gib", "remote_cache_url", "remote_cache_ttl_s",
+         "kv_tier_write_policy")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
 _PARALLEL = ("tensor_parallel_size", "coordinator_address", "num_processes", "process_id",
              "coordinator_timeout_s")
 COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "capacity": (("model and memory", _MODEL),
                  ("engine", ("max_num_seqs", "max_num_batched_tokens")),
-                 ("HiSparse", _HISPARSE), ("parallel", _PARALLEL)),
+                 ("HiSparse", _HISPARSE), ("third KV tier", _TIER), ("parallel", _PARALLEL)),
     "generate": (("prompts", ("prompt", "prompts_file", "chat")),
                  ("sampling", _SAMPLING),
                  ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
-                 ("parallel", _PARALLEL), ("output", _OUTPUT)),
+                 ("third KV tier", _TIER), ("parallel", _PARALLEL), ("output", _OUTPUT)),
     "demo": (("demo", ("demo_num_prompts", "demo_context_len", "demo_seed")),
              ("sampling", _SAMPLING), ("model and memory", _MODEL), ("engine", _ENGINE),
-             ("HiSparse", _HISPARSE), ("parallel", _PARALLEL), ("output", _OUTPUT)),
+             ("HiSparse", _HISPARSE), ("third KV tier", _TIER), ("parallel", _PARALLEL),
+             ("output", _OUTPUT)),
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
     "convert": (("convert", ("model", "out", "dtype")),),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
               ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
-              ("parallel", ("tensor_parallel_size",))),  # (one process: requests reach one host)
+              # (one process: requests reach one host)
+              ("third KV tier", _TIER), ("parallel", ("tensor_parallel_size",))),
 }
 HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
 

