@@ -31,6 +31,9 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
   dsa_decode              a DSA model's decode step (learned indexer, sparse MLA, host tier
                           in: offloaded, warm and cold hot buffer) vs dense MLA over the
                           full cache, 4k-64k context (~1 min)
+  third_tier              TTFT of a repeated ~4k-token prompt from the disk tier after an
+                          engine restart and from a shared Redis store by a second engine,
+                          vs recomputing it; the load-vs-recompute gate on a throttled tier
 
 Every ratio is measured side by side in one run (the contenders interleaved); the JSON
 names the machine (CPU, cores, accelerator, jax version, load average at the start and
@@ -69,6 +72,7 @@ ACCURACY_SUITES = {
     "hisparse_throughput": "hisparse_throughput",
     "cold_start": "cold_start",
     "dsa_decode": "dsa_decode",
+    "third_tier": "third_tier",
 }
 # Suites whose module has plot(result, path), which --bench_plot draws.
 PLOTTED = ("decode_sparse_vs_dense", "passkey", "hisparse_throughput")
