@@ -22,7 +22,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.bench import common
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
@@ -127,8 +126,7 @@ def _profile_h2d(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Ge
   host_ids = jax.device_put(src, on_host)
 
   def host_gather(pool, ids):
-    with compute_on("device_host"):
-      return pool[ids]
+    return on_host(lambda p, i: p[i])(pool, ids)
 
   gather = jax.jit(host_gather, out_shardings=on_host)
   to_device = jax.jit(lambda x: jax.device_put(x, on_device))

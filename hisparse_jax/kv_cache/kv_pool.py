@@ -41,10 +41,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax.distributed import parallel
+from hisparse_jax.kv_cache.host_compute import on_host
 from kernels_pallas.quant import STORAGE_DTYPES
 
 DEVICE = "device"
@@ -496,8 +496,7 @@ class KVPool:
 @functools.cache
 def _host_copy_fn(sharding: SingleDeviceSharding):
   def host_copy(x):
-    with compute_on("device_host"):
-      return x + jnp.zeros((), x.dtype)
+    return on_host(lambda y: y + jnp.zeros((), y.dtype))(x)
 
   return jax.jit(host_copy, out_shardings=sharding)
 

@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, NULL_BLOCK_ID, PINNED_HOST, KVPool
 from hisparse_jax.observability import metrics as m
 from kernels_pallas.common import next_power_of_2
@@ -83,6 +83,14 @@ def copy_block_loop(src_arrays, dst_arrays, src_ids, dst_ids, count):
   return lax.fori_loop(0, count, body, tuple(dst_arrays))
 
 
+def _gather(array, ids):
+  return array[ids]
+
+
+def _scatter_drop(array, ids, values):
+  return array.at[ids].set(values, mode="drop")
+
+
 def _num_real(dst_ids, num_dst_blocks: int):
   """Real ids of a padded list: padding destinations are out of range (>= the pool)."""
   return jnp.sum(dst_ids < num_dst_blocks, dtype=jnp.int32)
@@ -104,8 +112,7 @@ def _swap_out_program(num_arrays: int, device_sharding, host_sharding, one_memor
     out = []
     for device_array, host_array in zip(device_arrays, host_arrays):
       blocks = jax.device_put(device_array[device_ids], host_sharding)
-      with compute_on("device_host"):
-        out.append(host_array.at[host_ids].set(blocks, mode="drop"))
+      out.append(on_host(_scatter_drop)(host_array, host_ids, blocks))
     return tuple(out), device_ids[0]  # a small output to wait on, never donated
 
   shardings = (tuple([host_sharding] * num_arrays), scalar_sharding or device_sharding)
@@ -120,8 +127,7 @@ def gather_to_device(host_arrays, host_ids, *, device_sharding, host_sharding):
   host_ids = jax.device_put(host_ids, host_sharding)
   out = []
   for host_array in host_arrays:
-    with compute_on("device_host"):
-      blocks = host_array[host_ids]
+    blocks = on_host(_gather)(host_array, host_ids)
     out.append(jax.device_put(blocks, device_sharding))
   return tuple(out)
 

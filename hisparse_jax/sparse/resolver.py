@@ -60,9 +60,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.kv_cache import transfer
+from hisparse_jax.kv_cache.host_compute import on_host
 from kernels_pallas import cpu_kernels
 from kernels_pallas.common import packed_ids
 
@@ -304,8 +304,8 @@ def _token_gather_program(device_sharding, host_sharding):
 
   def gather(host_pages, host_ids):
     host_ids = jax.device_put(host_ids, host_sharding)
-    with compute_on("device_host"):  # (the host pages viewed as token rows, on the host)
-      rows = host_pages.reshape(-1, host_pages.shape[-1])[host_ids]
+    # (the host pages viewed as token rows, on the host)
+    rows = on_host(lambda p, i: p.reshape(-1, p.shape[-1])[i])(host_pages, host_ids)
     return jax.device_put(rows, device_sharding)
 
   return jax.jit(gather, out_shardings=device_sharding)

@@ -6,9 +6,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, KVPool
 
 
@@ -42,8 +42,8 @@ def _gather_fn(memory_kind: str, device: jax.Device):
     if memory_kind == DEVICE:
       return k[ids], v[ids]
     ids = jax.device_put(ids, SingleDeviceSharding(device, memory_kind=memory_kind))
-    with compute_on("device_host"):
-      return k[ids], v[ids]
+    k, v = on_host(lambda a, b, i: (a[i], b[i]))(k, v, ids)
+    return jax.device_put(k, device_sharding), jax.device_put(v, device_sharding)
 
   return jax.jit(gather, out_shardings=(device_sharding, device_sharding))
 

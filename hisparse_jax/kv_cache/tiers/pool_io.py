@@ -28,9 +28,9 @@ import functools
 
 import jax
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVPool
 from hisparse_jax.kv_cache.transfer import bucket_size, gather_to_device, hop_free
 
@@ -61,8 +61,7 @@ def _write_program(num_arrays: int, device_sharding, host_sharding, one_memory: 
     out = []
     for h, b in zip(host_arrays, blocks):
       b = jax.device_put(b, host_sharding)
-      with compute_on("device_host"):
-        out.append(h.at[ids].set(b, mode="drop"))
+      out.append(on_host(lambda a, i, v: a.at[i].set(v, mode="drop"))(h, ids, b))
     return tuple(out)
 
   return jax.jit(write, donate_argnums=(0,),

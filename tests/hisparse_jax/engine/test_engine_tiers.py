@@ -322,3 +322,56 @@ def test_config_refusals_name_the_field():
     EngineConfig(kv_tier_write_policy="sometimes")
   with pytest.raises(ValueError, match="remote_cache_url: .*host_pool_gib"):
     EngineConfig(remote_cache_url="redis://x", host_pool_gib=0)
+
+
+def test_a_request_aborted_while_its_load_runs_frees_everything(tmp_path, reference):
+  first = _engine(disk_cache_dir=str(tmp_path))
+  _run(first, PROMPTS[:1])
+  first.close()
+  engine = _engine(disk_cache_dir=str(tmp_path))
+  tier = engine.tier.tiers[0]
+  tier.backend = ThrottledBackend(tier.backend, bytes_per_s=2e5)  # a ~1 s load
+  rid = engine.add_request(prompt_token_ids=PROMPTS[0], sampling_params=GREEDY)
+  engine.step()
+  assert engine.scheduler.loading and engine.tier.num_loading == 1
+  assert engine.metrics()["hisparse_kv_tier_loading_requests"] == 1
+  engine.check_invariants()  # (the load's host blocks are held, and counted)
+  assert engine.abort_request(rid)
+  engine.check_invariants()
+  while engine.tier.num_loading:  # the load finishes; its blocks become host prefix hits
+    engine.step()
+    engine.check_invariants()
+  _no_leaks(engine)
+  assert engine.block_manager.host_pool.num_cached_blocks == (len(PROMPTS[0]) - 1) // BLOCK_SIZE
+  # Served from those host blocks, with the recomputed tokens.
+  assert _run(engine, PROMPTS[:1]) == reference["dense"][:1]
+  engine.close()
+
+
+def test_llm_and_the_generate_command_take_the_tier(tmp_path):
+  from hisparse_jax.entrypoints.llm import LLM
+
+  kwargs = dict(FIELDS, disk_cache_dir=str(tmp_path / "llm"))
+  with LLM(**kwargs) as llm:
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+  with LLM(**kwargs) as llm:
+    again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    assert llm.metrics()['hisparse_kv_tier_loaded_blocks_total{tier="disk"}'] > 0
+  assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+  def generate(*extra):
+    out = subprocess.run(
+        [sys.executable, "-m", "hisparse_jax", "generate", "--prompt=" + "bafu: bapo " * 40,
+         "--max_new_tokens=6", f"--disk_cache_dir={tmp_path / 'cli'}", "--block_size=16",
+         f"--metrics_json={tmp_path / 'm.json'}", *extra],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+    return out.stdout, json.loads((tmp_path / "m.json").read_text())
+
+  text1, m1 = generate()
+  text2, m2 = generate()
+  assert text1.splitlines()[0].startswith("[0] ")
+  assert text1.splitlines()[0] == text2.splitlines()[0]  # (the answer; timings differ)
+  assert m1['hisparse_kv_tier_loaded_blocks_total{tier="disk"}'] == 0
+  assert m2['hisparse_kv_tier_loaded_blocks_total{tier="disk"}'] > 0
