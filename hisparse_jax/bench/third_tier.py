@@ -26,7 +26,7 @@ load is allowed (no bandwidth measured yet) and measures the throttle; the next 
 load is refused (expected slower than recomputing) and recomputed.
 
 `size`: full (smollm2-135m-instruct and hisparse-tiny, ~4k-token prompts, 3 rounds),
-smoke (hisparse-tiny, 600 tokens, 1 round; for tests).
+smoke (hisparse-tiny, 600 tokens, 2 rounds; for tests).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Case:
 SIZES = {
     "full": (Case("smollm2-135m-instruct", "smollm2-135m-instruct", 4000, 3),
              Case(None, "hisparse-tiny", 4000, 3)),
-    "smoke": (Case(None, "hisparse-tiny", 600, 1),),
+    "smoke": (Case(None, "hisparse-tiny", 600, 2),),
 }
 
 

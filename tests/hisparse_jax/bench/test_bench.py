@@ -696,3 +696,37 @@ def test_cold_start_runs_generate_with_its_own_flags():
     assert arg.startswith("--") and arg[2:].split("=")[0] in cli.command_flags("generate")
   assert set(sparse) - set(dense) == {"--hisparse", f"--top_k_tokens={size.top_k_tokens}"}
   assert "--compilation_cache_dir=" in dense
+
+
+def test_third_tier_smoke_fields(tmp_path):
+  """The third-tier suite (by name) at smoke size: each prompt was loaded from both tiers
+  with the recomputed tokens, and the throttled tier's second load was refused."""
+  from hisparse_jax.bench import third_tier
+
+  assert "third_tier" not in bench_cmd.suite_names("all")
+  out = str(tmp_path / "tt.json")
+  bench_cmd.run_suites(["third_tier"], "smoke", 16, out)
+  with open(out) as f:
+    (case,) = json.load(f)["suites"]["third_tier"]["cases"]
+  size = third_tier.SIZES["smoke"][0]
+  assert case["tokens_equal"]
+  per_prompt = (size.prompt_tokens - 1) // case["block_size"]
+  # Each tier engine loads its warm-up prompt and the timed ones.
+  assert case["loaded_blocks"] == {"disk": per_prompt * (size.reps + 1),
+                                   "remote": per_prompt * (size.reps + 1)}
+  assert _positive(*case["ttft_median_s"].values())
+  gate = case["gate"]
+  assert gate["first_tokens_equal"] and gate["refusals"] == 1 and gate["load_jobs"] == 1
+  assert gate["expected_load_s"] > gate["expected_recompute_s"]
+
+
+def test_readme_third_tier_table_matches_committed_json():
+  with open("results/third_tier_cpu.json") as f:
+    cases = json.load(f)["suites"]["third_tier"]["cases"]
+  with open("README.md") as f:
+    readme = f.read()
+  for c in cases:
+    med = c["ttft_median_s"]
+    row = next(line for line in readme.splitlines() if line.startswith(f"| {c['model']} ("))
+    assert f"{c['speedup_disk']:.1f}x" in row and f"{c['speedup_remote']:.1f}x" in row, row
+    assert f"{med['recompute']:.3g}"[:4] in row, row
