@@ -47,7 +47,7 @@ GPU_VENV = ROOT / ".venv-gpu"
 CPU_VENV = ROOT / ".venv"  # `make setup`'s
 BUDGET_S = 480  # on one H200: the whole check in under 8 minutes
 CPU_BUDGET_S = 1800  # the CPU fallback's steps (interpret mode) are slower
-TAIL_CHARS = 3000
+TAIL_CHARS = 12000  # (3,000 lost the failing tests' names on the first GPU runs)
 
 # Step name -> (timeout in seconds, what it checks). Order is run order.
 STEPS = {
@@ -111,7 +111,9 @@ class Runner:
 
   def env(self) -> dict[str, str]:
     env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cuda" if self.gpu else "cpu"
+    # cuda,cpu: a jax.debug.callback inside a jitted step needs a local CPU device to
+    # place its operands (jax 0.11.2 on the H200: "failed to find a local CPU device").
+    env["JAX_PLATFORMS"] = "cuda,cpu" if self.gpu else "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     return env
@@ -299,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
   python, device = _environment(runner, gpu_reason)
   size = "full" if gpu else "smoke"
   no_gpu = [] if gpu else [f"compiled (not interpret) kernels: {gpu_reason}"]
-  pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+  # No --durations table (it pushed the failures out of the kept tail); -rfEs: the
+  # failed, errored and skipped tests' names at the end.
+  pytest = [python, "-m", "pytest", "-o",
+            "addopts=-q -p no:cacheprovider --import-mode=importlib", "-rfEs"]
 
   def bench(step: str, suite: str, summarize, extra_skips: list[str],
             kernels: bool = True) -> None:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.bench import common
+from hisparse_jax.kv_cache import host_compute
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
 from hisparse_jax.kv_cache.transfer import TransferEngine, copy_block_loop
 
@@ -126,7 +127,7 @@ def _profile_h2d(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Ge
   host_ids = jax.device_put(src, on_host)
 
   def host_gather(pool, ids):
-    return on_host(lambda p, i: p[i])(pool, ids)
+    return host_compute.on_host(lambda p, i: p[i])(pool, ids)
 
   gather = jax.jit(host_gather, out_shardings=on_host)
   to_device = jax.jit(lambda x: jax.device_put(x, on_device))

@@ -127,6 +127,10 @@ def gather_to_device(host_arrays, host_ids, *, device_sharding, host_sharding):
   host_ids = jax.device_put(host_ids, host_sharding)
   out = []
   for host_array in host_arrays:
+    # (pinned to the host kind again: jax 0.11.2 on a GPU rejected this gather inside the
+    # HiSparse step's lax.switch, its pool operand typed device memory beside host ids;
+    # a no-op where the operand is host-typed, as on jax 0.10.2)
+    host_array = jax.device_put(host_array, host_sharding)
     blocks = on_host(_gather)(host_array, host_ids)
     out.append(jax.device_put(blocks, device_sharding))
   return tuple(out)
