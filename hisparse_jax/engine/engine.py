@@ -242,7 +242,8 @@ class Engine:
       tiers, failed, namespace, _ = self._tier_parts
       self.tier = TierConnector(tiers, self.block_manager, self.transfer, self.runner,
                                 namespace, write_policy=config.kv_tier_write_policy,
-                                failed_at_open=failed, registry=self.metrics_registry)
+                                failed_at_open=failed, registry=self.metrics_registry,
+                                max_num_batched_tokens=config.max_num_batched_tokens)
       self.scheduler.tier = self.tier if tiers else None
     self.hot_rows = HotRows(self.runner.num_hot_rows)  # (HiSparse)
     self.requests: dict[str, Request] = {}  # unfinished requests only: a server runs long

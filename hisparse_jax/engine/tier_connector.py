@@ -45,9 +45,12 @@ from hisparse_jax.observability import metrics as m
 
 WRITE_POLICIES = ("write_through", "write_back")
 _EWMA_ALPHA = 0.3
-# A prefill step counts towards the per-token prefill time only with this many prompt
-# tokens (a step of decodes and a short chunk says little about prefill).
-_MIN_PREFILL_TOKENS = 64
+# A prefill step counts towards the per-token prefill time only with at least this many
+# prompt tokens, or half the step's token budget when that is smaller: a recompute runs
+# in full chunks, and a short step's fixed costs would make its per-token time several
+# times a full chunk's (measured: the 88-token tail of a loaded 600-token prompt on the
+# embedded model let a load slower than recomputing through the gate).
+_MIN_PREFILL_TOKENS = 256
 
 
 @dataclasses.dataclass
@@ -176,7 +179,8 @@ class TierConnector:
   def __init__(self, tiers: Sequence[KVTier], block_manager, transfer, runner,
                namespace: Namespace, *, write_policy: str = "write_through",
                failed_at_open: Sequence[FailedTier] = (),
-               registry: m.MetricsRegistry | None = None):
+               registry: m.MetricsRegistry | None = None,
+               max_num_batched_tokens: int = 2048):
     if write_policy not in WRITE_POLICIES:
       raise ValueError(f"kv_tier_write_policy must be one of {WRITE_POLICIES}, got "
                        f"{write_policy!r}")
@@ -197,6 +201,7 @@ class TierConnector:
                           + block_manager.host_pool.num_blocks)
     self._evicted: list[tuple[int, bytes]] = []  # write_back: (host id, key) to store
     self.prefill_s_per_token: float | None = None
+    self._min_prefill_tokens = max(1, min(_MIN_PREFILL_TOKENS, max_num_batched_tokens // 2))
     self.counts = collections.Counter()  # by "<tier>/<what>"
     if write_policy == "write_back":
       block_manager.host_pool.on_evict = self._on_host_evict
@@ -286,7 +291,7 @@ class TierConnector:
 
   def observe_prefill(self, num_prefill_tokens: int, seconds: float) -> None:
     """A step's prefill tokens and its time: the per-token prefill time the gate uses."""
-    if num_prefill_tokens < _MIN_PREFILL_TOKENS or seconds <= 0:
+    if num_prefill_tokens < self._min_prefill_tokens or seconds <= 0:
       return
     x = seconds / num_prefill_tokens
     prev = self.prefill_s_per_token

@@ -243,18 +243,23 @@ def test_a_full_disk_evicts_the_oldest_blocks_and_the_engine_serves(tmp_path, re
   again.close()
 
 
-def test_a_disk_full_store_failure_is_counted(tmp_path, reference, monkeypatch):
+def test_a_disk_full_store_failure_is_counted(tmp_path, reference, monkeypatch, caplog):
   monkeypatch.setattr(disk_module, "DEFAULT_MIN_FREE_BYTES", 1 << 62)
-  engine = _engine(disk_cache_dir=str(tmp_path))
-  assert _run(engine) == reference["dense"]
-  tier = engine.tier.tiers[0]
-  tier.close()  # (waits for the stores)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    engine = _engine(disk_cache_dir=str(tmp_path))
+    assert _run(engine) == reference["dense"]
+    tier = engine.tier.tiers[0]
+    tier.close()  # (waits for the stores)
   assert tier.stats()["failures"].get("disk_full", 0) > 0
   assert tier.stats()["used_blocks"] == 0
+  assert _tier_metric(engine, "failures_total", "disk", reason="disk_full") > 0
+  assert len([w for w in _warnings(caplog) if "disk_full" in w]) == 1, _warnings(caplog)
   engine.close()
 
 
-def test_the_server_killed_mid_store_leaves_the_engine_serving(redis_server, reference):
+def test_the_server_killed_mid_store_leaves_the_engine_serving(redis_server, reference,
+                                                               caplog):
+  caplog.set_level(logging.INFO, logger="absl")
   engine = _engine(remote_cache_url=redis_server.url)
   tier = engine.tier.tiers[0]
   tier.backend = ThrottledBackend(tier.backend, bytes_per_s=2e6)  # stores take a while
@@ -276,6 +281,11 @@ def test_the_server_killed_mid_store_leaves_the_engine_serving(redis_server, ref
   assert sum(failures.values()) > 0, failures
   # Still serving: the same prompts again (recomputed; the tier's loads fail or miss).
   assert _run(engine) == reference["dense"]
+  assert _tier_metric(engine, "failures_total", "remote", reason="connection") > 0
+  # One line for the failure's reason (rate-limited; the later calls that fail the same
+  # way are counted, not logged again).
+  lines = [w for w in _warnings(caplog) if "connection" in w.lower()]
+  assert len(lines) == 1, _warnings(caplog)
   engine.close()
 
 
