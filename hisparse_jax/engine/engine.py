@@ -422,6 +422,8 @@ class Engine:
         [r for r in outputs.values() if not r.is_finished] + self._finished)
     self._finished = []
     self.stats.on_usage(self.block_manager, self.scheduler)
+    if self.tier is not None:  # (its series current for a reader of the registry alone)
+      self.tier.export()
     return result
 
   def _run(self, out: SchedulerOutput) -> _InflightStep | None:

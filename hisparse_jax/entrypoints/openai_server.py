@@ -3,6 +3,9 @@
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with
                                                   "stream": true, then "data: [DONE]")
     GET  /v1/models, /health, /metrics            (metrics: the engine's Prometheus registry)
+    GET  /dashboard, /dashboard/data              (observability/dashboard.py: the live page
+                                                   and its JSON; with --api_key, the key as
+                                                   the header or ?token=KEY)
     POST /tokenize, /detokenize                   (vLLM's extras)
 
 Request fields map onto `SamplingParams` by vLLM's names (n, temperature, top_p, stop,
@@ -17,6 +20,7 @@ is not running; never a traceback. A stream whose client disconnects is aborted 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -33,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from hisparse_jax.engine.request import CompletionOutput, RequestOutput
 from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
 from hisparse_jax.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hisparse_jax.observability import dashboard
 
 # SamplingParams fields a request may set by vLLM's names (beyond the OpenAI ones).
 EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos",
@@ -259,12 +264,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
   @app.middleware("http")
   async def _gate(request: fastapi.Request, call_next):
     path = request.url.path
-    guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+    dashboard = path.rstrip("/") in ("/dashboard", "/dashboard/data")
+    guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize") or dashboard
     if api_key is not None and guarded:
-      if request.headers.get("authorization") != f"Bearer {api_key}":
+      # The dashboard also takes ?token=KEY: a browser opening the page cannot send the
+      # header; the page then sends it as the header to /dashboard/data.
+      token = request.query_params.get("token") if dashboard else None
+      if (request.headers.get("authorization") != f"Bearer {api_key}"
+          and not (token is not None and hmac.compare_digest(token, api_key))):
         return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
                       "AuthenticationError")
-    if path != "/metrics" and (app.state.draining or not engine.is_running):
+    if (path != "/metrics" and not dashboard
+        and (app.state.draining or not engine.is_running)):
       message = ("the server is shutting down" if app.state.draining
                  else "the engine is not running")
       return _error(503, message, None, "ServiceUnavailableError")
@@ -290,6 +301,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     registry = engine.engine.metrics_registry.prometheus_registry
     return responses.Response(prometheus_client.generate_latest(registry),
                               media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  @app.get("/dashboard")
+  @app.get("/dashboard/")
+  async def dashboard_page():
+    return responses.HTMLResponse(dashboard.page(), headers={"Cache-Control": "no-store"})
+
+  @app.get("/dashboard/data")
+  async def dashboard_data():
+    # (the usage gauges brought up to date under the engine's lock, as for a scrape)
+    await asyncio.get_running_loop().run_in_executor(None, engine.refresh_metrics)
+    return responses.JSONResponse(dashboard.snapshot(engine.engine),
+                                  headers={"Cache-Control": "no-store"})
 
   @app.post("/tokenize")
   async def tokenize(body: TokenizeRequest):

@@ -32,7 +32,10 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
   hisparse_hot_buffer_hit_rate                  gauge   hits / lookups so far
   hisparse_requests_total{finish_reason}        counter finished requests
   hisparse_prompt_tokens_total, hisparse_generation_tokens_total   counters
-  hisparse_num_requests{state}                  gauge   running, waiting, swapped
+  hisparse_num_requests{state}                  gauge   running, waiting, swapped; offloaded
+                                                        (running, KV offloaded: HiSparse),
+                                                        loading (waiting on a third-tier
+                                                        load)
   hisparse_step_shapes                          gauge   distinct padded step shapes run so
                                                         far (each compiled a step program
                                                         the first time: a rise while serving
@@ -215,6 +218,12 @@ class EngineMetrics:
     self.num_requests.set(len(scheduler.running), state="running")
     self.num_requests.set(len(scheduler.waiting), state="waiting")
     self.num_requests.set(len(scheduler.swapped), state="swapped")
+    # (of the running: those whose KV is offloaded to the host pool, HiSparse; and the
+    # waiting ones whose prompt blocks a third tier is loading)
+    self.num_requests.set(sum(block_manager.is_offloaded(r.request_id)
+                              for r in scheduler.running
+                              if r.request_id in block_manager), state="offloaded")
+    self.num_requests.set(len(scheduler.loading), state="loading")
 
 
 @dataclasses.dataclass

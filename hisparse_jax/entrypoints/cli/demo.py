@@ -192,7 +192,8 @@ def toy_demo() -> int:
   result = generate_cmd.run(specs, llm_kwargs, sampling_params,
                             log_every_steps=FLAGS.log_every_steps,
                             metrics_json=FLAGS.metrics_json,
-                            prometheus_port=FLAGS.prometheus_port)
+                            prometheus_port=FLAGS.prometheus_port,
+                            **generate_cmd.dashboard_from_flags())
   print(host_pool_line(result), flush=True)
   print(example_line(), flush=True)
   return 0

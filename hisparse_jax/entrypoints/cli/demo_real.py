@@ -97,7 +97,8 @@ def real_demo() -> int:
   result = generate_cmd.run(specs, llm_kwargs, sampling_params,
                             log_every_steps=FLAGS.log_every_steps,
                             metrics_json=FLAGS.metrics_json,
-                            prometheus_port=FLAGS.prometheus_port)
+                            prometheus_port=FLAGS.prometheus_port,
+                            **generate_cmd.dashboard_from_flags())
   print(demo_cmd.host_pool_line(result), flush=True)
   print(f"try it yourself: hisparse-jax generate --model={model} --chat "
         "--prompt='Name three colors of the rainbow.' --max_new_tokens=48", flush=True)

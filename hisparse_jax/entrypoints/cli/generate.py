@@ -225,6 +225,11 @@ def check_output_flags() -> None:
   port = FLAGS.prometheus_port
   if port is not None and not 1 <= port <= 65535:
     raise ValueError(f"--prometheus_port must be in [1, 65535], got {port}")
+  if not 0 <= FLAGS.dashboard_port <= 65535:
+    raise ValueError(f"--dashboard_port must be in [0, 65535], got {FLAGS.dashboard_port}")
+  linger = FLAGS.dashboard_linger_s
+  if not (math.isfinite(linger) and 0 <= linger <= 86400):
+    raise ValueError(f"--dashboard_linger_s must be in [0, 86400], got {linger}")
   if FLAGS.metrics_json:
     folder = os.path.dirname(os.path.abspath(FLAGS.metrics_json))
     if not os.path.isdir(folder):
@@ -445,7 +450,8 @@ def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
 def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params, *,
         log_every_steps: int = 0, metrics_json: str | None = None,
         prometheus_port: int | None = None, out: TextIO | None = None,
-        chat: bool = False) -> RunResult:
+        chat: bool = False, dashboard_port: int | None = None,
+        dashboard_linger_s: float = 0.0) -> RunResult:
   """Builds an `LLM`, generates for `specs`, prints each answer and the summaries."""
   from hisparse_jax.engine.engine import EngineConfig  # noqa: PLC0415 (imports jax)
   from hisparse_jax.entrypoints.llm import LLM, PromptError  # noqa: PLC0415
@@ -464,6 +470,17 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
     except OSError as e:
       raise ValueError(f"--prometheus_port={prometheus_port}: {e.strerror or e}") from None
     logging.info("serving Prometheus metrics on http://127.0.0.1:%d/metrics", prometheus_port)
+  board = None
+  if dashboard_port is not None:  # (--serve_dashboard)
+    from hisparse_jax.observability.dashboard import DashboardServer  # noqa: PLC0415
+
+    try:
+      board = DashboardServer(llm.engine, dashboard_port)
+    except ValueError:
+      registry.close()
+      llm.close()
+      raise
+    print(f"dashboard: {board.url} (live while this runs)", file=out, flush=True)
   prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
   try:
     start = time.perf_counter()
@@ -476,6 +493,12 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
   finally:
     registry.close()
     llm.close()  # the third tier's stores finish before the command exits
+    if board is not None:
+      if dashboard_linger_s > 0:
+        print(f"dashboard: {board.url} stays up {dashboard_linger_s:g} s", file=out,
+              flush=True)
+        time.sleep(dashboard_linger_s)
+      board.close()
   num_right = num_expected = 0
   for i, (spec, output) in enumerate(zip(specs, outputs)):
     for completion in output.outputs:
@@ -509,5 +532,13 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.INFO)  # capacity lines and status lines
   run(specs, llm_kwargs, sampling_params,
       log_every_steps=FLAGS.log_every_steps, metrics_json=FLAGS.metrics_json,
-      prometheus_port=FLAGS.prometheus_port, chat=FLAGS.chat)
+      prometheus_port=FLAGS.prometheus_port, chat=FLAGS.chat, **dashboard_from_flags())
   return 0
+
+
+def dashboard_from_flags() -> dict[str, Any]:
+  """`run`'s dashboard arguments from --serve_dashboard / --dashboard_port /
+  --dashboard_linger_s (none without --serve_dashboard)."""
+  if not FLAGS.serve_dashboard:
+    return {}
+  return dict(dashboard_port=FLAGS.dashboard_port, dashboard_linger_s=FLAGS.dashboard_linger_s)

@@ -130,6 +130,13 @@ flags.DEFINE_integer("seed", 0, "Seed of the engine: each request's sampling see
 flags.DEFINE_string("metrics_json", None, "Write the engine metrics (a flat JSON object) here.")
 flags.DEFINE_integer("prometheus_port", None,
                      "Serve the metrics for Prometheus on 127.0.0.1:PORT while running.")
+flags.DEFINE_bool("serve_dashboard", False,
+                  "Serve the live dashboard (tiers, requests, hot buffer, transfers) of this "
+                  "run's engine on 127.0.0.1:--dashboard_port and print its URL, to watch the "
+                  "offloads happen (serve has it at /dashboard always).")
+flags.DEFINE_integer("dashboard_port", 0, "--serve_dashboard's port (0: a free one).")
+flags.DEFINE_float("dashboard_linger_s", 0.0, "With --serve_dashboard: seconds the page stays "
+                   "up after the run, to look at the final figures.")
 flags.DEFINE_integer("log_every_steps", 100,
                      "Log a status line (requests, KV usage, hit rates, transfer GB/s, "
                      "tokens/s) every this many engine steps; 0 disables it.")
@@ -238,7 +245,8 @@ _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens", "resident_sparse_min_tokens", "bounds_dtype",
              "selection", "streamed_prefill")
-_OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps")
+_OUTPUT = ("metrics_json", "prometheus_port", "log_every_steps", "serve_dashboard",
+           "dashboard_port", "dashboard_linger_s")
 _TIER = ("disk_cache_dir", "disk_cache_gib", "remote_cache_url", "remote_cache_ttl_s",
          "kv_tier_write_policy")
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "n")
