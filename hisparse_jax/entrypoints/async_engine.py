@@ -34,6 +34,11 @@ class EngineDeadError(RuntimeError):
   """The engine failed beyond one step's requests (its device pool was lost)."""
 
 
+class StreamOverflowError(RuntimeError):
+  """A request's consumer fell `max_buffered` outputs behind (a client that reads its
+  stream too slowly or not at all): the request was aborted, its blocks freed."""
+
+
 class AsyncEngine:
   """`Engine` driven by a background thread for asyncio callers.
 
@@ -42,11 +47,17 @@ class AsyncEngine:
   no request (and no block) outlives its stream.
   """
 
-  def __init__(self, engine: Engine):
+  def __init__(self, engine: Engine, max_stream_buffer: int = 1024):
+    """max_stream_buffer: outputs a stream may hold unread before its request is aborted
+    (a slow or stalled client must not grow the server's memory without bound)."""
+    if max_stream_buffer < 1:
+      raise ValueError(f"max_stream_buffer must be >= 1, got {max_stream_buffer}")
     self.engine = engine
+    self.max_stream_buffer = max_stream_buffer
+    self.num_overflowed = 0  # requests aborted by a full stream buffer
     self._lock = threading.Lock()
     self._wake = threading.Event()
-    self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+    self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
     self._aborts: collections.deque[str] = collections.deque()
     self._stopping = False
     self.error: BaseException | None = None  # set when the engine thread died
@@ -117,9 +128,9 @@ class AsyncEngine:
   def _deliver(self, request_id: str, item) -> None:
     entry = self._streams.get(request_id)
     if entry is not None:
-      loop, queue = entry
+      loop, stream = entry
       try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        loop.call_soon_threadsafe(stream.queue.put_nowait, item)
       except RuntimeError:  # the consumer's loop is closed: nobody is waiting
         pass
 
@@ -154,7 +165,7 @@ class AsyncEngine:
       raise ValueError(f"request_id {request_id!r} is already in use")
     loop = asyncio.get_running_loop()
     stream = RequestStream(self, request_id)
-    self._streams[request_id] = (loop, stream.queue)
+    self._streams[request_id] = (loop, stream)
     try:
       await loop.run_in_executor(None, self._add, request_id, prompt, prompt_token_ids,
                                  sampling_params)
@@ -178,8 +189,8 @@ class AsyncEngine:
 
 
 def _put_all(items) -> None:
-  for queue, output in items:
-    queue.put_nowait(output)
+  for stream, output in items:
+    stream.put(output)
 
 
 class RequestStream:
@@ -189,7 +200,22 @@ class RequestStream:
   def __init__(self, engine: AsyncEngine, request_id: str):
     self.engine, self.request_id = engine, request_id
     self.queue: asyncio.Queue = asyncio.Queue()
-    self.finished = self.closed = False
+    self.finished = self.closed = self.overflowed = False
+
+  def put(self, output: RequestOutput) -> None:
+    """An output for the consumer (on its event loop). Past `max_stream_buffer` unread
+    outputs the request is aborted and the consumer gets StreamOverflowError instead."""
+    if self.overflowed:
+      return
+    if self.queue.qsize() >= self.engine.max_stream_buffer and not output.finished:
+      self.overflowed = True
+      self.engine.num_overflowed += 1
+      self.engine.abort(self.request_id)
+      self.queue.put_nowait(StreamOverflowError(
+          f"the client read its stream too slowly ({self.engine.max_stream_buffer} outputs "
+          "unread): the request was aborted"))
+      return
+    self.queue.put_nowait(output)
 
   def __aiter__(self):
     return self

@@ -20,8 +20,10 @@ is not running; never a traceback. A stream whose client disconnects is aborted 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +38,12 @@ from fastapi.exceptions import RequestValidationError
 
 from hisparse_jax.engine.request import CompletionOutput, RequestOutput
 from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
-from hisparse_jax.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hisparse_jax.entrypoints.async_engine import (
+  AsyncEngine,
+  EngineDeadError,
+  RequestStream,
+  StreamOverflowError,
+)
 from hisparse_jax.observability import dashboard
 
 # SamplingParams fields a request may set by vLLM's names (beyond the OpenAI ones).
@@ -44,18 +51,46 @@ EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eo
                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """What one request may ask for, and how much the server takes at once (flags of
+  `serve`: --max_request_bytes, ...). A request past a limit gets an OpenAI-shaped 4xx
+  naming the field (429 with Retry-After when the server is full), before anything of it
+  reaches the engine; the other requests are not affected."""
+
+  max_request_bytes: int = 8 << 20  # the JSON body (413 beyond)
+  max_prompts: int = 64  # prompts in one /v1/completions request
+  max_prompt_tokens: int = 1 << 20  # all prompts of one request together (after tokenizing)
+  max_logprobs: int = 20  # logprobs / top_logprobs (OpenAI's and vLLM's cap)
+  max_stop: int = 16  # stop strings
+  max_stop_chars: int = 256  # characters of one stop string
+  max_stop_token_ids: int = 256
+  request_timeout_s: float = 600.0  # a request still running then is aborted (408)
+  max_waiting_requests: int = 1024  # queued in the engine, not running yet (429 beyond)
+  max_concurrent_streams: int = 256  # streaming responses open at once (429 beyond)
+  retry_after_s: int = 1  # the Retry-After of a 429
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+
+
 class APIError(Exception):
   def __init__(self, status: int, message: str, param: str | None = None,
-               err_type: str = "BadRequestError"):
+               err_type: str = "BadRequestError", headers: dict | None = None):
     super().__init__(message)
     self.status, self.message, self.param, self.err_type = status, message, param, err_type
+    self.headers = headers
 
 
 def _error(status: int, message: str, param: str | None = None,
-           err_type: str = "BadRequestError") -> responses.JSONResponse:
+           err_type: str = "BadRequestError",
+           headers: dict | None = None) -> responses.JSONResponse:
   return responses.JSONResponse(
       {"error": {"message": message, "type": err_type, "param": param, "code": status}},
-      status_code=status)
+      status_code=status, headers=headers)
 
 
 class StreamOptions(pydantic.BaseModel):
@@ -235,10 +270,13 @@ async def _merge_many(streams):
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | None = None,
-              max_model_len: int) -> fastapi.FastAPI:
+              max_model_len: int, limits: ServerLimits | None = None) -> fastapi.FastAPI:
   """The FastAPI app over a started `AsyncEngine`."""
+  limits = limits if limits is not None else ServerLimits()
   app = fastapi.FastAPI(title="hisparse-jax", docs_url=None, redoc_url=None)
   app.state.draining = False
+  app.state.num_streams = 0  # streaming responses open now
+  app.state.adding = 0  # prompts being added to the engine now (their add in an executor)
   tokenizer = engine.engine.tokenizer
   created = int(time.time())
 
@@ -254,7 +292,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
 
   @app.exception_handler(APIError)
   async def _api_error(_request, exc: APIError):
-    return _error(exc.status, exc.message, exc.param, exc.err_type)
+    return _error(exc.status, exc.message, exc.param, exc.err_type, exc.headers)
 
   @app.exception_handler(Exception)
   async def _unexpected(_request, exc: Exception):
@@ -274,6 +312,22 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
           and not (token is not None and hmac.compare_digest(token, api_key))):
         return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
                       "AuthenticationError")
+    if request.method == "POST":  # the body's size, before anything reads it
+      declared = request.headers.get("content-length")
+      if declared is not None and (not declared.isdigit()
+                                   or int(declared) > limits.max_request_bytes):
+        return _error(413, f"the request body is {declared} bytes; at most "
+                      f"{limits.max_request_bytes} (--max_request_bytes)", None,
+                      "RequestTooLargeError")
+      if declared is None:  # chunked: counted as it arrives (and kept for the handler)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+          size += len(chunk)
+          if size > limits.max_request_bytes:
+            return _error(413, f"the request body is over {limits.max_request_bytes} bytes "
+                          "(--max_request_bytes)", None, "RequestTooLargeError")
+          chunks.append(chunk)
+        request._body = b"".join(chunks)  # (starlette replays it to the handler)
     if (path != "/metrics" and not dashboard
         and (app.state.draining or not engine.is_running)):
       message = ("the server is shutting down" if app.state.draining
@@ -336,10 +390,81 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
                      "tokens")
     return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+  def check_request(body: _Sampling, prompts: list[dict], max_tokens: int | None,
+                    logprobs: int | None, logprobs_field: str, param: str) -> None:
+    """The request's limits (ServerLimits) and its length against max_model_len, with the
+    prompts tokenized here (text prompts get their ids, which the engine then uses)."""
+    max_seqs = engine.engine.config.max_num_seqs
+    if body.n > max_seqs:
+      raise APIError(400, f"n={body.n} exceeds max_num_seqs={max_seqs} (the n sequences of "
+                     "a request run together)", "n")
+    if len(prompts) > limits.max_prompts:
+      raise APIError(400, f"{param}: {len(prompts)} prompts in one request; at most "
+                     f"{limits.max_prompts} (--max_prompts_per_request)", param)
+    if logprobs is not None and logprobs > limits.max_logprobs:
+      raise APIError(400, f"{logprobs_field} must be <= {limits.max_logprobs}, got {logprobs}",
+                     logprobs_field)
+    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if len(stops) > limits.max_stop:
+      raise APIError(400, f"stop: {len(stops)} stop strings; at most {limits.max_stop}", "stop")
+    if any(len(x) > limits.max_stop_chars for x in stops):
+      raise APIError(400, f"stop: a stop string is over {limits.max_stop_chars} characters",
+                     "stop")
+    if body.stop_token_ids and len(body.stop_token_ids) > limits.max_stop_token_ids:
+      raise APIError(400, f"stop_token_ids: {len(body.stop_token_ids)} ids; at most "
+                     f"{limits.max_stop_token_ids}", "stop_token_ids")
+    total = 0
+    for prompt in prompts:
+      if "prompt_token_ids" not in prompt and tokenizer is not None:
+        prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
+      num = len(prompt.get("prompt_token_ids") or ())
+      total += num
+      if max_tokens is not None and num <= max_model_len < num + max_tokens:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} "
+                       f"tokens. However, you requested {num + max_tokens} tokens ({num} in "
+                       f"the {param}, {max_tokens} in the completion). Please reduce the "
+                       f"length of the {param} or completion.", "max_tokens")
+    if total > limits.max_prompt_tokens:
+      raise APIError(400, f"{param}: {total} prompt tokens in one request; at most "
+                     f"{limits.max_prompt_tokens} (--max_request_prompt_tokens)", param)
+    if body.stream and app.state.num_streams >= limits.max_concurrent_streams:
+      raise APIError(429, f"the server is full: {app.state.num_streams} streams open "
+                     f"(--max_concurrent_streams={limits.max_concurrent_streams}); retry "
+                     "later", None, "RateLimitError", {"Retry-After": str(limits.retry_after_s)})
+
+  def stream_response(events: AsyncIterator[dict]) -> responses.StreamingResponse:
+    app.state.num_streams += 1
+    return _sse(events, limits.request_timeout_s, on_close=_stream_closed)
+
+  def _stream_closed() -> None:
+    app.state.num_streams -= 1
+
+  async def within_timeout(awaitable):
+    try:
+      return await asyncio.wait_for(awaitable, limits.request_timeout_s)
+    except asyncio.TimeoutError:
+      raise APIError(408, f"the request ran past {limits.request_timeout_s:g} s "
+                     "(--request_timeout_s) and was aborted", None, "TimeoutError") from None
+
   async def start(request_id: str, prompts: list[dict], sp: SamplingParams, param: str
                   ) -> list[RequestStream]:
     """One engine request per prompt, all added (and so checked) before any output; a
-    bad one ends those added before it."""
+    bad one ends those added before it. 429 when the engine's queue is full (counting the
+    requests being added now: the check and the count are one step of the event loop)."""
+    scheduler = engine.engine.scheduler
+    waiting = len(scheduler.waiting) + len(scheduler.loading) + app.state.adding
+    if waiting + len(prompts) > limits.max_waiting_requests:
+      raise APIError(429, f"the server is full: {waiting} requests waiting "
+                     f"(--max_waiting_requests={limits.max_waiting_requests}); retry later",
+                     None, "RateLimitError", {"Retry-After": str(limits.retry_after_s)})
+    app.state.adding += len(prompts)
+    try:
+      return await _add_all(request_id, prompts, sp, param)
+    finally:
+      app.state.adding -= len(prompts)
+
+  async def _add_all(request_id: str, prompts: list[dict], sp: SamplingParams, param: str
+                     ) -> list[RequestStream]:
     streams = []
     try:
       for i, prompt in enumerate(prompts):
@@ -364,12 +489,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     prompts = _completion_prompts(body.prompt)
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     sp = body.sampling_params(body.max_tokens, body.logprobs, kind)
+    check_request(body, prompts, body.max_tokens, body.logprobs, "logprobs", "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start(request_id, prompts, sp, "prompt")
     name = body.model or served_model_name
     if body.stream:
-      return _sse(_completion_stream(streams, request_id, name, body, tokenizer))
-    return await _completion_response(streams, request_id, name, body.n, tokenizer)
+      return stream_response(_completion_stream(streams, request_id, name, body, tokenizer))
+    return await within_timeout(
+        _completion_response(streams, request_id, name, body.n, tokenizer))
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatRequest, raw: fastapi.Request):
@@ -386,13 +513,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                   else body.max_tokens)
     sp = body.sampling_params(max_tokens, num_top if body.logprobs else None, kind)
+    prompts = [dict(prompt=text, prompt_token_ids=ids)]
+    check_request(body, prompts, max_tokens, body.top_logprobs, "top_logprobs", "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start(request_id, [dict(prompt=text, prompt_token_ids=ids)], sp,
-                          "messages")
+    streams = await start(request_id, prompts, sp, "messages")
     name = body.model or served_model_name
     if body.stream:
-      return _sse(_chat_stream(streams, request_id, name, body, tokenizer, num_top))
-    return await _chat_response(streams, request_id, name, tokenizer, num_top)
+      return stream_response(_chat_stream(streams, request_id, name, body, tokenizer, num_top))
+    return await within_timeout(_chat_response(streams, request_id, name, tokenizer, num_top))
 
   return app
 
@@ -421,20 +549,38 @@ def _completion_prompts(prompt) -> list[dict]:
   return [dict(prompt=p) if isinstance(p, str) else dict(prompt_token_ids=p) for p in prompt]
 
 
-def _sse(events: AsyncIterator[dict]) -> responses.StreamingResponse:
+def _sse(events: AsyncIterator[dict], timeout_s: float = math.inf,
+         on_close=None) -> responses.StreamingResponse:
   """Server-sent events. A client that disconnects cancels this body: closing `events`
-  closes the request streams under it, which aborts their requests."""
+  closes the request streams under it, which aborts their requests. Past `timeout_s` the
+  stream ends with an error event (its requests aborted). `on_close`: called once when
+  the body ends, however it ends."""
   async def body():
+    deadline = time.monotonic() + timeout_s
     try:
-      async for event in events:
+      while True:
+        try:
+          left = None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
+          event = await asyncio.wait_for(events.__anext__(), left)
+        except StopAsyncIteration:
+          break
         yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
       yield "data: [DONE]\n\n"
+    except asyncio.TimeoutError:
+      error = {"message": f"the request ran past {timeout_s:g} s (--request_timeout_s) and "
+               "was aborted", "type": "TimeoutError", "param": None, "code": 408}
+      yield f"data: {json.dumps({'error': error})}\n\n"
+    except StreamOverflowError as e:
+      error = {"message": str(e), "type": "StreamOverflowError", "param": None, "code": 408}
+      yield f"data: {json.dumps({'error': error})}\n\n"
     except Exception as e:  # noqa: BLE001 (the engine died mid-stream: say so, then end)
       error = {"message": str(e), "type": "ServiceUnavailableError", "param": None,
                "code": 503}
       yield f"data: {json.dumps({'error': error})}\n\n"
     finally:
       await events.aclose()
+      if on_close is not None:
+        on_close()
   return responses.StreamingResponse(body(), media_type="text/event-stream")
 
 

@@ -234,6 +234,21 @@ flags.DEFINE_string("served_model_name", None, "serve: the model name clients se
                     "(default: the --model directory's name, or hisparse-tiny).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running requests "
                    "get to finish before they are aborted.")
+# serve's limits (openai_server.ServerLimits; the defaults are its fields').
+flags.DEFINE_integer("max_request_bytes", 8 << 20, "serve: largest request body (413 beyond).")
+flags.DEFINE_integer("max_prompts_per_request", 64, "serve: prompts in one /v1/completions "
+                     "request (400 beyond).")
+flags.DEFINE_integer("max_request_prompt_tokens", 1 << 20, "serve: prompt tokens of one "
+                     "request, all its prompts together (400 beyond).")
+flags.DEFINE_integer("max_logprobs", 20, "serve: largest logprobs / top_logprobs (400 beyond).")
+flags.DEFINE_float("request_timeout_s", 600.0, "serve: a request still running after this "
+                   "long is aborted (408; a stream ends with an error event).")
+flags.DEFINE_integer("max_waiting_requests", 1024, "serve: requests queued in the engine; "
+                     "beyond, 429 with Retry-After.")
+flags.DEFINE_integer("max_concurrent_streams", 256, "serve: streaming responses open at once; "
+                     "beyond, 429 with Retry-After.")
+flags.DEFINE_integer("max_stream_buffer", 1024, "serve: outputs a stream may hold unread; a "
+                     "client that falls this far behind is aborted (its blocks freed).")
 
 
 # The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`; a flag of
@@ -267,6 +282,10 @@ COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
     "convert": (("convert", ("model", "out", "dtype")),),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
+              ("limits", ("max_request_bytes", "max_prompts_per_request",
+                          "max_request_prompt_tokens", "max_logprobs", "request_timeout_s",
+                          "max_waiting_requests", "max_concurrent_streams",
+                          "max_stream_buffer")),
               ("model and memory", _MODEL), ("engine", _ENGINE), ("HiSparse", _HISPARSE),
               # (one process: requests reach one host)
               ("third KV tier", _TIER), ("parallel", ("tensor_parallel_size",))),

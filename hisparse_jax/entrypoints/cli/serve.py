@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 
@@ -63,13 +64,25 @@ def main(argv: list[str]) -> int:
   llm_kwargs = generate_cmd.engine_kwargs_from_flags(compile_in_background=True)
   if FLAGS.drain_timeout_s < 0:
     raise ValueError(f"--drain_timeout_s must be >= 0, got {FLAGS.drain_timeout_s}")
+  from hisparse_jax.entrypoints.openai_server import ServerLimits  # noqa: PLC0415
+
+  names = dict(max_request_bytes="max_request_bytes", max_prompts="max_prompts_per_request",
+               max_prompt_tokens="max_request_prompt_tokens", max_logprobs="max_logprobs",
+               request_timeout_s="request_timeout_s",
+               max_waiting_requests="max_waiting_requests",
+               max_concurrent_streams="max_concurrent_streams")
+  for flag in (*names.values(), "max_stream_buffer"):
+    value = FLAGS[flag].value
+    if not (value > 0 and math.isfinite(value)):
+      raise ValueError(f"--{flag} must be a positive number, got {value}")
+  limits = ServerLimits(**{field: FLAGS[flag].value for field, flag in names.items()})
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # the capacity lines and "serving on"
   sock = bind(FLAGS.host, FLAGS.port)
   engine = LLM(**llm_kwargs).engine
-  async_engine = AsyncEngine(engine)
+  async_engine = AsyncEngine(engine, max_stream_buffer=FLAGS.max_stream_buffer)
   app = build_app(async_engine, served_model_name(), api_key=FLAGS.api_key,
-                  max_model_len=engine.config.max_model_len)
+                  max_model_len=engine.config.max_model_len, limits=limits)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
