@@ -171,7 +171,9 @@ class BatchBuilder:
     for i, chunk in enumerate(chunks):
       request, n = chunk.request, chunk.num_tokens
       sp = request.sampling_params
-      temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
+      # (a top_k past int32 keeps every token, as one of the vocabulary's size does)
+      temperature[i], top_p[i] = sp.temperature, sp.top_p
+      top_k[i] = min(max(sp.top_k, 0), np.iinfo(np.int32).max)
       seeds[i] = request.seed
       counters[i] = len(request.output_token_ids) + request.num_inflight
       if n == 0:  # samples from the logits of the chunk before it (n > 1), attends nothing

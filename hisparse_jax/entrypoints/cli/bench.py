@@ -157,6 +157,8 @@ def main(argv: list[str]) -> int:
   # --block_size sizes the HiSparse suite (decode_sparse_vs_dense); unset, HiSparse's
   # default block size.
   block_size = FLAGS.block_size if FLAGS.block_size is not None else 16
+  if block_size <= 0 or block_size & (block_size - 1):
+    raise ValueError(f"--block_size must be a power of two, got {block_size}")
   run_suites(names, FLAGS.bench_size, block_size, FLAGS.out, FLAGS.bench_plot,
              command=" ".join(["hisparse-jax", *sys.argv[1:]]))
   return 0

@@ -98,6 +98,8 @@ def main(argv: list[str]) -> int:
   del argv
   if FLAGS.demo_num_prompts is not None and FLAGS.demo_num_prompts < 1:
     raise ValueError(f"--demo_num_prompts must be >= 1, got {FLAGS.demo_num_prompts}")
+  if FLAGS.demo_seed < 0:  # (numpy's generator refuses it, naming no flag)
+    raise ValueError(f"--demo_seed must be >= 0, got {FLAGS.demo_seed}")
   generate_cmd.check_output_flags()
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # capacity lines and status lines

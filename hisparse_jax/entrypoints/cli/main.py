@@ -4,13 +4,16 @@ Usage: ``hisparse-jax COMMAND [--flag=value ...]`` (or ``python -m hisparse_jax`
 Each command lives in its own module and exposes ``main(argv)``; this file only
 defines the shared flags and dispatches. Bad input (a ValueError from the command)
 exits with status 2 and one line naming the flag or field; `--verbosity=1` or higher
-prints the traceback before that line.
+prints the traceback before that line. Every float flag is held to its range
+(FLOAT_RANGES: finite, within bounds) before the command's module is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging as std_logging
+import math
 import os
 import sys
 import traceback
@@ -293,6 +296,76 @@ COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
 
 
+@dataclasses.dataclass(frozen=True)
+class FloatRange:
+  """The values a float flag takes: a finite number from `lo` to `hi` (`lo_open` /
+  `hi_open`: that bound itself refused), or None where `none_ok` (a default of None: the
+  command picks the value). `below`: the wording a finite value under `lo` is refused
+  with, kept from the check that predates this table (None: the range)."""
+  lo: float
+  hi: float
+  lo_open: bool = False
+  hi_open: bool = False
+  none_ok: bool = False
+  below: str | None = None
+
+  def __str__(self) -> str:
+    return (f"{'(' if self.lo_open else '['}{_number(self.lo)}, {_number(self.hi)}"
+            f"{')' if self.hi_open else ']'}")
+
+  def error(self, name: str, value: float | None) -> str | None:
+    """The one line refusing `value` for --`name`, or None when it is in range."""
+    if value is None:
+      return None if self.none_ok else f"--{name} must be a finite number in {self}, got None"
+    if not math.isfinite(value):
+      return f"--{name} must be a finite number in {self}, got {value}"
+    below = value < self.lo or (self.lo_open and value == self.lo)
+    if below and self.below is not None:
+      return f"--{name} must be {self.below}, got {value}"
+    if below or value > self.hi or (self.hi_open and value == self.hi):
+      return f"--{name} must be in {self}, got {value}"
+    return None
+
+
+def _number(x: float) -> str:
+  """A bound as people write it: 0, 86400, 1e6."""
+  if x == int(x) and abs(x) < 1e5:
+    return str(int(x))
+  return f"{x:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
+# Every float flag's range, checked before any command runs (tests/hisparse_jax/
+# entrypoints/test_float_flags.py holds each float flag to an entry): absl parses nan, inf
+# and 1e308 as floats, which reached int() (GiB to bytes, seconds to jax's int timeout) as
+# a traceback or were taken as a budget or a wait.
+FLOAT_RANGES: dict[str, FloatRange] = {
+    # GiB budgets: 1e6 GiB (a PiB) is past any machine; the host pool is also held to 95%
+    # of the available RAM, the device budget to the device's memory, by the commands.
+    "device_kv_gib": FloatRange(0, 1e6, lo_open=True, none_ok=True, below="positive"),
+    "host_pool_gib": FloatRange(0, 1e6, below=">= 0"),
+    "disk_cache_gib": FloatRange(0, 1e6, lo_open=True, below="a positive number"),
+    # Seconds: a day at most (jax.distributed takes whole seconds; a linger or a drain of
+    # more than a day is a typo).
+    "coordinator_timeout_s": FloatRange(0, 86400, lo_open=True, below="> 0"),
+    "dashboard_linger_s": FloatRange(0, 86400),
+    "drain_timeout_s": FloatRange(0, 86400, below=">= 0"),
+    # Sampling: at temperature 100 the draw is near uniform already (and 1e308 overflows
+    # the float32 the step samples in); top_p as its help says.
+    "temperature": FloatRange(0, 100, below=">= 0"),
+    "top_p": FloatRange(0, 1, lo_open=True),
+}
+
+
+def check_float_flags(command: str) -> None:
+  """Raises ValueError (one line naming the flag and its range) for the first float flag
+  `command` reads whose value is outside FLOAT_RANGES."""
+  for name in sorted(command_flags(command)):
+    if isinstance(FLAGS[name].parser, flags.FloatParser):
+      error = FLOAT_RANGES[name].error(name, FLAGS[name].value)
+      if error is not None:
+        raise ValueError(error)
+
+
 def help_text(command: str | None = None) -> str:
   """`hisparse-jax --help`: the commands; `hisparse-jax COMMAND --help`: that command's
   flags by group, each with its default and help."""
@@ -342,8 +415,9 @@ def _main(argv: list[str]) -> int:
           f"{'is not a flag' if len(unread) == 1 else 'are not flags'} of {name} (ignored "
           f"there); `hisparse-jax {name} --help` lists its flags", file=sys.stderr)
     return 2
-  module = importlib.import_module(COMMANDS[name][0])
   try:
+    check_float_flags(name)  # before the command's imports (jax): a fast refusal
+    module = importlib.import_module(COMMANDS[name][0])
     _join_processes(name)
     return int(module.main(argv[1:]) or 0)
   except ValueError as e:  # bad input: one line, exit 2; the traceback only when verbose

@@ -35,10 +35,14 @@ def served_model_name() -> str:
   return "hisparse-tiny"
 
 
-def bind(host: str, port: int) -> socket.socket:
-  """A listening socket (bound before the log line, so a client that reads it connects)."""
+def check_port(port: int) -> None:
   if not 0 <= port <= 65535:
     raise ValueError(f"--port must be in [0, 65535], got {port}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+  """A listening socket (bound before the log line, so a client that reads it connects)."""
+  check_port(port)
   family = socket.AF_INET6 if ":" in host else socket.AF_INET
   sock = socket.socket(family, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -60,7 +64,9 @@ def main(argv: list[str]) -> int:
   from hisparse_jax.entrypoints.llm import LLM  # noqa: PLC0415 (imports jax)
   from hisparse_jax.entrypoints.openai_server import build_app  # noqa: PLC0415
 
-  # bad flags fail before the load
+  # bad flags fail before the load (--port before the engine flags, whose check logs the
+  # compilation cache's line: a bad flag's error is the one line on stderr)
+  check_port(FLAGS.port)
   llm_kwargs = generate_cmd.engine_kwargs_from_flags(compile_in_background=True)
   if FLAGS.drain_timeout_s < 0:
     raise ValueError(f"--drain_timeout_s must be >= 0, got {FLAGS.drain_timeout_s}")

@@ -132,6 +132,20 @@ def test_bad_sampling_params_raise_and_the_others_go_on(what, reference):
   _assert_others_unaffected(engine, before, reference)
 
 
+def test_a_top_k_past_int32_keeps_every_token():
+  # (it reached the step's int32 array as an OverflowError that failed the request;
+  # `hisparse-jax generate --top_k=10**30` printed that traceback)
+  sampled = SamplingParams(temperature=1.0, max_tokens=12)
+  tokens = []
+  for top_k in (0, 10**30):
+    engine = make_engine()
+    add_all(engine, PROMPTS, dataclasses.replace(sampled, top_k=top_k))
+    outputs = run(engine)
+    assert {o.outputs[0].finish_reason for o in outputs.values()} == {"length"}
+    tokens.append([outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))])
+  assert tokens[0] == tokens[1]
+
+
 def test_bad_engine_settings():
   with pytest.raises(ValueError) as info:
     HiSparseConfig(top_k_tokens=64, hot_buffer_tokens=32)

@@ -136,6 +136,10 @@ FLAG_ROWS = [
      "--block_size must be a power of two, got 0"),
     ("port out of range", "serve", ("--port=70000",),
      "--port must be in [0, 65535], got 70000"),
+    ("negative demo_seed", "demo", ("--model=hisparse-tiny", "--demo_seed=-1"),
+     "--demo_seed must be >= 0, got -1"),
+    ("block_size 0 (bench)", "bench", ("--suite=decode_sparse_vs_dense", "--block_size=0"),
+     "--block_size must be a power of two, got 0"),
     ("n below 1", "generate", ("--prompt=bafu:", "--n=0"), "--n must be at least 1, got 0"),
     ("n > 1 greedy", "generate", ("--prompt=bafu:", "--n=3"),
      "--n must be 1 when using greedy sampling, got 3"),
@@ -331,6 +335,13 @@ def test_process_exits_2_with_one_line_and_no_traceback(good_checkpoint, tmp_pat
   _assert_one_line(r.stderr, f"hisparse-jax generate: error: --model: missing tensor "
                              f"'model.layers.1.mlp.up_proj.weight' in {path} (1 missing in all)")
   assert r.stdout == ""
+
+
+def test_serve_bad_port_is_the_only_line():
+  # (checked before the engine flags, whose check logs the compilation cache's line)
+  r = _subprocess("serve", "--port=99999")
+  assert r.returncode == 2 and "Traceback" not in r.stderr
+  _assert_one_line(r.stderr, "hisparse-jax serve: error: --port must be in [0, 65535], got 99999")
 
 
 def test_verbosity_1_adds_the_traceback_and_still_exits_2(tmp_path):
