@@ -76,7 +76,9 @@ class HostPoolIO:
   makes read(ids) == data (bit for bit) without touching any other block.
   """
 
-  def __init__(self, pool: KVPool, min_bucket: int = 8):
+  def __init__(self, pool: KVPool, min_bucket: int = 8, one_memory: bool | None = None):
+    """one_memory: how the blocks cross (None: as the device does, `transfer.hop_free`;
+    False forces the host gather / host scatter that GPUs use, which runs on CPU too)."""
     if pool.memory_kind != PINNED_HOST:
       raise ValueError(f"HostPoolIO needs a pinned_host pool, got {pool.memory_kind}")
     if pool.mesh is not None:
@@ -91,7 +93,7 @@ class HostPoolIO:
     self._offsets = np.concatenate([[0], np.cumsum(self._nbytes)]).astype(int).tolist()
     self.block_nbytes = int(sum(self._nbytes))
     device_sharding = SingleDeviceSharding(pool.device, memory_kind=DEVICE)
-    one_memory = hop_free(device_sharding)
+    one_memory = hop_free(device_sharding) if one_memory is None else one_memory
     self._read = _read_program(len(arrays), device_sharding, pool.sharding, one_memory)
     self._write = _write_program(len(arrays), device_sharding, pool.sharding, one_memory)
 
