@@ -349,6 +349,7 @@ FLOAT_RANGES: dict[str, FloatRange] = {
     "coordinator_timeout_s": FloatRange(0, 86400, lo_open=True, below="> 0"),
     "dashboard_linger_s": FloatRange(0, 86400),
     "drain_timeout_s": FloatRange(0, 86400, below=">= 0"),
+    "request_timeout_s": FloatRange(0, 86400, lo_open=True, below="a positive number"),
     # Sampling: at temperature 100 the draw is near uniform already (and 1e308 overflows
     # the float32 the step samples in); top_p as its help says.
     "temperature": FloatRange(0, 100, below=">= 0"),

@@ -80,7 +80,7 @@ def _wait_until(predicate, timeout_s: float = 120.0):
 
 
 def test_the_page_and_its_data_under_load(server):
-  page = httpx.get(server.url + "/dashboard")
+  page = httpx.get(server.url + "/dashboard", timeout=60)
   assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
   # Self-contained: nothing loaded from elsewhere (no src/href to another origin).
   assert "<script>" in page.text and not re.search(r'(src|href)\s*=\s*"(https?:)?//', page.text)
@@ -88,7 +88,7 @@ def test_the_page_and_its_data_under_load(server):
   load = Load(server.url)
   try:
     def busy():
-      d = httpx.get(server.url + "/dashboard/data").json()
+      d = httpx.get(server.url + "/dashboard/data", timeout=60).json()
       tiers = {t["name"]: t for t in d["tiers"]}
       return d if (tiers["device"]["used_tokens"] > 0 and tiers["pinned_host"]["used_tokens"] > 0
                    and d["hot_buffer"]["hit_ratio"] is not None) else None
@@ -144,8 +144,8 @@ def test_a_headless_browser_shows_the_tiers_under_load(server):
                 "machine could not): the browser check did not run")
   load = Load(server.url)
   try:
-    _wait_until(lambda: httpx.get(server.url + "/dashboard/data").json()["hot_buffer"][
-        "hit_ratio"] is not None)
+    _wait_until(lambda: httpx.get(server.url + "/dashboard/data", timeout=60).json()[
+        "hot_buffer"]["hit_ratio"] is not None)
     # The page polls every 500 ms; the virtual time budget lets it refresh several times
     # (the fetches themselves are real), then the DOM is dumped.
     url = server.url + "/dashboard?interval_ms=500"
