@@ -128,7 +128,8 @@ def run(minutes: float, clients: int, seed: int = 0) -> dict:
       d = httpx.get(server.url + "/dashboard/data", timeout=60).json()
       samples.append({"t_s": round(time.monotonic() - t0, 1),
                       "rss_bytes": proc.memory_info().rss, "owned_tokens": _owned_tokens(d),
-                      "requests": d["requests"], "finished": d["finished"]})
+                      "requests": d["requests"], "finished": d["finished"],
+                      "step_shapes": d["steps"]["shapes_compiled"]})
     stop.set()
     for t in threads:
       t.join(300)
@@ -165,8 +166,12 @@ def plot(result: dict, path: str) -> None:
 
   t = [s["t_s"] / 60 for s in result["samples"]]
   fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-  a.plot(t, [s["rss_bytes"] / 2**20 for s in result["samples"]])
+  a.plot(t, [s["rss_bytes"] / 2**20 for s in result["samples"]], label="RSS")
   a.set_ylabel("server RSS (MiB)")
+  shapes = a.twinx()  # compiled step programs: each new padded shape is one
+  shapes.plot(t, [s.get("step_shapes", 0) for s in result["samples"]], color="gray",
+              linestyle="--", label="step shapes compiled")
+  shapes.set_ylabel("step shapes compiled")
   a.set_title(f"soak: {result['clients']} clients, {result['requests']:,} requests, "
               f"RSS growth after warm-up {100 * result['rss_growth_after_warmup']:.1f}%")
   for kind in ("device", "pinned_host"):
