@@ -72,16 +72,23 @@ def main(argv: list[str]) -> int:
     raise ValueError(f"--drain_timeout_s must be >= 0, got {FLAGS.drain_timeout_s}")
   from hisparse_jax.entrypoints.openai_server import ServerLimits  # noqa: PLC0415
 
-  names = dict(max_request_bytes="max_request_bytes", max_prompts="max_prompts_per_request",
-               max_prompt_tokens="max_request_prompt_tokens", max_logprobs="max_logprobs",
-               request_timeout_s="request_timeout_s",
-               max_waiting_requests="max_waiting_requests",
-               max_concurrent_streams="max_concurrent_streams")
-  for flag in (*names.values(), "max_stream_buffer"):
-    value = FLAGS[flag].value
+  limits_flags = dict(  # ServerLimits field -> its flag's value
+      max_request_bytes=FLAGS.max_request_bytes, max_prompts=FLAGS.max_prompts_per_request,
+      max_prompt_tokens=FLAGS.max_request_prompt_tokens, max_logprobs=FLAGS.max_logprobs,
+      request_timeout_s=FLAGS.request_timeout_s,
+      max_waiting_requests=FLAGS.max_waiting_requests,
+      max_concurrent_streams=FLAGS.max_concurrent_streams)
+  for flag, value in (("max_request_bytes", FLAGS.max_request_bytes),
+                      ("max_prompts_per_request", FLAGS.max_prompts_per_request),
+                      ("max_request_prompt_tokens", FLAGS.max_request_prompt_tokens),
+                      ("max_logprobs", FLAGS.max_logprobs),
+                      ("request_timeout_s", FLAGS.request_timeout_s),
+                      ("max_waiting_requests", FLAGS.max_waiting_requests),
+                      ("max_concurrent_streams", FLAGS.max_concurrent_streams),
+                      ("max_stream_buffer", FLAGS.max_stream_buffer)):
     if not (value > 0 and math.isfinite(value)):
       raise ValueError(f"--{flag} must be a positive number, got {value}")
-  limits = ServerLimits(**{field: FLAGS[flag].value for field, flag in names.items()})
+  limits = ServerLimits(**limits_flags)
   if logging.get_verbosity() < logging.INFO:
     logging.set_verbosity(logging.INFO)  # the capacity lines and "serving on"
   sock = bind(FLAGS.host, FLAGS.port)
