@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -225,15 +226,53 @@ def resolve(
       counts=ResolveCounts(*counts))
 
 
-def load_buckets(max_loads: int, min_bucket: int = 8) -> tuple[int, ...]:
-  """Static sizes a step's host load can take: 0, then powers of two from `min_bucket`
-  up to `max_loads` (the last size). A step moves the smallest size that holds its
-  misses: at most twice the misses, or `min_bucket` blocks."""
-  sizes, n = [0], min(min_bucket, max_loads)
-  while n < max_loads:
-    sizes.append(n)
-    n *= 2
-  return (*sizes, max_loads)
+HOST_LOADS_ENV = "HISPARSE_JAX_HOST_LOADS"
+
+
+def host_loads_mode() -> str:
+  """How a step's host loads cross where host and device are different memories:
+  "loop" (default): a while loop over chunks of `load_chunk` blocks, as many trips as
+  the misses need (none without a miss), so the bytes follow the misses; "fixed": one
+  gather of the whole load list every step (no control flow around the host
+  computation). The env var HISPARSE_JAX_HOST_LOADS picks it (a fallback for an XLA
+  whose host offloader rejects host computations inside a loop)."""
+  mode = os.environ.get(HOST_LOADS_ENV, "loop")
+  if mode not in ("loop", "fixed"):
+    raise ValueError(f"{HOST_LOADS_ENV} must be 'loop' or 'fixed', got {mode!r}")
+  return mode
+
+
+def load_chunk(max_loads: int, min_bucket: int = 8) -> int:
+  """Blocks (or tokens) one trip of the host-load loop moves: `min_bucket`, or all of a
+  smaller load list. A step moves ceil(misses / chunk) chunks: its misses rounded up.
+
+  (Not a `lax.switch` over sizes: XLA's host offloader, jax 0.11.2 on an H200, rejects
+  a host computation inside a conditional's branch, "Expected computation ... to be
+  called only by one caller and that caller to be a While"; a while loop is the control
+  flow it follows.)"""
+  return max(1, min(min_bucket, max_loads))
+
+
+def _host_load_loop(gather, host_operand, host_packed, device_packed, count, carry,
+                    scatter, *, total, chunk, mode, out_of_range):
+  """Runs `scatter(carry, gather(host_operand, ids), device ids)` over the packed load
+  list: in `chunk`-sized trips, ceil(count / chunk) of them ("loop"), or once over the
+  whole list ("fixed"); returns (new carry, entries that crossed)."""
+  if mode == "fixed":
+    return scatter(carry, gather(host_operand, host_packed), device_packed), jnp.int32(total)
+  trips_max = -(-total // chunk)
+  pad = trips_max * chunk - total
+  host_padded = jnp.pad(host_packed, (0, pad))
+  # (the padding repeats the list's out-of-range device id: the scatter drops it)
+  device_padded = jnp.pad(device_packed, (0, pad), constant_values=out_of_range)
+  trips = (count + chunk - 1) // chunk
+
+  def body(i, carry):
+    h = lax.dynamic_slice(host_padded, (i * chunk,), (chunk,))
+    d = lax.dynamic_slice(device_padded, (i * chunk,), (chunk,))
+    return scatter(carry, gather(host_operand, h), d)
+
+  return lax.fori_loop(0, trips, body, carry), trips * chunk
 
 
 def load_blocks(
@@ -249,14 +288,14 @@ def load_blocks(
   """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i with an
   in-range device id; returns (new device arrays, int32 blocks moved per array).
 
-  Moves only what is loaded: the loads are packed to the front and the smallest
-  `load_buckets` size that holds them crosses from the host (`lax.switch` over the static
-  sizes; only the gathered blocks are in the switch, never the pools, which a branch
-  would copy), so the bytes follow the misses; no load moves nothing. The gather is
-  transfer.gather_to_device, the swap-ins' mechanism; the scatter into the pages drops
-  the padding. Where device and host are one memory (CPU, `transfer.hop_free`), the
-  loads are a loop of exactly `loads` block copies (transfer.copy_block_loop, the
-  swap-ins' mechanism there): the blocks moved equal the misses, with no bucket.
+  Moves only what is loaded: the loads are packed to the front and cross from the host
+  in a while loop of `load_chunk`-block trips, ceil(loads / chunk) of them, so the bytes
+  follow the misses (rounded up to a chunk); no load moves nothing. Each trip's gather
+  is transfer.gather_to_device, the swap-ins' mechanism; its scatter into the pages
+  drops the padding. (`host_loads_mode` "fixed": one gather of the whole list.) Where
+  device and host are one memory (CPU, `transfer.hop_free`), the loads are a loop of
+  exactly `loads` block copies (transfer.copy_block_loop, the swap-ins' mechanism
+  there): the blocks moved equal the misses, with no bucket.
   """
   if len(host_arrays) != len(device_arrays) or not host_arrays:
     raise ValueError(f"host and device arrays must be the same number (k..., v...; a DSA "
@@ -277,24 +316,16 @@ def load_blocks(
     new_arrays = transfer.copy_block_loop(host_view, device_arrays, host_packed,
                                           device_packed, count)
     return new_arrays, count
-  sizes = load_buckets(total)
-
   gather = transfer.gather_program(len(host_arrays), device_sharding, host_sharding)
 
-  def fetch(size):  # [total, ...] device blocks; the first `size` from the host
-    def branch(host_arrays, host_ids):
-      if size == 0:
-        return tuple(jnp.zeros((total, *a.shape[1:]), a.dtype) for a in device_arrays)
-      blocks = gather(host_arrays, host_ids[:size])
-      pad = ((0, total - size),) + ((0, 0),) * (device_arrays[0].ndim - 1)
-      return tuple(jnp.pad(b, pad) for b in blocks)
-    return branch
+  def scatter(arrays, blocks, ids):
+    return tuple(d.at[ids].set(b, mode="drop") for d, b in zip(arrays, blocks))
 
-  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
-  blocks = lax.switch(which, [fetch(n) for n in sizes], tuple(host_arrays), host_packed)
-  new_arrays = tuple(d.at[device_packed].set(b, mode="drop")
-                     for d, b in zip(device_arrays, blocks))
-  return new_arrays, jnp.asarray(sizes, jnp.int32)[which]
+  new_arrays, moved = _host_load_loop(
+      gather, tuple(host_arrays), host_packed, device_packed, count, tuple(device_arrays),
+      scatter, total=total, chunk=load_chunk(total), mode=host_loads_mode(),
+      out_of_range=num_device_blocks)
+  return new_arrays, moved
 
 
 @functools.cache
@@ -326,8 +357,8 @@ def load_tokens(
   device token; returns (new device pages, int32 tokens moved). The pages are indexed by
   (block, offset), never through a reshaped view of the donated device pages (XLA:CPU
   would copy them whole). One memory (CPU): a loop of exactly the loads' row copies; else
-  one host gather of the packed tokens, of the smallest `load_buckets` size that holds
-  them, crossing to the device, then one scatter into the pages."""
+  host gathers of the packed tokens in `load_chunk`-token trips of a while loop (as many
+  as the loads need), each crossing to the device and scattered into the pages."""
   num_blocks, block_size = device_pages.shape[:2]
   width = device_pages.shape[-1]
   total = host_ids.shape[0]
@@ -348,18 +379,11 @@ def load_tokens(
       return lax.dynamic_update_slice(pages, row, (d // block_size, d % block_size, 0, 0))
 
     return lax.fori_loop(0, count, body, device_pages), count
-  sizes = load_buckets(total)
   gather = _token_gather_program(device_sharding, host_sharding)
 
-  def fetch(size):  # [total, width] device rows; the first `size` from the host
-    def branch(host_pages, host_ids):
-      if size == 0:
-        return jnp.zeros((total, width), device_pages.dtype)
-      return jnp.pad(gather(host_pages, host_ids[:size]), ((0, total - size), (0, 0)))
-    return branch
+  def scatter(pages, rows, ids):
+    return pages.at[ids // block_size, ids % block_size, 0].set(rows, mode="drop")
 
-  which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
-  rows = lax.switch(which, [fetch(n) for n in sizes], host_pages, host_packed)
-  pages = device_pages.at[device_packed // block_size, device_packed % block_size, 0].set(
-      rows, mode="drop")
-  return pages, jnp.asarray(sizes, jnp.int32)[which]
+  return _host_load_loop(gather, host_pages, host_packed, device_packed, count, device_pages,
+                         scatter, total=total, chunk=load_chunk(total),
+                         mode=host_loads_mode(), out_of_range=num_tokens)

@@ -207,7 +207,7 @@ def _load_fn(device_pool, host_pool, one_memory=None):
 
 
 # Both load mechanisms run on CPU: block copies (what CPU uses, one memory) and the
-# bucketed host gather (what GPU uses, forced here).
+# host gather loop (what GPU uses, forced here).
 LOAD_PATHS = pytest.mark.parametrize("one_memory", [True, False],
                                      ids=["block_copies", "host_gather"])
 
@@ -226,7 +226,7 @@ def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng, one_memory):
   device_ids = jnp.array([3, 9, 14, 16, 99], jnp.int32)  # the last two: padding, dropped
   arrays, moved = load(host_pool.arrays(), device_pool.arrays(), host_ids, device_ids)
   device_pool.set_arrays(arrays)
-  # 3 loads: copied one by one, or the smallest load size holding them (all 5 entries).
+  # 3 loads: copied one by one, or one trip of the host gather (a 5-entry list: all 5).
   assert int(moved) == (3 if one_memory else 5)
   k, v = (np.asarray(a) for a in read_blocks(device_pool, 0, range(16)))
   for h, d in ((23, 3), (5, 9), (17, 14)):
@@ -237,20 +237,35 @@ def test_load_blocks_in_a_jit_is_bit_exact_and_drops_padding(rng, one_memory):
   np.testing.assert_array_equal(v[untouched], before_v[untouched])
 
 
-def test_load_buckets_hold_the_loads_in_at_most_twice_their_count():
-  assert resolver.load_buckets(128) == (0, 8, 16, 32, 64, 128)
-  assert resolver.load_buckets(5) == (0, 5)
-  assert resolver.load_buckets(100) == (0, 8, 16, 32, 64, 100)
+def test_a_load_trip_moves_eight_blocks_or_a_shorter_list():
+  assert resolver.load_chunk(128) == 8
+  assert resolver.load_chunk(5) == 5
+  assert resolver.load_chunk(0) == 1
 
 
-@LOAD_PATHS
-def test_load_blocks_moves_the_loads_rounded_up_and_nothing_without_one(rng, one_memory):
+def test_the_host_loads_mode_comes_from_the_env(monkeypatch):
+  monkeypatch.delenv(resolver.HOST_LOADS_ENV, raising=False)
+  assert resolver.host_loads_mode() == "loop"
+  monkeypatch.setenv(resolver.HOST_LOADS_ENV, "fixed")
+  assert resolver.host_loads_mode() == "fixed"
+  monkeypatch.setenv(resolver.HOST_LOADS_ENV, "switch")
+  with pytest.raises(ValueError, match="HISPARSE_JAX_HOST_LOADS must be 'loop' or 'fixed'"):
+    resolver.host_loads_mode()
+
+
+@pytest.mark.parametrize(("one_memory", "mode"), [(True, "loop"), (False, "loop"),
+                                                  (False, "fixed")],
+                         ids=["block_copies", "host_gather", "host_gather_fixed"])
+def test_load_blocks_moves_the_loads_rounded_up_and_nothing_without_one(rng, one_memory,
+                                                                        mode, monkeypatch):
+  monkeypatch.setenv(resolver.HOST_LOADS_ENV, mode)
   spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
   device_pool, host_pool, host_k, host_v = _pools(spec, rng, num_host_blocks=40)
   load = jax.jit(_load_fn(device_pool, host_pool, one_memory), donate_argnums=(1,))
   num_device = device_pool.num_blocks
-  for num_loads, want_bucket in ((0, 0), (1, 8), (8, 8), (9, 16), (20, 32), (33, 40)):
-    want_moved = num_loads if one_memory else want_bucket
+  # (the host gather: 8-block trips, as many as the loads need; "fixed": all 40 entries)
+  for num_loads, want_trips in ((0, 0), (1, 8), (8, 8), (9, 16), (20, 24), (33, 40)):
+    want_moved = num_loads if one_memory else want_trips if mode == "loop" else 40
     host_ids = np.zeros(40, np.int32)
     device_ids = np.full(40, num_device, np.int32)  # out of range: no load
     # Loads scattered among the entries (as a resolver's rows leave them).
