@@ -318,6 +318,10 @@ class Engine:
     token_ids = check_prompt(token_ids, vocab_size=self.model_config.vocab_size,
                              max_model_len=self.config.max_model_len,
                              text=prompt if prompt_token_ids is None else None)
+    vocab = self.model_config.vocab_size
+    if bad := [t for t in sampling_params.stop_token_ids if not 0 <= t < vocab]:
+      raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {vocab})")
     if sampling_params.stop and self.tokenizer is None:
       raise ValueError("stop: stop strings match the output's text, and this engine has no "
                        "tokenizer; use stop_token_ids")

@@ -21,10 +21,19 @@ program may split the attention's prefill tiles differently, so greedy tokens ca
 where two logits tie to float32 rounding. That is why it is an option (on for `serve`,
 whose batches depend on arrival times anyway; off for offline runs, which stay
 reproducible).
+
+The compiled programs kept are bounded (`MAX_PROGRAMS`, the least recently run dropped
+with the step's jit caches, which hold every program compiled through them): a
+CPU program holds its code in ~240 memory maps of its own, a process may have 65,530
+(Linux's vm.max_map_count), and past ~270 programs a compile cannot map its code
+("LLVM compilation error: Cannot allocate memory") and the process dies of a SIGSEGV.
+A served request mix reaches that many (shape x sampler signature: penalties, min_tokens,
+logprobs), which fuzzing `serve` found in ~5 minutes (bench/fuzz_server.py).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -34,6 +43,10 @@ import jax
 import numpy as np
 
 from hisparse_jax.engine.step_batch import StepBatch
+
+# Compiled step programs kept at most (see the module's docstring): ~31k memory maps on
+# CPU, half of Linux's default vm.max_map_count.
+MAX_PROGRAMS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,30 +172,53 @@ class StepCompiler:
 
   `step`: the jitted step program; `static`: its static keyword arguments (the same for
   every shape); `hints_cover`: KernelOps.hints_cover. `program(batch, args_of)` returns
-  (compiled program, the batch as it must be run). Counters: `foreground` compiles
-  (stalls), `background` compiles, `covered` steps run padded to a covering shape.
+  (compiled program, the batch as it must be run). At most `max_programs` are kept: past
+  them, the least recently run are dropped down to 3/4 of it (freed; compiled again if
+  their shape returns).
+  Counters: `foreground` compiles (stalls), `background` compiles, `covered` steps run
+  padded to a covering shape, `evicted` programs dropped.
   """
 
-  def __init__(self, step, static: dict[str, Any], hints_cover, num_hot_rows: int):
+  def __init__(self, step, static: dict[str, Any], hints_cover, num_hot_rows: int,
+               max_programs: int | None = None):
+    max_programs = MAX_PROGRAMS if max_programs is None else max_programs
+    if max_programs < 1:
+      raise ValueError(f"max_programs must be >= 1, got {max_programs}")
     self._step = step
     self._static = static
     self._hints_cover = hints_cover
     self._num_hot_rows = num_hot_rows
-    self.ready: dict[StepShape, Any] = {}
+    self._max_programs = max_programs
+    # (least recently run first)
+    self.ready: collections.OrderedDict[StepShape, Any] = collections.OrderedDict()
     self._pending: dict[StepShape, concurrent.futures.Future] = {}
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self.foreground = 0
     self.background = 0
     self.covered = 0
+    self.evicted = 0
 
   def _compile(self, shape: StepShape, avals, greedy_only: bool):
     return self._step.lower(*avals, greedy_only=greedy_only, **self._static).compile()
+
+  def _keep(self, shape: StepShape, compiled) -> None:
+    self.ready[shape] = compiled  # (the most recent: never one dropped)
+    if len(self.ready) > self._max_programs:
+      # Down to 3/4 of the cap at once, then the step's jit caches cleared: they hold
+      # every program compiled through them (dropping ours alone frees no memory map);
+      # the programs kept are held here.
+      while len(self.ready) > max(1, self._max_programs * 3 // 4):
+        self.ready.popitem(last=False)
+        self.evicted += 1
+      clear_cache = getattr(self._step, "clear_cache", None)
+      if clear_cache is not None:
+        clear_cache()
 
   def _collect_done(self) -> None:
     for shape, future in list(self._pending.items()):
       if future.done():
         del self._pending[shape]
-        self.ready[shape] = future.result()  # a failed compile raises here
+        self._keep(shape, future.result())  # a failed compile raises here
         self.background += 1
 
   def program(self, batch: StepBatch, greedy_only: bool,
@@ -191,13 +227,14 @@ class StepCompiler:
     shape = shape_of(batch, greedy_only)
     compiled = self.ready.get(shape)
     if compiled is not None:
+      self.ready.move_to_end(shape)
       return compiled, batch
     q_lens = dense_q_lens(batch)
     options = [s for s in self.ready
                if covers(s, shape, q_lens, self._hints_cover)]
     if not options:
       compiled = self._compile(shape, abstract(args_of(batch)), greedy_only)
-      self.ready[shape] = compiled
+      self._keep(shape, compiled)
       self.foreground += 1
       return compiled, batch
     if shape not in self._pending:
@@ -207,6 +244,7 @@ class StepCompiler:
       self._pending[shape] = self._executor.submit(
           self._compile, shape, abstract(args_of(batch)), greedy_only)
     cover = min(options, key=lambda s: s.cost)
+    self.ready.move_to_end(cover)
     self.covered += 1
     return self.ready[cover], pad_to(batch, cover, self._num_hot_rows)
 

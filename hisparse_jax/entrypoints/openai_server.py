@@ -15,6 +15,11 @@ skip_special_tokens). Errors are OpenAI's shape, {"error": {"message", "type", "
 "code"}}: 400 naming the field for a bad field or an oversize prompt, 404 for an unknown
 model (vLLM's, and OpenAI's), 401 without the key when one is set, 503 while the engine
 is not running; never a traceback. A stream whose client disconnects is aborted at once.
+
+GET /openapi.json describes every route (the interactive docs stay off): its bodies, its
+responses (the models below, "text/event-stream" for a stream, the error shape for each
+error status it can answer) and, with --api_key, the bearer key as its security scheme.
+tests/hisparse_jax/entrypoints/test_fuzz.py fuzzes the server against it (schemathesis).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import hmac
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +41,9 @@ import pydantic
 from absl import logging
 from fastapi import responses
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException
 
 from hisparse_jax.engine.request import CompletionOutput, RequestOutput
 from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
@@ -93,8 +102,28 @@ def _error(status: int, message: str, param: str | None = None,
       status_code=status, headers=headers)
 
 
+class ErrorInfo(pydantic.BaseModel):
+  message: str
+  type: str
+  param: str | None
+  code: int
+
+
+class ErrorResponse(pydantic.BaseModel):
+  """Every error's body (OpenAI's shape; `code` is the HTTP status)."""
+
+  error: ErrorInfo
+
+
 class StreamOptions(pydantic.BaseModel):
   include_usage: bool = False
+
+
+def _limits(default: Any = None, **bounds) -> Any:
+  """A field whose range the schema states (JSON Schema's minimum, maximum, ...) but
+  pydantic does not check: `SamplingParams` does, with its own message naming the field
+  (one rule for every front end)."""
+  return pydantic.Field(default, json_schema_extra=bounds)
 
 
 class _Sampling(pydantic.BaseModel):
@@ -103,27 +132,30 @@ class _Sampling(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="ignore")
 
   model: str | None = None
-  n: int = 1
-  temperature: float | None = None  # None: 1.0 (OpenAI's and vLLM's default)
-  top_p: float | None = None
+  n: int = _limits(1, minimum=1)
+  temperature: float | None = _limits(minimum=0)  # None: 1.0 (OpenAI's and vLLM's default)
+  top_p: float | None = _limits(exclusiveMinimum=0, maximum=1)
   stop: str | list[str] | None = None
   seed: int | None = None
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
+  presence_penalty: float = _limits(0.0, minimum=-2, maximum=2)
+  frequency_penalty: float = _limits(0.0, minimum=-2, maximum=2)
   stream: bool = False
   stream_options: StreamOptions | None = None
   user: str | None = None
-  top_k: int | None = None
-  min_p: float | None = None
-  min_tokens: int = 0
-  repetition_penalty: float | None = None
+  top_k: int | None = _limits(minimum=-1)
+  min_p: float | None = _limits(minimum=0, maximum=1)
+  min_tokens: int = _limits(0, minimum=0)
+  repetition_penalty: float | None = _limits(exclusiveMinimum=0)
   ignore_eos: bool = False
   stop_token_ids: list[int] | None = None
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
 
   def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                      kind: RequestOutputKind) -> SamplingParams:
+                      kind: RequestOutputKind, names: dict[str, str] | None = None
+                      ) -> SamplingParams:
+    """`names`: the request's own name of a SamplingParams field, for an error's param
+    (chat's max_completion_tokens, top_logprobs)."""
     kwargs: dict[str, Any] = dict(
         n=self.n, max_tokens=max_tokens, logprobs=logprobs, seed=self.seed,
         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -138,30 +170,32 @@ class _Sampling(pydantic.BaseModel):
       return SamplingParams(**kwargs)
     except ValueError as e:  # "max_tokens must be >= 1, got -3": the field leads
       field = str(e).split(" ", 1)[0]
-      raise APIError(400, str(e), field if field in type(self).model_fields
-                     or field == "max_tokens" else None) from None
+      field = (names or {}).get(field, field)
+      raise APIError(400, str(e), field if field in type(self).model_fields else None) from None
 
 
 class CompletionRequest(_Sampling):
   prompt: str | list[str] | list[int] | list[list[int]]
-  max_tokens: int | None = 16
-  logprobs: int | None = None
-  echo: bool = False
+  max_tokens: int | None = _limits(16, minimum=1)
+  logprobs: int | None = _limits(minimum=0)
+  echo: bool = _limits(False, enum=[False])  # (not supported)
 
 
 class ChatMessage(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="allow")
 
-  role: str
+  # (the schema names the common roles; any string reaches the chat template, which
+  # decides: "tool" and "developer" where the model's template takes them)
+  role: str = _limits(..., enum=["system", "user", "assistant"])
   content: str | list[dict[str, Any]] | None = None
 
 
 class ChatRequest(_Sampling):
-  messages: list[ChatMessage]
-  max_tokens: int | None = None
-  max_completion_tokens: int | None = None
+  messages: list[ChatMessage] = pydantic.Field(min_length=1)
+  max_tokens: int | None = _limits(minimum=1)
+  max_completion_tokens: int | None = _limits(minimum=1)
   logprobs: bool = False
-  top_logprobs: int | None = None
+  top_logprobs: int | None = _limits(minimum=0)
   add_generation_prompt: bool = True
   chat_template: str | None = None
   chat_template_kwargs: dict[str, Any] | None = None
@@ -178,6 +212,170 @@ class TokenizeRequest(pydantic.BaseModel):
 class DetokenizeRequest(pydantic.BaseModel):
   model: str | None = None
   tokens: list[int]
+
+
+# The responses (for the OpenAPI schema only: the routes return dicts, as built below).
+class Usage(pydantic.BaseModel):
+  prompt_tokens: int
+  completion_tokens: int
+  total_tokens: int
+
+
+class CompletionLogprobs(pydantic.BaseModel):
+  tokens: list[str]
+  token_logprobs: list[float]
+  top_logprobs: list[dict[str, float]]
+  text_offset: list[int]
+
+
+class CompletionChoice(pydantic.BaseModel):
+  index: int
+  text: str
+  logprobs: CompletionLogprobs | None
+  finish_reason: str | None
+  stop_reason: int | str | None = None
+
+
+class CompletionResponse(pydantic.BaseModel):
+  id: str
+  object: str
+  created: int
+  model: str
+  choices: list[CompletionChoice]
+  usage: Usage
+
+
+class TopLogprob(pydantic.BaseModel):
+  token: str
+  logprob: float
+  bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+  top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(pydantic.BaseModel):
+  content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(pydantic.BaseModel):
+  role: str
+  content: str
+
+
+class ChatChoice(pydantic.BaseModel):
+  index: int
+  message: ChatResponseMessage
+  logprobs: ChatLogprobs | None
+  finish_reason: str | None
+  stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(pydantic.BaseModel):
+  id: str
+  object: str
+  created: int
+  model: str
+  choices: list[ChatChoice]
+  usage: Usage
+
+
+class CompletionChunk(pydantic.BaseModel):
+  """One server-sent event of a completions stream (the last: usage, no choices)."""
+
+  id: str
+  object: str
+  created: int
+  model: str
+  choices: list[CompletionChoice]
+  usage: Usage | None = None
+
+
+class ChatDelta(pydantic.BaseModel):
+  role: str | None = None
+  content: str | None = None
+
+
+class ChatChunkChoice(pydantic.BaseModel):
+  index: int
+  delta: ChatDelta
+  logprobs: ChatLogprobs | None
+  finish_reason: str | None
+  stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(pydantic.BaseModel):
+  """One server-sent event of a chat stream (the first: the role; the last: usage)."""
+
+  id: str
+  object: str
+  created: int
+  model: str
+  choices: list[ChatChunkChoice]
+  usage: Usage | None = None
+
+
+class ModelCard(pydantic.BaseModel):
+  id: str
+  object: str
+  created: int
+  owned_by: str
+  root: str
+  max_model_len: int
+
+
+class ModelList(pydantic.BaseModel):
+  object: str
+  data: list[ModelCard]
+
+
+class TokenizeResponse(pydantic.BaseModel):
+  tokens: list[int]
+  count: int
+  max_model_len: int
+
+
+class DetokenizeResponse(pydantic.BaseModel):
+  prompt: str
+
+
+_ERRORS = {400: "a bad field (`param` names it) or body", 401: "no or a wrong API key",
+           404: "an unknown model", 408: "the request ran past --request_timeout_s",
+           413: "the body is over --max_request_bytes",
+           429: "the server is full (--max_waiting_requests, --max_concurrent_streams)",
+           500: "an internal error (a bug)",
+           503: "the engine is not running, or the server is shutting down"}
+
+
+def _sse_event(chunk: type[pydantic.BaseModel]) -> dict:
+  """The schema of each server-sent event of a stream (OpenAPI 3.1 reads a
+  text/event-stream schema as one event's): its data is `chunk` as JSON, the error
+  shape (the engine died mid-stream), or, last, "[DONE]"."""
+  ref = "#/components/schemas/{}".format
+  return {"type": "object", "required": ["data"], "properties": {"data": {
+      "type": "string", "if": {"const": "[DONE]"},
+      "else": {"contentMediaType": "application/json", "contentSchema": {
+          "anyOf": [{"$ref": ref(chunk.__name__)}, {"$ref": ref(ErrorResponse.__name__)}]}}}}}
+
+
+def _responses(*statuses: int, ok: type[pydantic.BaseModel] | None = None,
+               stream: type[pydantic.BaseModel] | None = None) -> dict:
+  """A route's `responses=`: its 200 (`ok`'s JSON; with `stream`, also server-sent
+  events of that chunk), then the error shape for each of `statuses`."""
+  out: dict[int | str, dict] = {}
+  if ok is not None:
+    out[200] = {"description": "the result", "model": ok}
+    if stream is not None:
+      out[200]["description"] += ('; with "stream": true, server-sent events ("data: '
+                                  '{chunk}" lines, then "data: [DONE]")')
+      out[200]["content"] = {"text/event-stream": {"schema": _sse_event(stream)}}
+  for status in statuses:
+    out[status] = {"model": ErrorResponse, "description": _ERRORS[status]}
+  if 429 in statuses:
+    out[429]["headers"] = {"Retry-After": {"description": "seconds",
+                                           "schema": {"type": "integer"}}}
+  return out
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -294,6 +492,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
   async def _api_error(_request, exc: APIError):
     return _error(exc.status, exc.message, exc.param, exc.err_type, exc.headers)
 
+  @app.exception_handler(HTTPException)
+  async def _http_error(_request, exc: HTTPException):  # (an unknown path, a wrong method)
+    return _error(exc.status_code, str(exc.detail), None,
+                  "NotFoundError" if exc.status_code == 404 else "BadRequestError",
+                  exc.headers)  # (405's Allow)
+
   @app.exception_handler(Exception)
   async def _unexpected(_request, exc: Exception):
     logging.exception("request failed")
@@ -339,36 +543,49 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     if name is not None and name != served_model_name:
       raise APIError(404, f"The model `{name}` does not exist.", "model", "NotFoundError")
 
-  @app.get("/health")
+  # The statuses each route can answer besides 200 (401 only with a key; 503 past the gate;
+  # 413 for a POST's body).
+  key = (401,) if api_key is not None else ()
+  engine_errors = (*key, 503, 500)
+  post_errors = (400, 404, 413, *engine_errors)
+
+  @app.get("/health", response_class=responses.Response,
+           responses={200: {"description": "the engine runs (an empty body)"},
+                      **_responses(503)})
   async def health():
     return responses.Response(status_code=200)
 
-  @app.get("/v1/models")
+  @app.get("/v1/models", responses=_responses(*engine_errors, ok=ModelList))
   async def models():
     return {"object": "list", "data": [{
         "id": served_model_name, "object": "model", "created": created,
         "owned_by": "hisparse-jax", "root": served_model_name, "max_model_len": max_model_len}]}
 
-  @app.get("/metrics")
+  @app.get("/metrics", response_class=responses.PlainTextResponse,
+           responses={200: {"description": "the engine's metrics (Prometheus' text format)",
+                            "content": {"text/plain": {"schema": {"type": "string"}}}}})
   async def metrics():
     await asyncio.get_running_loop().run_in_executor(None, engine.refresh_metrics)
     registry = engine.engine.metrics_registry.prometheus_registry
     return responses.Response(prometheus_client.generate_latest(registry),
                               media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-  @app.get("/dashboard")
-  @app.get("/dashboard/")
+  @app.get("/dashboard", response_class=responses.HTMLResponse, responses=_responses(*key))
+  @app.get("/dashboard/", response_class=responses.HTMLResponse, responses=_responses(*key))
   async def dashboard_page():
     return responses.HTMLResponse(dashboard.page(), headers={"Cache-Control": "no-store"})
 
-  @app.get("/dashboard/data")
+  @app.get("/dashboard/data", responses={
+      200: {"description": "the dashboard's data",
+            "content": {"application/json": {"schema": {"type": "object"}}}},
+      **_responses(*key)})
   async def dashboard_data():
     # (the usage gauges brought up to date under the engine's lock, as for a scrape)
     await asyncio.get_running_loop().run_in_executor(None, engine.refresh_metrics)
     return responses.JSONResponse(dashboard.snapshot(engine.engine),
                                   headers={"Cache-Control": "no-store"})
 
-  @app.post("/tokenize")
+  @app.post("/tokenize", responses=_responses(*post_errors, ok=TokenizeResponse))
   async def tokenize(body: TokenizeRequest):
     check_model(body.model)
     if body.messages is not None:
@@ -380,7 +597,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
       raise APIError(400, "give prompt or messages", "prompt")
     return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
-  @app.post("/detokenize")
+  @app.post("/detokenize", responses=_responses(*post_errors, ok=DetokenizeResponse))
   async def detokenize(body: DetokenizeRequest):
     check_model(body.model)
     vocab = engine.engine.model_config.vocab_size
@@ -391,7 +608,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
   def check_request(body: _Sampling, prompts: list[dict], max_tokens: int | None,
-                    logprobs: int | None, logprobs_field: str, param: str) -> None:
+                    logprobs: int | None, logprobs_field: str, param: str,
+                    max_tokens_field: str = "max_tokens") -> None:
     """The request's limits (ServerLimits) and its length against max_model_len, with the
     prompts tokenized here (text prompts get their ids, which the engine then uses)."""
     max_seqs = engine.engine.config.max_num_seqs
@@ -415,15 +633,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
                      f"{limits.max_stop_token_ids}", "stop_token_ids")
     total = 0
     for prompt in prompts:
-      if "prompt_token_ids" not in prompt and tokenizer is not None:
+      # ("" stays text: the engine refuses it as empty, where its BOS alone would pass)
+      if "prompt_token_ids" not in prompt and prompt["prompt"] and tokenizer is not None:
         prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
       num = len(prompt.get("prompt_token_ids") or ())
       total += num
-      if max_tokens is not None and num <= max_model_len < num + max_tokens:
+      if max_tokens is not None and 0 < num <= max_model_len < num + max_tokens:
         raise APIError(400, f"This model's maximum context length is {max_model_len} "
                        f"tokens. However, you requested {num + max_tokens} tokens ({num} in "
                        f"the {param}, {max_tokens} in the completion). Please reduce the "
-                       f"length of the {param} or completion.", "max_tokens")
+                       f"length of the {param} or completion.", max_tokens_field)
     if total > limits.max_prompt_tokens:
       raise APIError(400, f"{param}: {total} prompt tokens in one request; at most "
                      f"{limits.max_prompt_tokens} (--max_request_prompt_tokens)", param)
@@ -446,8 +665,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
       raise APIError(408, f"the request ran past {limits.request_timeout_s:g} s "
                      "(--request_timeout_s) and was aborted", None, "TimeoutError") from None
 
-  async def start(request_id: str, prompts: list[dict], sp: SamplingParams, param: str
-                  ) -> list[RequestStream]:
+  async def start(request_id: str, prompts: list[dict], sp: SamplingParams,
+                  body: pydantic.BaseModel, param: str) -> list[RequestStream]:
     """One engine request per prompt, all added (and so checked) before any output; a
     bad one ends those added before it. 429 when the engine's queue is full (counting the
     requests being added now: the check and the count are one step of the event loop)."""
@@ -459,12 +678,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
                      None, "RateLimitError", {"Retry-After": str(limits.retry_after_s)})
     app.state.adding += len(prompts)
     try:
-      return await _add_all(request_id, prompts, sp, param)
+      return await _add_all(request_id, prompts, sp, body, param)
     finally:
       app.state.adding -= len(prompts)
 
-  async def _add_all(request_id: str, prompts: list[dict], sp: SamplingParams, param: str
-                     ) -> list[RequestStream]:
+  async def _add_all(request_id: str, prompts: list[dict], sp: SamplingParams,
+                     body: pydantic.BaseModel, param: str) -> list[RequestStream]:
+    """The engine's ValueError is a 400 naming the field its message starts with ("n=17
+    exceeds ...", "stop_token_ids: ..."), else `param`."""
     streams = []
     try:
       for i, prompt in enumerate(prompts):
@@ -474,14 +695,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
         stream.close()
       if isinstance(e, EngineDeadError):
         raise APIError(503, str(e), None, "ServiceUnavailableError") from None
-      raise APIError(400, str(e), param) from None
+      field = re.match(r"\w+", str(e))
+      field = field.group(0) if field else None
+      raise APIError(400, str(e), field if field in type(body).model_fields else param
+                     ) from None
     except BaseException:
       for stream in streams:
         stream.close()
       raise
     return streams
 
-  @app.post("/v1/completions")
+  @app.post("/v1/completions", responses=_responses(
+      *post_errors, 408, 429, ok=CompletionResponse, stream=CompletionChunk))
   async def completions(body: CompletionRequest, raw: fastapi.Request):
     check_model(body.model)
     if body.echo:
@@ -491,14 +716,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     sp = body.sampling_params(body.max_tokens, body.logprobs, kind)
     check_request(body, prompts, body.max_tokens, body.logprobs, "logprobs", "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start(request_id, prompts, sp, "prompt")
+    streams = await start(request_id, prompts, sp, body, "prompt")
     name = body.model or served_model_name
     if body.stream:
       return stream_response(_completion_stream(streams, request_id, name, body, tokenizer))
     return await within_timeout(
         _completion_response(streams, request_id, name, body.n, tokenizer))
 
-  @app.post("/v1/chat/completions")
+  @app.post("/v1/chat/completions", responses=_responses(
+      *post_errors, 408, 429, ok=ChatCompletionResponse, stream=ChatCompletionChunk))
   async def chat(body: ChatRequest, raw: fastapi.Request):
     check_model(body.model)
     if tokenizer is None:
@@ -510,23 +736,115 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     num_top = body.top_logprobs or 0
     if body.top_logprobs is not None and not body.logprobs:
       raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
-                  else body.max_tokens)
-    sp = body.sampling_params(max_tokens, num_top if body.logprobs else None, kind)
+    max_tokens_field = ("max_completion_tokens" if body.max_completion_tokens is not None
+                        else "max_tokens")
+    max_tokens = getattr(body, max_tokens_field)
+    sp = body.sampling_params(max_tokens, num_top if body.logprobs else None, kind,
+                              {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"})
     prompts = [dict(prompt=text, prompt_token_ids=ids)]
-    check_request(body, prompts, max_tokens, body.top_logprobs, "top_logprobs", "messages")
+    check_request(body, prompts, max_tokens, body.top_logprobs, "top_logprobs", "messages",
+                  max_tokens_field)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start(request_id, prompts, sp, "messages")
+    streams = await start(request_id, prompts, sp, body, "messages")
     name = body.model or served_model_name
     if body.stream:
       return stream_response(_chat_stream(streams, request_id, name, body, tokenizer, num_top))
     return await within_timeout(_chat_response(streams, request_id, name, tokenizer, num_top))
 
+  def openapi() -> dict:
+    """FastAPI's schema less its 422s (a bad body is a 400 here, in the error shape), every
+    error as JSON, this server's limits (_deployment_limits), and with a key, the key as
+    the guarded routes' security (the header, or ?token= for the dashboard's)."""
+    if app.openapi_schema is None:
+      schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+      error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+      for path, operations in schema["paths"].items():
+        for operation in operations.values():
+          operation["responses"].pop("422", None)
+          for status, response in operation["responses"].items():
+            if status != "200":  # (JSON whatever the route's own media type: the page's)
+              response["content"] = error
+          if api_key is not None and "401" in operation["responses"]:
+            operation["security"] = [{"bearer": []}]
+            if path.startswith("/dashboard"):
+              operation["security"].append({"token": []})
+      components = schema.setdefault("components", {})
+      for name in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(name, None)
+      # (the chunks, which only the event-stream schemas name)
+      components["schemas"].update(models_json_schema(
+          [(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk)],
+          ref_template="#/components/schemas/{model}")[1]["$defs"])
+      _deployment_limits(components["schemas"], limits,
+                         vocab_size=engine.engine.model_config.vocab_size,
+                         max_num_seqs=engine.engine.config.max_num_seqs,
+                         max_model_len=max_model_len)
+      if api_key is not None:
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "token": {"type": "apiKey", "in": "query", "name": "token"}}
+      app.openapi_schema = schema
+    return app.openapi_schema
+
+  app.openapi = openapi
   return app
+
+
+def _deployment_limits(schemas: dict, limits: ServerLimits, *, vocab_size: int,
+                       max_num_seqs: int, max_model_len: int) -> None:
+  """This server's limits in the request schemas (the server or the engine checks each,
+  naming the field): token ids in [0, vocab_size), n <= max_num_seqs, max_tokens <
+  max_model_len, a prompt neither "" nor [], `limits`' counts."""
+  def walk(node, fn):
+    if isinstance(node, dict):
+      fn(node)
+      for value in node.values():
+        walk(value, fn)
+    elif isinstance(node, list):
+      for value in node:
+        walk(value, fn)
+
+  def token_ids(node):
+    if node.get("type") == "integer":
+      node.update(minimum=0, maximum=vocab_size - 1)
+
+  def non_empty(node):
+    if node.get("type") == "string":
+      node["minLength"] = 1
+    elif node.get("type") == "array":
+      node["minItems"] = 1
+
+  for model, field in (("CompletionRequest", "prompt"), ("CompletionRequest", "stop_token_ids"),
+                       ("ChatRequest", "stop_token_ids"), ("DetokenizeRequest", "tokens")):
+    walk(schemas[model]["properties"][field], token_ids)
+  walk(schemas["CompletionRequest"]["properties"]["prompt"], non_empty)
+  for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+    if branch.get("items", {}).get("type") in ("string", "array"):  # (a list of prompts)
+      branch["maxItems"] = limits.max_prompts
+  for model in ("CompletionRequest", "ChatRequest"):
+    properties = schemas[model]["properties"]
+    properties["n"]["maximum"] = max_num_seqs
+    for field in ("max_tokens", "max_completion_tokens"):
+      if field in properties:
+        properties[field]["maximum"] = max_model_len - 1
+    for field in ("logprobs", "top_logprobs"):
+      if properties.get(field, {}).get("anyOf"):  # (chat's logprobs is a bool)
+        properties[field]["maximum"] = limits.max_logprobs
+    for branch in properties["stop"]["anyOf"]:
+      if branch.get("type") == "string":
+        branch["maxLength"] = limits.max_stop_chars
+      elif branch.get("type") == "array":
+        branch.update(maxItems=limits.max_stop)
+        branch["items"]["maxLength"] = limits.max_stop_chars
+    for branch in properties["stop_token_ids"]["anyOf"]:
+      if branch.get("type") == "array":
+        branch["maxItems"] = limits.max_stop_token_ids
 
 
 def _render_chat(tokenizer, messages, add_generation_prompt, chat_template=None,
                  kwargs=None) -> str:
+  """The conversation as text. Whatever rendering raises is the request's doing (its
+  messages, its chat_template: "{{ 1/0 }}", its chat_template_kwargs): a 400."""
   import jinja2  # noqa: PLC0415
 
   conversation = [m.model_dump(exclude_none=True) for m in messages]
@@ -534,8 +852,11 @@ def _render_chat(tokenizer, messages, add_generation_prompt, chat_template=None,
     return tokenizer.apply_chat_template(conversation, chat_template=chat_template,
                                          add_generation_prompt=add_generation_prompt,
                                          **(kwargs or {}))
-  except (jinja2.TemplateError, TypeError, KeyError) as e:
-    raise APIError(400, f"messages: chat template: {e}", "messages") from None
+  except Exception as e:  # noqa: BLE001 (see above)
+    param = "chat_template" if chat_template is not None else "messages"
+    what = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
+    where = "rendering failed" if chat_template is not None else "chat template"
+    raise APIError(400, f"{param}: {where}: {what}{e}", param) from None
 
 
 def _completion_prompts(prompt) -> list[dict]:

@@ -132,6 +132,20 @@ def test_bad_sampling_params_raise_and_the_others_go_on(what, reference):
   _assert_others_unaffected(engine, before, reference)
 
 
+@pytest.mark.parametrize("stop", [-5, VOCAB, 10**30])
+def test_a_stop_token_id_outside_the_vocabulary_is_refused(stop, reference):
+  # (found fuzzing serve: 10**30 with min_tokens reached the step's int32 stop-id rows as
+  # an OverflowError that finished every request of the step with "error")
+  engine = make_engine()
+  before = _in_flight(engine)
+  with pytest.raises(ValueError) as info:
+    engine.add_request("bad", prompt_token_ids=[1, 2], sampling_params=dataclasses.replace(
+        GREEDY, stop_token_ids=[3, stop], min_tokens=2))
+  assert str(info.value) == (f"stop_token_ids: token id {stop} is outside the vocabulary "
+                             f"[0, {VOCAB})")
+  _assert_others_unaffected(engine, before, reference)
+
+
 def test_a_top_k_past_int32_keeps_every_token():
   # (it reached the step's int32 array as an OverflowError that failed the request;
   # `hisparse-jax generate --top_k=10**30` printed that traceback)
