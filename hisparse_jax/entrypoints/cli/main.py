@@ -5,7 +5,8 @@ Each command lives in its own module and exposes ``main(argv)``; this file only
 defines the shared flags and dispatches. Bad input (a ValueError from the command)
 exits with status 2 and one line naming the flag or field; `--verbosity=1` or higher
 prints the traceback before that line. Every float flag is held to its range
-(FLOAT_RANGES: finite, within bounds) before the command's module is imported.
+(FLOAT_RANGES: finite, within bounds) and every integer flag to its own (INT_RANGES)
+before the command's module is imported.
 """
 
 from __future__ import annotations
@@ -357,6 +358,97 @@ FLOAT_RANGES: dict[str, FloatRange] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class IntRange:
+  """The values an integer flag takes: `lo` to `hi` inclusive, or None where `none_ok`.
+  `below`: the wording a value under `lo` is refused with (kept from the command's own
+  check, which this one now runs before; None: the range)."""
+  lo: int
+  hi: int
+  none_ok: bool = False
+  below: str | None = None
+
+  def __str__(self) -> str:
+    return f"[{_int_bound(self.lo)}, {_int_bound(self.hi)}]"
+
+  def error(self, name: str, value: int | None) -> str | None:
+    """The one line refusing `value` for --`name`, or None when it is in range."""
+    if value is None:
+      return None if self.none_ok else f"--{name} must be an integer in {self}, got None"
+    if value < self.lo and self.below is not None:
+      return f"--{name} must be {self.below}, got {value}"
+    if not self.lo <= value <= self.hi:
+      return f"--{name} must be in {self}, got {value}"
+    return None
+
+
+def _int_bound(x: int) -> str:
+  """A bound as people write it: 65535, 2**24."""
+  if x >= 2**16 and x & (x - 1) == 0:
+    return f"2**{x.bit_length() - 1}"
+  if x >= 2**16 and (x + 1) & x == 0:
+    return f"2**{x.bit_length()}-1"
+  return str(x)
+
+
+_TOKENS = 2**24  # 16M tokens: past any context this engine runs (int32 positions hold it)
+# Every integer flag's range, checked with the float flags' (tests/hisparse_jax/
+# entrypoints/test_int_flags.py holds each integer flag to an entry): absl takes any
+# integer, and a count of 0 or 2**63 went on as a plan (`capacity --max_num_seqs=0`) or
+# reached an int32 array as an OverflowError.
+INT_RANGES: dict[str, IntRange] = {
+    # Sizes of the engine.
+    "block_size": IntRange(1, 2**16, none_ok=True, below="a power of two"),
+    "max_model_len": IntRange(1, _TOKENS, below=">= 1"),
+    "max_num_batched_tokens": IntRange(1, _TOKENS, below=">= 1"),
+    "max_num_seqs": IntRange(1, 2**16, below=">= 1"),
+    "tensor_parallel_size": IntRange(1, 2**16, below="a positive integer"),
+    "num_processes": IntRange(1, 2**16, below=">= 1"),
+    "process_id": IntRange(0, 2**16 - 1, below=">= 0"),
+    # HiSparse (HiSparseConfig checks them against each other).
+    "top_k_tokens": IntRange(1, _TOKENS, none_ok=True, below="positive"),
+    "hot_buffer_tokens": IntRange(1, _TOKENS, none_ok=True, below="positive"),
+    "sparse_threshold_tokens": IntRange(1, _TOKENS, none_ok=True, below="positive"),
+    "sink_tokens": IntRange(0, _TOKENS, none_ok=True, below=">= 0"),
+    "local_tokens": IntRange(0, _TOKENS, none_ok=True, below=">= 0"),
+    "resident_sparse_min_tokens": IntRange(0, _TOKENS, none_ok=True, below=">= 0"),
+    # Sampling and the run.
+    "max_new_tokens": IntRange(1, _TOKENS, below=">= 1"),
+    "n": IntRange(1, 2**16, below="at least 1"),
+    "top_k": IntRange(-1, 2**31 - 1, below=">= 0 (0 or -1 disables it)"),
+    "logprobs": IntRange(0, 2**16, none_ok=True, below=">= 0 or None"),
+    "seed": IntRange(0, 2**32 - 1, below=">= 0"),
+    "demo_seed": IntRange(0, 2**32 - 1, below=">= 0"),
+    "demo_num_prompts": IntRange(1, 2**16, none_ok=True, below=">= 1"),
+    "demo_context_len": IntRange(1, _TOKENS, none_ok=True, below=">= 1"),
+    "log_every_steps": IntRange(0, 2**31 - 1, below=">= 0"),
+    # Ports (0: any free port, where the flag allows it).
+    "port": IntRange(0, 65535),
+    "dashboard_port": IntRange(0, 65535),
+    "prometheus_port": IntRange(1, 65535, none_ok=True),
+    # The third tier: ten years at most.
+    "remote_cache_ttl_s": IntRange(1, 10 * 365 * 86400, below="a positive integer"),
+    # serve's limits.
+    "max_request_bytes": IntRange(1, 2**40, below=">= 1"),
+    "max_prompts_per_request": IntRange(1, 2**20, below=">= 1"),
+    "max_request_prompt_tokens": IntRange(1, 2**31 - 1, below=">= 1"),
+    "max_logprobs": IntRange(0, 2**16, below=">= 0"),
+    "max_waiting_requests": IntRange(1, 2**24, below=">= 1"),
+    "max_concurrent_streams": IntRange(1, 2**20, below=">= 1"),
+    "max_stream_buffer": IntRange(1, 2**24, below=">= 1"),
+}
+
+
+def check_int_flags(command: str) -> None:
+  """Raises ValueError (one line naming the flag and its range) for the first integer
+  flag `command` reads whose value is outside INT_RANGES."""
+  for name in sorted(command_flags(command)):
+    if isinstance(FLAGS[name].parser, flags.IntegerParser):
+      error = INT_RANGES[name].error(name, FLAGS[name].value)
+      if error is not None:
+        raise ValueError(error)
+
+
 def check_float_flags(command: str) -> None:
   """Raises ValueError (one line naming the flag and its range) for the first float flag
   `command` reads whose value is outside FLOAT_RANGES."""
@@ -418,6 +510,7 @@ def _main(argv: list[str]) -> int:
     return 2
   try:
     check_float_flags(name)  # before the command's imports (jax): a fast refusal
+    check_int_flags(name)
     module = importlib.import_module(COMMANDS[name][0])
     _join_processes(name)
     return int(module.main(argv[1:]) or 0)
