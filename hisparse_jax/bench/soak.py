@@ -15,6 +15,10 @@ owned blocks must be back to their start value.
 Reported: requests by kind and status class, 5xx outside the injected faults (must be
 0), RSS growth after the warm-up (the first 20% of the run; must be <= 5%), owned blocks
 at the end vs the start, per-sample series (JSON) and a plot of RSS and occupancy.
+
+A server's memory grows with its compiled step programs (a new padded shape: ~20-50 MB
+each on CPU) up to `--max_step_programs`; the soak runs at a cap its warm-up reaches,
+so what it measures after that is everything else (a leak would show).
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ import time
 SERVER_FLAGS = ("--max_model_len=1024", "--block_size=16", "--device_kv_gib=0.004",
                 "--host_pool_gib=0.05", "--max_num_seqs=32", "--hisparse",
                 "--top_k_tokens=128", "--hot_buffer_tokens=128", "--sink_tokens=16",
-                "--local_tokens=32", "--sparse_threshold_tokens=256")
+                "--local_tokens=32", "--sparse_threshold_tokens=256",
+                # The compiled step programs kept: what a server's memory grows by (20-50
+                # MB per program on CPU, ~130 KB of code each: session 24's runs with
+                # JAX_LOG_COMPILES, every RSS step a new program). This traffic reaches
+                # ~25 shapes in the warm-up and a few more later; at 24 the later ones
+                # run on a covering program.
+                "--max_step_programs=24")
 WORDS = "bafu bapo baki bare lodu moti kavi rino sela tumo deni nufa keve foli".split()
 BAD = [  # (body, endpoint, expected status): injected faults
     ({"model": "hisparse-tiny", "prompt": "x", "max_tokens": -1}, "/v1/completions", 400),

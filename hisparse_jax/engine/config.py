@@ -54,6 +54,11 @@ class EngineConfig:
   # (step_shapes.py): no compile stall while serving. Off: each new shape compiles
   # before its step runs (reproducible to the bit: the padding never depends on timing).
   compile_in_background: bool = False
+  # The compiled step programs kept (compile_in_background; step_shapes.StepCompiler): at
+  # the cap a batch a kept program covers runs padded to it (no new program), one none
+  # covers compiles and the least recently run are dropped. What bounds a serving
+  # process' memory: each program holds ~20-50 MB on CPU (bench/soak.py).
+  max_step_programs: int = 128
   seed: int = 0
   hisparse: HiSparseConfig | None = None  # None: dense attention only
   # Devices of the one mesh the engine runs over (heads, MLP and KV cache split); 1: one
@@ -84,6 +89,8 @@ class EngineConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.seed < 0:
       raise ValueError(f"seed must be >= 0, got {self.seed}")
+    if self.max_step_programs < 1:
+      raise ValueError(f"max_step_programs must be >= 1, got {self.max_step_programs}")
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     check_kv_cache_dtype(self.kv_cache_dtype)

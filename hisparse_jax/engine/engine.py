@@ -198,6 +198,7 @@ class Engine:
                               kernel_backend=config.kernel_backend, hisparse=config.hisparse,
                               host_pool=self.host_pool, eos_token_ids=self.eos_token_ids,
                               compile_in_background=config.compile_in_background,
+                              max_step_programs=config.max_step_programs,
                               kv_head_repeat=self.kv_head_repeat)
     if loaded_here:  # the model the step runs (its weights packed on CPU); the loaded
       self.model = self.runner.model  # arrays it replaced are not kept

@@ -133,7 +133,7 @@ class ModelRunner:
                max_num_seqs: int, max_num_batched_tokens: int,
                kernel_backend: str | None = None, hisparse: HiSparseConfig | None = None,
                host_pool: KVPool | None = None, eos_token_ids: Sequence[int] = (),
-               compile_in_background: bool = False,
+               compile_in_background: bool = False, max_step_programs: int | None = None,
                kv_head_repeat: int = 1):
     """kv_head_repeat: tensor parallel with fewer KV heads than devices, the copies of
     each KV head the (repeated) model holds (models.sharding.kv_head_repeat)."""
@@ -195,7 +195,8 @@ class ModelRunner:
     # compile_in_background: new step shapes run padded to a compiled covering shape
     # while their own program compiles in a thread (step_shapes.py); None: jit's cache.
     self.compiler = (StepCompiler(self._step, {"num_token_rows": max_num_seqs},
-                                  self.ops.hints_cover, self.num_hot_rows)
+                                  self.ops.hints_cover, self.num_hot_rows,
+                                  max_programs=max_step_programs)
                      if compile_in_background else None)
     # The previous-step tokens of a step that reads none (its token_src is all -1).
     self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),

@@ -172,11 +172,14 @@ class StepCompiler:
 
   `step`: the jitted step program; `static`: its static keyword arguments (the same for
   every shape); `hints_cover`: KernelOps.hints_cover. `program(batch, args_of)` returns
-  (compiled program, the batch as it must be run). At most `max_programs` are kept: past
-  them, the least recently run are dropped down to 3/4 of it (freed; compiled again if
-  their shape returns).
+  (compiled program, the batch as it must be run). At most `max_programs` are kept: with
+  that many (compiled or compiling), a batch a kept program covers runs padded to it and
+  nothing compiles; one that none covers compiles, and past the cap the least recently
+  run are dropped down to 3/4 of it (freed; compiled again if their shape returns). So a
+  server's programs, and the memory they hold, stop growing at the cap.
   Counters: `foreground` compiles (stalls), `background` compiles, `covered` steps run
-  padded to a covering shape, `evicted` programs dropped.
+  padded to a covering shape (`capped` of them at the cap: no compile of their own),
+  `evicted` programs dropped.
   """
 
   def __init__(self, step, static: dict[str, Any], hints_cover, num_hot_rows: int,
@@ -196,6 +199,7 @@ class StepCompiler:
     self.foreground = 0
     self.background = 0
     self.covered = 0
+    self.capped = 0
     self.evicted = 0
 
   def _compile(self, shape: StepShape, avals, greedy_only: bool):
@@ -237,7 +241,10 @@ class StepCompiler:
       self._keep(shape, compiled)
       self.foreground += 1
       return compiled, batch
-    if shape not in self._pending:
+    at_cap = len(self.ready) + len(self._pending) >= self._max_programs
+    if shape not in self._pending and at_cap:
+      self.capped += 1  # (the cover serves this shape: no program of its own)
+    elif shape not in self._pending:
       if self._executor is None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="hisparse-compile")

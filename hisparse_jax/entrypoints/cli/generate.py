@@ -174,6 +174,7 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
                 compile_in_background=(compile_in_background
                                        if FLAGS.compile_in_background is None
                                        else FLAGS.compile_in_background),
+                max_step_programs=FLAGS.max_step_programs,
                 tensor_parallel_size=FLAGS.tensor_parallel_size,
                 **tier_kwargs_from_flags())
   try:

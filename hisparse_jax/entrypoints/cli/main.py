@@ -116,6 +116,12 @@ flags.DEFINE_bool("compile_in_background", None,
                   "shape that covers it while its own program compiles in a background "
                   "thread (no compile stall). Default: on for serve (batches follow "
                   "arrival times anyway), off for generate and demo (bit-reproducible).")
+flags.DEFINE_integer("max_step_programs", 128,
+                     "With --compile_in_background: the compiled step programs kept. At "
+                     "the cap a batch a kept program covers runs padded to it (no new "
+                     "program); one none covers compiles and the least recently run are "
+                     "dropped. Bounds the process' memory: each program holds ~20-50 MB "
+                     "on CPU.")
 flags.DEFINE_integer("max_new_tokens", 16,
                      "Tokens to generate per prompt (a prompts_file line's max_tokens wins).")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -260,7 +266,7 @@ flags.DEFINE_integer("max_stream_buffer", 1024, "serve: outputs a stream may hol
 _MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "host_pool_gib",
           "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
-           "compile_in_background", "compilation_cache_dir", "seed")
+           "compile_in_background", "max_step_programs", "compilation_cache_dir", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",
              "sparse_threshold_tokens", "resident_sparse_min_tokens", "bounds_dtype",
              "selection", "streamed_prefill")
@@ -403,6 +409,7 @@ INT_RANGES: dict[str, IntRange] = {
     "max_num_batched_tokens": IntRange(1, _TOKENS, below=">= 1"),
     "max_num_seqs": IntRange(1, 2**16, below=">= 1"),
     "tensor_parallel_size": IntRange(1, 2**16, below="a positive integer"),
+    "max_step_programs": IntRange(1, 2**12, below=">= 1"),
     "num_processes": IntRange(1, 2**16, below=">= 1"),
     "process_id": IntRange(0, 2**16 - 1, below=">= 0"),
     # HiSparse (HiSparseConfig checks them against each other).
