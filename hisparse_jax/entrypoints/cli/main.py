@@ -446,6 +446,19 @@ INT_RANGES: dict[str, IntRange] = {
 }
 
 
+def cli_flags(parser_type: type) -> list[str]:
+  """The flags the CLI defines (this module and every command module) whose parser is a
+  `parser_type` (flags.FloatParser, flags.IntegerParser), from absl's registry: not
+  absl's own nor those of the standalone bench scripts (python -m hisparse_jax.bench.X)."""
+  for module, _ in COMMANDS.values():
+    importlib.import_module(module)
+  names = set()
+  for module, module_flags in FLAGS.flags_by_module_dict().items():
+    if module.startswith("hisparse_jax.entrypoints.cli"):
+      names |= {f.name for f in module_flags if isinstance(f.parser, parser_type)}
+  return sorted(names)
+
+
 def check_int_flags(command: str) -> None:
   """Raises ValueError (one line naming the flag and its range) for the first integer
   flag `command` reads whose value is outside INT_RANGES."""

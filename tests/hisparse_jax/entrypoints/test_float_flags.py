@@ -5,7 +5,6 @@ imports, so each run takes an interpreter start and no jax); values in range sti
 """
 
 import concurrent.futures
-import importlib
 import os
 import subprocess
 import sys
@@ -20,20 +19,7 @@ BAD = ("nan", "inf", "-inf", "1e308")
 FLAGS = flags.FLAGS
 
 
-def _float_flags() -> list[str]:
-  """The float flags the CLI defines (main.py and any command module), from absl's
-  registry: those of the hisparse_jax.entrypoints.cli modules, not absl's own nor those of
-  the standalone bench scripts (python -m hisparse_jax.bench.X) other tests may import."""
-  for module, _ in cli.COMMANDS.values():
-    importlib.import_module(module)
-  names = set()
-  for module, module_flags in FLAGS.flags_by_module_dict().items():
-    if module.startswith("hisparse_jax.entrypoints.cli"):
-      names |= {f.name for f in module_flags if isinstance(f.parser, flags.FloatParser)}
-  return sorted(names)
-
-
-FLOAT_FLAGS = _float_flags()
+FLOAT_FLAGS = cli.cli_flags(flags.FloatParser)
 # (command, flag) for every command that reads the flag.
 PAIRS = [(command, name) for name in FLOAT_FLAGS for command in sorted(cli.COMMANDS)
          if name in cli.command_flags(command)]

@@ -5,7 +5,6 @@ check, plus subprocess runs of the whole CLI for a few); values in range still p
 (`capacity --max_num_seqs=0` printed a plan; 2**63 reached int32 arrays.)
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -19,18 +18,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 FLAGS = flags.FLAGS
 
 
-def _int_flags() -> list[str]:
-  """The integer flags the CLI defines (its command modules'), from absl's registry."""
-  for module, _ in cli.COMMANDS.values():
-    importlib.import_module(module)
-  names = set()
-  for module, module_flags in FLAGS.flags_by_module_dict().items():
-    if module.startswith("hisparse_jax.entrypoints.cli"):
-      names |= {f.name for f in module_flags if isinstance(f.parser, flags.IntegerParser)}
-  return sorted(names)
-
-
-INT_FLAGS = _int_flags()
+INT_FLAGS = cli.cli_flags(flags.IntegerParser)
 PAIRS = [(command, name) for name in INT_FLAGS for command in sorted(cli.COMMANDS)
          if name in cli.command_flags(command)]
 
