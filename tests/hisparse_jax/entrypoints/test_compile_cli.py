@@ -1,0 +1,95 @@
+"""`hisparse-jax compile --target=...`: the whole CLI, as a user runs it (subprocesses).
+
+The default model's every program and the --hisparse ones compile for the H200 (exit 0,
+the table, the JSON); tensor parallelism over a 1x2 H200 topology; configs that cannot
+run there exit 2 with one line naming the cause.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+    reason="XLA's GPU compiler is not installed (jax[cuda13]; make setup installs it)")
+
+DENSE = {"prefill", "decode", "mixed", "swap_out", "swap_in", "copy_on_write"}
+HISPARSE = DENSE | {"tiered_decode", "bounds_to_host_index", "refresh_bounds"}
+
+
+def _compile(tmp_path, *args, env=None):
+  out = tmp_path / "report.json"
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax", "compile", f"--out={out}", *args],
+                     capture_output=True, text=True, timeout=600,
+                     env={**os.environ, **(env or {})})
+  report = json.loads(out.read_text()) if out.exists() else None
+  return r, report
+
+
+def _table_rows(stdout: str) -> dict[str, list[str]]:
+  lines = stdout.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("program "))
+  rows = {}
+  for line in lines[start + 1:]:
+    if line.startswith("wrote "):
+      break
+    cells = line.split()
+    rows[cells[0]] = cells
+  return rows
+
+
+@pytest.mark.parametrize("flags,programs", [([], DENSE), (["--hisparse"], HISPARSE)],
+                         ids=["dense", "hisparse"])
+def test_every_program_of_the_default_model_compiles_for_the_h200(tmp_path, flags, programs):
+  r, report = _compile(tmp_path, "--target=h200", *flags)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.startswith("compiling for NVIDIA H200 (sm_90, h200): hisparse-tiny")
+  rows = _table_rows(r.stdout)
+  assert set(rows) == programs
+  assert "FAILED" not in r.stdout
+  assert {p["name"] for p in report["programs"]} == programs
+  assert all(p["error"] is None for p in report["programs"])
+  assert report["target"]["device_kind"] == "NVIDIA H200"
+  memory = report["memory_per_device"]
+  assert memory["reserve"] > max(p["temp_bytes"] for p in report["programs"]) > 0
+  if "--hisparse" in flags:  # the in-step host loads are in the compiled decode
+    tiered = next(p for p in report["programs"] if p["name"] == "tiered_decode")
+    assert tiered["host_copies"] > 0 and "paged_attention" in tiered["kernels"]
+
+
+def test_tensor_parallel_over_two_h200s(tmp_path):
+  # (the suite's processes have one CPU device; the command makes the two it lowers from)
+  r, report = _compile(tmp_path, "--target=h200", "--tensor_parallel_size=2",
+                       "--max_model_len=512", "--max_num_seqs=8",
+                       "--max_num_batched_tokens=128", "--programs=decode,swap_in",
+                       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "tensor parallel 2" in r.stdout.splitlines()[0]
+  assert {p["name"] for p in report["programs"]} == {"decode", "swap_in"}
+  assert all(p["error"] is None for p in report["programs"])
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--target=a100", "--kv_cache_dtype=fp8_e4m3"],
+     r"hisparse-jax compile: error: kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability "
+     r"8\.9 or newer"),
+    (["--target=h200", "--device_kv_gib=105.29", "--programs=prefill"],
+     r"hisparse-jax compile: error: the compiled program 'prefill' needs [\d.]+ MiB of device "
+     r"temporaries, but --device_kv_gib leaves [\d.]+ MiB beside the weights"),
+    (["--target=b200"], r"hisparse-jax compile: error: --target='b200': not one of h200, "
+                        r"h100, a100"),
+    (["--target=h200", "--programs=nope"], r"hisparse-jax compile: error: --programs: nope is "
+                                           r"not a program of this config"),
+], ids=["fp8-on-a100", "temporaries-over-budget", "unknown-target", "unknown-program"])
+def test_a_config_that_cannot_run_exits_2_with_one_line(tmp_path, args, line):
+  r, _ = _compile(tmp_path, *args)
+  assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+  errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hisparse-jax compile:")]
+  assert len(errors) == 1 and re.match(line, errors[0]), r.stderr[-2000:]
