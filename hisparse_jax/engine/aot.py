@@ -313,58 +313,8 @@ class AotBuild:
                    detail)
 
   def _step_programs(self) -> list[Program]:
-    c, bs = self.config, self.config.block_size
-    n_seqs, chunk = c.max_num_seqs, min(c.max_num_batched_tokens, c.max_model_len - 1)
-    ctx = c.max_model_len  # decode rows at the longest context
-    hisparse = c.hisparse
-    long_prompt = c.max_model_len - 1
-    progs = []
-    # A prefill chunk (a long prompt's first: with HiSparse it carries the sparse path).
-    prefill = _prefill(long_prompt if hisparse is not None else chunk, 0, chunk, bs)
-    progs.append(self._step("prefill", self._build([prefill]),
-                            f"1 prompt chunk of {chunk:,} tokens"))
-    # max_num_seqs decode rows at max_model_len (resident: dense, or DSA's in-place top-k).
-    rows = [_decode(ctx, bs, i) for i in range(n_seqs)]
-    progs.append(self._step("decode", self._build(rows),
-                            f"{n_seqs} decode rows at {ctx:,} tokens"))
-    if n_seqs > 1 and chunk > 1:
-      mixed = [_prefill(chunk, 0, max(1, chunk - (n_seqs - 1)), bs)]
-      mixed += [_decode(ctx, bs, i) for i in range(n_seqs - 1)]
-      progs.append(self._step("mixed", self._build(mixed),
-                              f"1 prompt chunk + {n_seqs - 1} decode rows"))
-    if hisparse is None:
-      return progs
-    # Offloaded sequences (full KV on pinned_host): in-step host loads into hot buffers.
-    progs.append(self._step("tiered_decode", self._build(rows, offloaded=len(rows)),
-                            f"{n_seqs} offloaded decode rows at {ctx:,} tokens, "
-                            "in-step host loads"))
-    if not self.is_dsa and c.enable_chunked_prefill and long_prompt > chunk:
-      start = (long_prompt - chunk) // bs * bs  # a later chunk of a streamed prompt
-      streamed = _prefill(long_prompt, start, chunk, bs)
-      progs.append(self._step("streamed_prefill", self._build([streamed], offloaded=1),
-                              f"a {chunk:,}-token chunk of a {long_prompt:,}-token prompt "
-                              f"streamed through the device ({hisparse.streamed_prefill})"))
-    return progs
-
-  def _build(self, chunks: list[ScheduledChunk], offloaded: int = 0) -> StepBatch:
-    """The step batch of `chunks` (the first `offloaded` of them offloaded: their blocks
-    on the host, a hot-buffer row each)."""
-    bs = self.config.block_size
-    width = max(math.ceil(c.request.num_tokens / bs) for c in chunks)
-    tables = np.zeros((len(chunks), width), np.int32)
-    for i, c in enumerate(chunks):
-      n = math.ceil(c.request.num_tokens / bs)
-      tables[i, :n] = np.arange(1, n + 1) % max(2, self.device_pool.num_blocks - 1) + 1
-    tiers = None
-    if self.config.hisparse is not None:
-      slots = self.runner.hisparse_blocks.hot_buffer_blocks
-      tiers = SparseTiers(
-          host_tables=np.where(np.arange(len(chunks))[:, None] < offloaded, tables, 0),
-          hot_slots=np.ones((len(chunks), slots), np.int32),
-          hot_rows=np.where(np.arange(len(chunks)) < offloaded, np.arange(len(chunks)), -1),
-          hot_reset=np.zeros(len(chunks), bool))
-      tables = np.where(np.arange(len(chunks))[:, None] < offloaded, 0, tables)
-    return self.runner.build_batch(chunks, tables, tiers)
+    return [self._step(name, batch, detail)
+            for name, batch, detail in step_batches(self.runner, self.config, self.is_dsa)]
 
   def _swap_programs(self) -> list[Program]:
     device_pool, host_pool = self.move_pools
@@ -466,6 +416,100 @@ def _bytes_per_device(model, tp: int) -> int:
   return int(total)
 
 
+def step_batches(runner: ModelRunner, config: EngineConfig, is_dsa: bool,
+                 only: set[str] | None = None) -> list[tuple[str, StepBatch, str]]:
+  """(name, batch, what it is) of the largest step of each kind an engine of `config`
+  runs, built by `runner`'s BatchBuilder from chunks made here: a full prefill chunk (a
+  long prompt's first: with HiSparse it carries the sparse path), max_num_seqs decode rows
+  at max_model_len, a prefill chunk beside max_num_seqs - 1 decode rows; with HiSparse the
+  same rows offloaded (in-step host loads) and a later chunk of a prompt streamed through
+  the device. `only`: just these kinds."""
+  c, bs = config, config.block_size
+  n_seqs, chunk = c.max_num_seqs, min(c.max_num_batched_tokens, c.max_model_len - 1)
+  ctx, long_prompt, hisparse = c.max_model_len, c.max_model_len - 1, c.hisparse
+  rows = [_decode(ctx, bs) for _ in range(n_seqs)]
+  kinds = {
+      "prefill": lambda: ([_prefill(long_prompt if hisparse else chunk, 0, chunk, bs)], 0,
+                          f"1 prompt chunk of {chunk:,} tokens"),
+      "decode": lambda: (rows, 0, f"{n_seqs} decode rows at {ctx:,} tokens")}
+  if n_seqs > 1 and chunk > 1:
+    kinds["mixed"] = lambda: (
+        [_prefill(chunk, 0, max(1, chunk - (n_seqs - 1)), bs), *rows[1:]], 0,
+        f"1 prompt chunk + {n_seqs - 1} decode rows")
+  if hisparse is not None:
+    kinds["tiered_decode"] = lambda: (rows, len(rows), f"{n_seqs} offloaded decode rows at "
+                                      f"{ctx:,} tokens, in-step host loads")
+    if not is_dsa and c.enable_chunked_prefill and long_prompt > chunk:
+      start = (long_prompt - chunk) // bs * bs  # a later chunk of a streamed prompt
+      kinds["streamed_prefill"] = lambda: (
+          [_prefill(long_prompt, start, chunk, bs)], 1,
+          f"a {chunk:,}-token chunk of a {long_prompt:,}-token prompt streamed through the "
+          f"device ({hisparse.streamed_prefill})")
+  out = []
+  for name, make in kinds.items():
+    if only is None or name in only:
+      chunks, offloaded, detail = make()
+      out.append((name, _batch(runner, config, chunks, offloaded), detail))
+  return out
+
+
+def device_free_bytes(device) -> int | None:
+  """Bytes the device's allocator has left (memory_stats: bytes_limit - bytes_in_use), or
+  None where it reports no limit (CPU)."""
+  stats = device.memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def check_step_footprint(runner: ModelRunner, config: EngineConfig, is_dsa: bool,
+                         device) -> None:
+  """At load, on a device with an allocator limit (GPU, TPU): the largest prefill and
+  decode step programs are compiled, and the device bytes each needs beyond its
+  arguments (temporaries, outputs not written in place) must fit what the weights and the
+  KV pools left; ValueError naming the flags otherwise (a refusal now, not an
+  out-of-memory error at the first step). Nothing on CPU (no limit to check)."""
+  free = device_free_bytes(device)
+  if free is None:
+    return
+  kinds = {"prefill", "tiered_decode" if config.hisparse is not None else "decode"}
+  for name, batch, _ in step_batches(runner, config, is_dsa, kinds):
+    args = runner._step_args(batch, runner._no_tokens)
+    compiled = runner._step.trace(*args, greedy_only=False,
+                                  num_token_rows=runner.max_num_seqs).lower().compile()
+    ma = compiled.memory_analysis()
+    need = int(ma.temp_size_in_bytes) + max(
+        0, int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
+    if need > free:
+      raise ValueError(
+          f"--device_kv_gib: the step program {name!r} needs {gib_text(need)} of device "
+          f"memory beyond its arguments, but the weights and the KV pools leave "
+          f"{gib_text(free)} free on {getattr(device, 'device_kind', device)}: lower "
+          "--device_kv_gib (or --max_num_batched_tokens / --max_num_seqs)")
+
+
+def _batch(runner: ModelRunner, config: EngineConfig, chunks: list[ScheduledChunk],
+           offloaded: int = 0) -> StepBatch:
+  """The step batch of `chunks` (the first `offloaded` of them offloaded: their blocks on
+  the host, a hot-buffer row each)."""
+  bs, n = config.block_size, len(chunks)
+  width = max(math.ceil(c.request.num_tokens / bs) for c in chunks)
+  tables = np.zeros((n, width), np.int32)
+  for i, c in enumerate(chunks):
+    used = math.ceil(c.request.num_tokens / bs)
+    tables[i, :used] = np.arange(1, used + 1) % max(2, runner.pool.num_blocks - 1) + 1
+  tiers = None
+  if config.hisparse is not None:
+    off = np.arange(n) < offloaded
+    tiers = SparseTiers(host_tables=np.where(off[:, None], tables, 0),
+                        hot_slots=np.ones((n, runner.hisparse_blocks.hot_buffer_blocks),
+                                          np.int32),
+                        hot_rows=np.where(off, np.arange(n), -1),
+                        hot_reset=np.zeros(n, bool))
+    tables = np.where(off[:, None], 0, tables)
+  return runner.build_batch(chunks, tables, tiers)
+
+
 def _request(num_prompt: int, num_output: int) -> Request:
   request = Request("aot", [1] * num_prompt, SamplingParams(temperature=1.0, top_p=0.9,
                                                             max_tokens=None), seed=0)
@@ -483,10 +527,9 @@ def _prefill(prompt_len: int, start: int, n: int, bs: int) -> ScheduledChunk:
   return ScheduledChunk(_request(prompt_len, 0), start, n, _slots(start, n, bs))
 
 
-def _decode(ctx: int, bs: int, i: int) -> ScheduledChunk:
+def _decode(ctx: int, bs: int) -> ScheduledChunk:
   """The decode of token `ctx - 1` (a prompt of ctx - 2 tokens and one output token)."""
   request = _request(max(1, ctx - 2), 1)
-  del i
   return ScheduledChunk(request, request.num_tokens - 1, 1, _slots(ctx - 1, 1, bs))
 
 

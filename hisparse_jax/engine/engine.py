@@ -220,6 +220,10 @@ class Engine:
                               kv_head_repeat=self.kv_head_repeat)
     if loaded_here:  # the model the step runs (its weights packed on CPU); the loaded
       self.model = self.runner.model  # arrays it replaced are not kept
+    # (GPU, TPU: the largest steps' temporaries must fit what weights and pools left)
+    from hisparse_jax.engine import aot  # noqa: PLC0415 (it imports this module)
+
+    aot.check_step_footprint(self.runner, config, self.is_dsa, self.device_pool.device)
     # Reserved bytes as allocated (the runner's arrays), not as planned.
     hisparse = None
     if config.hisparse is not None:
