@@ -34,6 +34,7 @@ blocks into shared memory) and the Triton kernels for the other three.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Sequence
@@ -120,6 +121,31 @@ def check_triton_sizes(interpret: bool, **sizes: int) -> None:
         "kernels, these are not: use a power-of-2 block_size and knobs)")
 
 
+def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int | None = 132
+                 ) -> contextlib.AbstractContextManager[None]:
+  """A context within which Pallas lowers GPU kernels for `device_kind` whatever the
+  host: an abstract mesh whose ``AbstractDevice`` is that CUDA GPU (`num_cores`: its SMs;
+  an H100/H200 has 132).
+
+  From jax 0.11 the Triton lowering of ``pallas_call`` asks the context's abstract mesh
+  for the GPU it targets (else the default device: a CPU-only host has none, "RuntimeError:
+  No supported GPU devices found, please specify an abstract GPU device using
+  AbstractDevice"). Wrap ``trace(...).lower(lowering_platforms=("cuda",))`` in it (the
+  trace is what counts: a traced program keeps its context's mesh, and its lowering
+  re-enters it). The mesh has no axes: a mesh with axes (``AbstractMesh((1,), ("x",))``) would
+  make every lowered op carry an ``sdy.sharding_constraint`` over an ``sdy.mesh`` of its
+  own, and jax refuses it beside arrays sharded over a real mesh ("context mesh ... should
+  match the aval mesh"). So the arrays keep their own (CPU) devices, shardings and memory
+  kinds; only the kernels' target GPU comes from here. A no-op context on jax versions
+  without ``AbstractDevice`` (they lowered Triton kernels without asking)."""
+  try:
+    from jax._src.mesh import AbstractDevice, AbstractMesh  # noqa: PLC0415
+  except ImportError:
+    return contextlib.nullcontext()
+  device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="cuda")
+  return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device))
+
+
 def _no_hints(q_lens: Sequence[int]) -> dict[str, int]:
   del q_lens
   return {}
@@ -175,8 +201,8 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
                      sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "pallas_mgpu":
     # The decode kernel on Mosaic GPU (bf16/f16, block_size a multiple of 8; see its
-    # module), the other three on Triton. Compiled only: its CPU interpreter needs the
-    # gaps filled in tests/kernels_pallas/test_mgpu_paged_attention.py.
+    # module), the other three on Triton. Compiled only: its CPU interpreter
+    # (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_paged_attention.py runs.
     if target_platform(platform) != "gpu":
       raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
     pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")

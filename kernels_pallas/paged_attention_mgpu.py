@@ -111,7 +111,7 @@ def _paged_attention_kernel(
     plgpu.barrier_wait(k_barriers.at[slot])
 
     def qk(acc_ref):
-      plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+      plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
       return acc_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((WGMMA_ROWS, tokens_per_step), jnp.float32))

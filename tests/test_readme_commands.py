@@ -2,7 +2,8 @@
 
 The lines are read from README.md (a `\\` at a line's end continues it), so a line that
 stops working, or a new line that does not work, fails here. Each runs as
-`python -m hisparse_jax ARGS` in the repository root, two at a time. A line that ends in
+`python -m hisparse_jax ARGS` in the repository root, two at a time. A line whose comment
+says `exit N` (a refusal the README shows) must exit N with one error line. A line that ends in
 `# answers: WORDS` must print an output whose first words are WORDS, and a run with expected
 answers (a prompts file) must get them all right. Exceptions, each with why:
 
@@ -34,6 +35,9 @@ SMALLER = {
     # toy) take minutes on 2 cores; 300 tokens is still a passkey the 135M model answers
     # (at ~100 its answer to a needle at 90% depth is "the pass key").
     "demo": ("--demo_num_prompts=2", "--demo_context_len=300"),
+    # every program compiles in tests/hisparse_jax/entrypoints/test_compile_cli.py; here one
+    # (and the report to nowhere, not into the checkout)
+    "compile": ("--programs=decode", f"--out={os.devnull}"),
 }
 PARSE_ONLY = {
     "convert": "writes a new directory (the real model's: 540 MB); "
@@ -95,6 +99,12 @@ def results():
 @pytest.mark.parametrize("line", RUN)
 def test_readme_line_runs_as_written(line, results):
   r = results[line]
+  refusal = re.search(r"#\s*exit (\d+)", line)
+  if refusal:  # a refusal: its exit status and one error line, nothing else
+    assert r.returncode == int(refusal.group(1)), f"{line}\n{r.stderr[-3000:]}"
+    errors = [ln for ln in r.stderr.splitlines() if ": error: " in ln]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return
   assert r.returncode == 0, f"{line}\n{r.stderr[-3000:]}"
   assert "Traceback" not in r.stderr
   answer = re.search(r"#\s*answers:\s*(.+?)\s*$", line)

@@ -10,7 +10,12 @@ fails or runs out of time:
 
   environment     installs `.[cuda,test]` into .venv-gpu (a venv that also sees the
                   machine's own packages, so a machine without network but with jax[cuda]
-                  installed works); says jax's version, platform, device and memory kinds
+                  installed works); says jax's version, platform, device and memory kinds;
+                  on a GPU writes the device's XLA GpuTargetConfig beside the JSON
+                  (gpu_target_<device>.textproto: `hisparse-jax compile --target=FILE`)
+  matrix          the compile matrix's engines (tests/hisparse_jax/engine/test_gpu_matrix.py:
+                  dense bfloat16, HiSparse int8, streamed prefill, Mosaic GPU decode, DSA
+                  offload; smallest first) on the device, greedy tokens vs the CPU engine's
   selfcheck       kernels_pallas.selfcheck: every compiled kernel against its reference
   kernel_bench    `bench --suite=kernel`: GB/s and % of the device's HBM peak
   transfer        `bench --suite=transfer`: host<->device over pinned_host, GB/s and % of
@@ -54,7 +59,14 @@ TAIL_CHARS = 12000  # (3,000 lost the failing tests' names on the first GPU runs
 
 # Step name -> (timeout in seconds, what it checks). Order is run order.
 STEPS = {
-    "environment": (240, "install .[cuda,test] and describe the device"),
+    "environment": (240, "install .[cuda,test] and describe the device (with its XLA "
+                         "GpuTargetConfig: the compile target `hisparse-jax compile` takes)"),
+    # First: the compile matrix's configs (test_aot_h200.py compiles them without a GPU)
+    # run on the device, smallest first, tokens against the CPU engine's: a short loan
+    # answers "does each program kind run" before anything slow.
+    "matrix": (240, "the compile matrix's engines (dense bfloat16, HiSparse int8, streamed "
+                    "prefill, Mosaic GPU decode, DSA offload) on the device, greedy tokens "
+                    "vs the same config on the CPU"),
     # (on an H200 with jax 0.11.2 every case up to bs=32 d=128 float32 passed in 150 s:
     # the compiles dominate)
     "selfcheck": (240, "compiled kernels vs their jnp references (float and 8-bit pages)"),
@@ -84,10 +96,16 @@ try:
   kinds = sorted(m.kind for m in d.addressable_memories())
 except Exception as e:  # older runtimes
   kinds = [f"unknown: {e}"]
+try:  # the real device's compile target (hisparse-jax compile --target=FILE takes it)
+  from jax.lib import xla_client
+  target = xla_client.get_topology_for_devices(jax.devices()).target_config
+  target = target if isinstance(target, str) else str(target)
+except Exception as e:
+  target = f"unavailable: {type(e).__name__}: {e}"
 print(json.dumps({"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None)
                   or __import__("jaxlib").__version__, "platform": d.platform,
                   "device_kind": d.device_kind, "device_count": jax.device_count(),
-                  "memory_kinds": kinds}))
+                  "memory_kinds": kinds, "target_config": target}))
 """
 
 
@@ -337,7 +355,18 @@ def main(argv: list[str] | None = None) -> int:
                                       "tests/hisparse_jax/engine/test_engine_dsa.py"],
                skipped_parts=no_gpu)
 
+  target = device.get("target_config")
+  if gpu and target and not target.startswith("unavailable"):
+    slug = re.sub(r"[^a-z0-9]+", "_", device.get("device_kind", "gpu").lower()).strip("_")
+    path = out.parent / f"gpu_target_{slug}.textproto"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# captured by make gpu-check on {device.get('device_kind')}, jax "
+                    f"{device.get('jax')}, {started}\n{target}\n")
+    print(f"gpu-check: wrote the device's target config to {path}", flush=True)
+
   plan = {
+      "matrix": lambda: runner.run("matrix", pytest + [
+          "tests/hisparse_jax/engine/test_gpu_matrix.py"], skipped_parts=no_gpu),
       "selfcheck": lambda: runner.run("selfcheck", [python, "-m", "kernels_pallas.selfcheck"],
                                       skipped_parts=no_gpu),
       "kernel_bench": lambda: bench("kernel_bench", "kernel", _kernel_figures, [] if gpu else [

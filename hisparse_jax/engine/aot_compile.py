@@ -94,14 +94,13 @@ def compile_program(build: AotBuild, program: Program) -> CompiledProgram:
   # topology mesh of a tensor-parallel step (the block moves over this host's mesh call
   # no kernel).
   if build.mesh is None:
-    context = build.target.abstract_mesh()
+    context = build.target.kernel_context()
   elif program.kind == "step":
-    context = build.mesh.abstract_mesh
+    context = jax.sharding.use_abstract_mesh(build.mesh.abstract_mesh)
   else:
     context = contextlib.nullcontext()
   try:
-    with (jax.sharding.use_abstract_mesh(context)
-          if not isinstance(context, contextlib.nullcontext) else context):
+    with context:
       lowered = program.fn.trace(*program.args, **program.kwargs).lower(
           lowering_platforms=("cuda",))
     kernels = _kernels(lowered.as_text())

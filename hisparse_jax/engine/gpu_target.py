@@ -5,13 +5,17 @@ capability, memory size, cuDNN and CUDA runtime versions). From it,
 `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)` gives
 devices with no hardware behind them; a program traced over `jax.ShapeDtypeStruct`s on
 those devices and `.compile()`d runs XLA's whole GPU pipeline (host offloader, fusion,
-Triton, PTX -> cubin) and answers `memory_analysis()`. Pallas kernels compile for the GPU
-inside `abstract_mesh()` (the device kind and core count they build for).
+Triton, PTX -> cubin) and answers `memory_analysis()`. But a topology's devices have no
+memories (a sharding's memory_kind on them is None), so programs are traced over this
+host's CPU shardings, lowered for "cuda", and their StableHLO compiled by the topology's
+compile-only client (engine/aot_compile.py). Pallas kernels lower for the GPU inside
+`kernel_context()` (the device kind and core count they build for).
 
     target = load_target("h200")                  # configs/gpu_targets/h200.textproto
     topo = target.topology(num_devices=1)         # needs jax's CUDA plugin installed
-    with jax.sharding.use_abstract_mesh(target.abstract_mesh()):
-      jax.jit(f).trace(*abstract_args).lower().compile()
+    with target.kernel_context():   # Pallas builds its kernels for this GPU
+      lowered = jax.jit(f).trace(*cpu_sharded_args).lower(lowering_platforms=("cuda",))
+    topo.devices[0].client.compile(lowered.compiler_ir("stablehlo"), ...)
 
 Named targets: h200, h100 (sm_90), a100 (sm_80), written by hand from public figures; a
 path to a `.textproto` file names any other (the one a real device reports:
@@ -67,13 +71,12 @@ class GpuTarget:
     """The deviceless topology of `num_devices` GPUs of this kind (one host)."""
     return _topology(self.config_text, num_devices)
 
-  def abstract_mesh(self, num_devices: int = 1, axis_name: str = "x"):
-    """The abstract mesh Pallas reads its GPU target from (device kind, core count)."""
-    from jax._src import mesh as mesh_lib  # noqa: PLC0415 (AbstractDevice: not public yet)
+  def kernel_context(self):
+    """The context Pallas lowers its GPU kernels for this target in (an abstract mesh
+    whose device is this GPU: kernels_pallas.backend.abstract_gpu)."""
+    import kernels_pallas  # noqa: PLC0415
 
-    device = mesh_lib.AbstractDevice(device_kind=self.device_kind, num_cores=self.core_count,
-                                      platform="cuda")
-    return mesh_lib.AbstractMesh((num_devices,), (axis_name,), abstract_device=device)
+    return kernels_pallas.backend.abstract_gpu(self.device_kind, self.core_count)
 
 
 @functools.cache

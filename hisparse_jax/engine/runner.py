@@ -22,6 +22,7 @@ The runner's pieces, one module each:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -356,8 +357,12 @@ class ModelRunner:
     hints = tuple(sorted(ops.ragged_hints(dense_q_lens(batch)).items()))
     batch = dataclasses.replace(batch, metadata=dataclasses.replace(meta, ragged_hints=hints))
     greedy_only = not np.any(batch.temperature > 0)
-    return step.trace(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
-                      num_token_rows=self.max_num_seqs).lower(lowering_platforms=(platform,))
+    # A cuda target from a host without a GPU: the Pallas kernels lower for an abstract
+    # H200 (jax >= 0.11 asks for the target GPU); the arrays stay on this host's devices.
+    gpu = platform == "cuda" and kernels_pallas.backend.platform() != "gpu"
+    with kernels_pallas.backend.abstract_gpu() if gpu else contextlib.nullcontext():
+      return step.trace(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
+                        num_token_rows=self.max_num_seqs).lower(lowering_platforms=(platform,))
 
   def collect(self, handle: StepHandle) -> StepResult:
     """Waits for a dispatched step and reads back what the host needs of it (the step's

@@ -1,10 +1,12 @@
 """The GPU path cannot rot without a GPU: every Pallas kernel lowered for `cuda` from this
 CPU-only host, through its public function, at the shapes real checkpoints use.
 
-`jax.jit(kernel).trace(...).lower(lowering_platforms=("cuda",))` runs the Pallas -> Triton
-lowering (what a GPU machine would run before compiling the Triton IR to PTX) without a
-GPU or CUDA; a kernel that stops lowering (a compiler parameter dropped, a shape Triton
-refuses, an op the Triton lowering lacks) fails here. Each lowered module must hold
+`jax.jit(kernel).trace(...).lower(lowering_platforms=("cuda",))`, inside
+`kernels_pallas.backend.abstract_gpu()` (from jax 0.11 the Triton lowering asks for the
+GPU it targets), runs the Pallas -> Triton lowering (what a GPU machine would run before
+compiling the Triton IR to PTX) without a GPU or CUDA; a kernel that stops lowering (a
+compiler parameter dropped, a shape Triton refuses, an op the Triton lowering lacks) fails
+here. Each lowered module must hold
 exactly one Triton kernel call, named after the kernel. What only a GPU can check (the
 PTX compile, shared-memory limits, numbers) is `make gpu-check`'s.
 """
@@ -53,7 +55,8 @@ def triton_kernels(lowered: jax.stages.Lowered) -> list[str]:
 
 
 def lower_for_cuda(fn, *args) -> jax.stages.Lowered:
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  with kernels_pallas.backend.abstract_gpu():  # the target GPU of the Triton lowering
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def _cases(group, block_size, head_dim, dtype):

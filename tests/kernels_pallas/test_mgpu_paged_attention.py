@@ -1,24 +1,19 @@
 """The Mosaic GPU decode kernel: run on CPU by jax's GPU interpreter, and lowered for cuda.
 
-Interpret mode. jax 0.10.2 ships a Mosaic GPU interpreter (``interpret=InterpretGPUParams()``
-on ``plgpu.kernel``/``pallas_call``) that runs the kernel body on CPU with simulated GMEM
-and SMEM, barriers (it raises when an arrival completes twice before a wait observed it)
-and TMA copies, filling unwritten SMEM with NaN. Two gaps in it stop this kernel as
-shipped, and the fixture `gpu_interpreter` fills them for the test's duration:
+Interpret mode. jax ships a Mosaic GPU interpreter (``interpret=InterpretGPUParams()`` on
+``plgpu.kernel``/``pallas_call``) that runs the kernel body on CPU with simulated GMEM and
+SMEM, barriers (it raises when an arrival completes twice before a wait observed it) and
+TMA copies, filling unwritten SMEM with NaN. jax 0.10.2's interpreter had two gaps this
+file used to fill with monkeypatches: no CPU rule for ``plgpu.layout_cast`` and no WGMMA
+operand given transposed (K^T in ``q @ k^T``, ``ref.transpose``). jax 0.11 closes both
+(``layout_cast`` is a no-op of its jaxpr interpreter; its ``wgmma`` callback reads
+operands through ``to_access``, which folds transposes), and its callbacks take
+``mesh_location``/``thread`` where 0.10.2's took ``device_id``/``thread_id``, so the
+kernel runs on the interpreter as shipped.
 
-* ``plgpu.layout_cast`` (needed by Mosaic GPU's lowering for the loop carries and the key
-  iota) has no CPU lowering: "NotImplementedError: MLIR translation rule for primitive
-  'layout_cast' not found for platform cpu". It only hints a register layout; the value
-  is unchanged, so the fill is the identity.
-* a WGMMA operand given through ``plgpu.transpose_ref`` (K^T in ``q @ k^T``, the idiom of
-  jax's ``attention_mgpu.py``) fails in the interpreter's wgmma callback:
-  "AttributeError: 'TransposeTransform' object has no attribute 'indices'"
-  (``mosaic/interpret/utils.py:to_range`` takes only indexers). The fill reads the operand
-  through its index transforms and transposes it, then does what jax's callback does
-  (acc += a @ b in the accumulator's dtype).
-
-Lowering. ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` runs Pallas ->
-Mosaic GPU from this CPU host: layout inference, WGMMA/TMA shape and swizzle checks
+Lowering. ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` inside
+``kernels_pallas.backend.abstract_gpu()`` (the target GPU of the Triton kernels beside it)
+runs Pallas -> Mosaic GPU from this CPU host: layout inference, WGMMA/TMA shape and swizzle checks
 (e.g. "WGMMA rhs swizzle must match lhs swizzle" was found this way). The module must call
 exactly the Mosaic GPU custom call and no Triton kernel. What only a Hopper GPU can
 check: the PTX compile, SMEM limits at run time, numbers and speed.
@@ -35,12 +30,8 @@ import jax.numpy as jnp
 import kernels_testlib as lib
 import numpy as np
 import pytest
-from jax._src.interpreters import mlir
-from jax._src.pallas.mosaic.interpret import utils as interpret_utils
-from jax._src.pallas.mosaic_gpu import core as gpu_core
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-from jax._src.state import types as state_types
 
 import kernels_pallas
 from kernels_pallas.paged_attention import paged_attention_reference
@@ -53,49 +44,9 @@ S = jax.ShapeDtypeStruct
 I32 = jnp.int32
 
 
-def _wgmma_with_transposes(*, token, device_id, grid_point_coords, thread_id,
-                           acc_allocation_key_as_array, acc_transforms, acc_dtype,
-                           a_allocation_key_as_array, a_transforms, b_allocation_key_as_array,
-                           b_transforms, source_info=None):
-  """jax's gpu_callbacks.wgmma, plus operands whose last transform is a transpose."""
-  memory = gpu_callbacks._get_shared_memory()
-  device_id, thread_id = int(device_id), int(thread_id)
-  global_thread_id = memory.get_global_thread_id(device_id, thread_id)
-  logging_info = interpret_utils.GPULoggingInfo(
-      device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
-      thread_id=thread_id, source_info=source_info)
-
-  def view(key_array, transforms):
-    transforms = gpu_callbacks._remove_noop_transforms(transforms)
-    perm = None
-    if transforms and isinstance(transforms[-1], state_types.TransposeTransform):
-      transforms, perm = transforms[:-1], transforms[-1].permutation
-    key = gpu_callbacks.HostAllocationKey.from_array(key_array)
-    return key, interpret_utils.to_range(jax.tree.map(int, transforms)), perm
-
-  def read(key_array, transforms):
-    key, rng, perm = view(key_array, transforms)
-    x, _, _ = memory.get_buffer_content(key, rng, global_thread_id, logging_info=logging_info)
-    assert x is not None
-    return x if perm is None else np.transpose(x, perm)
-
-  a = read(a_allocation_key_as_array, a_transforms)
-  b = read(b_allocation_key_as_array, b_transforms)
-  acc_key, acc_range, _ = view(acc_allocation_key_as_array, acc_transforms)
-  acc, _, _ = memory.get_buffer_content(acc_key, acc_range, global_thread_id,
-                                        logging_info=logging_info)
-  memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype),
-                              global_thread_id, logging_info=logging_info)
-  return token
-
-
 @pytest.fixture
-def gpu_interpreter(monkeypatch):
-  """InterpretGPUParams with race detection, the two gaps above filled; fresh state."""
-  identity = mlir.lower_fun(lambda x, new_layout: x, multiple_results=False)
-  monkeypatch.setitem(mlir._platform_specific_lowerings["cpu"], gpu_core.layout_cast_p,
-                      mlir.LoweringRuleEntry(identity, True))
-  monkeypatch.setattr(gpu_callbacks, "wgmma", _wgmma_with_transposes)
+def gpu_interpreter():
+  """InterpretGPUParams with race detection, on fresh interpreter state."""
   gpu_callbacks.reset_gpu_interpret_mode_state()
   yield InterpretGPUParams(detect_races=True)
   gpu_callbacks.reset_gpu_interpret_mode_state()
@@ -187,7 +138,8 @@ def test_refuses_what_wgmma_and_tma_cannot_take(rng):
 
 
 def lower_for_cuda(fn, *args) -> str:
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with kernels_pallas.backend.abstract_gpu():  # the target GPU of the Triton lowering
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def custom_calls(text: str) -> set[str]:
