@@ -38,7 +38,11 @@ import kernels_pallas
 from hisparse_jax.distributed import parallel
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.dsa_runner import DsaModelRunner
-from hisparse_jax.engine.engine import _check_model_kind, plan_engine_capacity
+from hisparse_jax.engine.engine import (
+  _check_model_kind,
+  check_model_fits,
+  plan_engine_capacity,
+)
 from hisparse_jax.engine.gpu_target import GpuTarget
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import ModelRunner, SparseTiers
@@ -55,6 +59,7 @@ from hisparse_jax.kv_cache.kv_pool import (
   KVPool,
   MLACacheSpec,
   check_kv_cache_dtype_devices,
+  check_mesh,
   storage_dtype,
 )
 from hisparse_jax.kv_cache.tiers import pool_io
@@ -95,12 +100,7 @@ class AbstractPool(KVPool):
     # `placed`: where a program's replicated inputs go (_place).
     self.replicated = self.placed = self.sharding
     if mesh is not None:
-      if spec.is_mla:
-        raise ValueError("--tensor_parallel_size > 1: DSA models (MLA latent cache) are "
-                         "not supported with tensor parallelism; use 1")
-      if spec.num_kv_heads % parallel.tp_size(mesh):
-        raise ValueError(f"--tensor_parallel_size={parallel.tp_size(mesh)} does not divide "
-                         f"the KV cache's num_kv_heads={spec.num_kv_heads}")
+      check_mesh(spec, mesh)
       self.sharding = parallel.kv_sharding(mesh, memory_kind)
       self.placed = parallel.replicated(mesh, DEVICE)
     self.num_blocks = int(num_blocks)
@@ -125,12 +125,8 @@ class _AotRunnerMixin:
   def _hot_state(self, num_slots: int, num_logical: int):
     rows = self.num_hot_rows
     shapes = ((rows, num_slots), (rows, num_slots), (rows, num_logical))
-    return tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=_replicated(self.pool))
+    return tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.pool.placed)
                  for shape in shapes for _ in range(self.pool.spec.num_layers))
-
-
-def _replicated(pool: AbstractPool):
-  return pool.placed
 
 
 class AotModelRunner(_AotRunnerMixin, ModelRunner):
@@ -191,13 +187,7 @@ class AotBuild:
     check_kv_cache_dtype_devices(config.kv_cache_dtype, [device])
     if tp > 1:
       check_tensor_parallel(source, tp)
-    max_positions = getattr(source, "max_position_embeddings", None)
-    if max_positions is not None and config.max_model_len > max_positions:
-      raise ValueError(f"--max_model_len={config.max_model_len} exceeds the model's "
-                       f"max_position_embeddings={max_positions}")
-    if config.hisparse is not None and getattr(source, "sliding_window", None):
-      raise ValueError("--hisparse: models with sliding-window attention are not supported "
-                       "by the sparse path; run without hisparse")
+    check_model_fits(config, source)
     self.backend = kernels_pallas.backend.resolve_backend(config.kernel_backend, "gpu")
     self.topology = target.topology(tp)
     self.target_devices = list(self.topology.devices)[:tp]
@@ -291,7 +281,7 @@ class AotBuild:
     if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
       return x
     if sharding is None:
-      sharding = _replicated(self.device_pool)
+      sharding = self.device_pool.placed
     return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
                                 else x.dtype, sharding=sharding)
 

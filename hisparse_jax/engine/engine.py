@@ -98,6 +98,18 @@ def _check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> Engin
   return config
 
 
+def check_model_fits(config: EngineConfig, model_config) -> None:
+  """ValueError naming the field when `config` asks more of the model than it has: a
+  max_model_len past its positions, HiSparse over sliding-window attention."""
+  max_positions = getattr(model_config, "max_position_embeddings", None)
+  if max_positions is not None and config.max_model_len > max_positions:
+    raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                     f"max_position_embeddings={max_positions}")
+  if config.hisparse is not None and getattr(model_config, "sliding_window", None):
+    raise ValueError("hisparse: models with sliding-window attention are not supported by "
+                     "the sparse path; run without hisparse")
+
+
 def hisparse_capacity_for(config: EngineConfig, spec: KVCacheSpec, num_device_blocks: int,
                           num_host_blocks: int, num_devices: int = 1) -> HiSparseCapacity:
   """The device bytes HiSparse holds beside pools of these block counts, for `config`."""
@@ -196,13 +208,7 @@ class Engine:
       eos_ids |= set(tokenizer.eos_token_ids)
     self.eos_token_ids = frozenset(int(t) for t in eos_ids)
     self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    if max_positions is not None and config.max_model_len > max_positions:
-      raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                       f"max_position_embeddings={max_positions}")
-    if config.hisparse is not None and getattr(model_config, "sliding_window", None):
-      raise ValueError("hisparse: models with sliding-window attention are not supported by "
-                       "the sparse path; run without hisparse")
+    check_model_fits(config, model_config)
     spec_cls = MLACacheSpec if self.is_dsa else KVCacheSpec
     spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
                                       config.kv_cache_dtype)

@@ -336,6 +336,17 @@ def from_storage(x: jax.Array, kv_dtype) -> jax.Array:
   return x if x.dtype == kv_dtype else jax.lax.bitcast_convert_type(x, kv_dtype)
 
 
+def check_mesh(spec, mesh: jax.sharding.Mesh) -> None:
+  """ValueError naming --tensor_parallel_size when a pool of `spec` cannot be split by KV
+  head over `mesh`."""
+  if spec.is_mla:
+    raise ValueError("--tensor_parallel_size > 1: DSA models (MLA latent cache) are "
+                     "not supported with tensor parallelism; use 1")
+  if spec.num_kv_heads % parallel.tp_size(mesh):
+    raise ValueError(f"--tensor_parallel_size={parallel.tp_size(mesh)} does not divide "
+                     f"the KV cache's num_kv_heads={spec.num_kv_heads}")
+
+
 class KVPool:
   """The cache block arrays of every layer in one memory kind of one device.
 
@@ -363,12 +374,7 @@ class KVPool:
     # What is not split (the runner's hot-buffer state, step inputs): one copy per device.
     self.replicated = self.sharding
     if mesh is not None:
-      if spec.is_mla:
-        raise ValueError("--tensor_parallel_size > 1: DSA models (MLA latent cache) are "
-                         "not supported with tensor parallelism; use 1")
-      if spec.num_kv_heads % parallel.tp_size(mesh):
-        raise ValueError(f"--tensor_parallel_size={parallel.tp_size(mesh)} does not divide "
-                         f"the KV cache's num_kv_heads={spec.num_kv_heads}")
+      check_mesh(spec, mesh)
       self.sharding = parallel.kv_sharding(mesh, memory_kind)
       self.replicated = parallel.replicated(mesh, memory_kind)
     if num_usable_blocks(num_blocks) < 1:
