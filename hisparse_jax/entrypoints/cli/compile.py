@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
                 max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 hisparse=hisparse_from_flags(), tensor_parallel_size=FLAGS.tensor_parallel_size,
-                kernel_backend=None if FLAGS.kernel_backend == "auto" else FLAGS.kernel_backend,
+                kernel_backend=(None if FLAGS.kernel_backend in (None, "auto")
+                                else FLAGS.kernel_backend),
                 **tier_kwargs_from_flags())
   try:
     config = EngineConfig(**kwargs)

@@ -212,10 +212,10 @@ flags.DEFINE_string(
     "compile: the GPU to compile for: h200, h100 (sm_90), a100 (sm_80), or a file holding "
     "XLA's GpuTargetConfig as a text proto (what a device reports: jax.lib.xla_client."
     "get_topology_for_devices(jax.devices()).target_config).")
-flags.DEFINE_enum("kernel_backend", "auto", ["auto", "pallas", "pallas_mgpu", "xla",
-                                             "reference"],
-                  "compile: the attention kernels: auto = pallas (Triton) on a GPU; "
-                  "pallas_mgpu = the Mosaic GPU decode kernel (Hopper, bfloat16 KV).")
+flags.DEFINE_enum("kernel_backend", None, ["auto", "pallas", "pallas_mgpu", "xla",
+                                           "reference"],
+                  "compile: the attention kernels: auto (default) = pallas (Triton) on a "
+                  "GPU; pallas_mgpu = the Mosaic GPU decode kernel (Hopper, bfloat16 KV).")
 flags.DEFINE_list("programs", [], "compile: only these programs (by the table's names; "
                   "default: all).")
 flags.DEFINE_enum("bench_size", "full",
