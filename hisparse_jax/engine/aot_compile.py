@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import platform
 import re
 import time
 
@@ -162,6 +164,9 @@ class AotReport:
                    "memory_bytes": self.target.memory_bytes,
                    "bytes_limit": self.target.bytes_limit()},
         "jax": jax.__version__,
+        # deviceless: XLA's GPU compiler on this host; nothing here ran on the target
+        "compiled_on": {"host": platform.node(), "processor": platform.machine(),
+                        "cpus": os.cpu_count(), "gpu": None},
         "config": {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
                    for k, v in dataclasses.asdict(b.config).items()},
         "kernel_backend": b.backend,
