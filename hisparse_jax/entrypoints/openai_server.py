@@ -12,10 +12,11 @@ Request fields map onto `SamplingParams` by vLLM's names (n, temperature, top_p,
 seed, max_tokens, logprobs, penalties, and vLLM's extra fields top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens). vLLM's `cache_salt` (a non-empty string) reaches the engine: the
-request shares cached KV, in every tier, only with requests of the same salt. Errors are OpenAI's shape, {"error": {"message", "type", "param",
-"code"}}: 400 naming the field for a bad field or an oversize prompt, 404 for an unknown
-model (vLLM's, and OpenAI's), 401 without the key when one is set, 503 while the engine
-is not running; never a traceback. A stream whose client disconnects is aborted at once.
+request shares cached KV, in every tier, only with requests of the same salt. Errors
+are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 naming the field
+for a bad field or an oversize prompt, 404 for an unknown model (vLLM's, and OpenAI's),
+401 without the key when one is set, 503 while the engine is not running; never a
+traceback. A stream whose client disconnects is aborted at once.
 
 GET /openapi.json describes every route (the interactive docs stay off): its bodies, its
 responses (the models below, "text/event-stream" for a stream, the error shape for each
