@@ -91,7 +91,8 @@ def chain_seed(namespace: Namespace, cache_salt: str | None = None) -> bytes:
   seed = bytes.fromhex(namespace.digest())
   if cache_salt is None:
     return seed
-  return hashlib.sha256(_SALT_DOMAIN + seed + cache_salt.encode("utf-8")).digest()
+  salt = cache_salt.encode("utf-8", "surrogatepass")  # (one-to-one, lone surrogates too)
+  return hashlib.sha256(_SALT_DOMAIN + seed + salt).digest()
 
 
 def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int,

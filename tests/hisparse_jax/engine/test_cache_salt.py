@@ -80,7 +80,8 @@ def test_prefix_cache_hits_only_within_one_salt():
   # (salt, prompt tokens served from the cache): a new salt, or none after a salt, shares
   # nothing; a salt seen before (or no salt, seen first) hits every full block but the last.
   for salt, cached in (("a", 0), ("b", 0), ("a", HIT), (None, HIT), ("b", HIT),
-                       ("a" * 1000, 0), ("é🔑", 0), ("é🔑", HIT)):
+                       ("a" * 1000, 0), ("é🔑", 0), ("é🔑", HIT),
+                       ("\ud800", 0), ("\ud800", HIT)):  # (a lone surrogate, as JSON allows)
     out = _generate(engine, salt=salt)
     assert out.num_cached_tokens == cached, salt
     assert out.outputs[0].token_ids == tokens, salt

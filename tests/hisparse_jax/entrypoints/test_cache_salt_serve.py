@@ -8,6 +8,8 @@ with the default model's tokenizer and chat template: no subprocess to start."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -111,6 +113,13 @@ def test_completions_share_the_cache_only_within_one_salt(served):
   assert cached == 0 and stream.rstrip().endswith("data: [DONE]")
   _, cached = _post(served, route, {"prompt": IDS, "cache_salt": "c", "stream": True})
   assert cached == HIT
+  # JSON may escape a lone surrogate: the body's parser refuses it (a 400 naming the
+  # field, as for any string field); the engine hashes one too (test_cache_salt.py).
+  client, engine = served
+  raw = json.dumps({"model": MODEL, "prompt": IDS, "max_tokens": 3, "cache_salt": "\ud800"})
+  r = client.post(route, content=raw, headers={"content-type": "application/json"})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+  assert not engine.has_unfinished_requests()
 
 
 def test_chat_completions_share_the_cache_only_within_one_salt(served):
