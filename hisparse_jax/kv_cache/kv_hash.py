@@ -42,7 +42,7 @@ def salted_root(cache_salt: str | None) -> BlockHash | None:
     return None
   h = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=b"hisparse/salt")
   h.update(NONE_HASH.to_bytes(_DIGEST_SIZE, "little"))
-  # (surrogatepass: a JSON body may carry a lone surrogate; the encoding stays one-to-one)
+  # (surrogatepass: a Python str may hold a lone surrogate; the encoding stays one-to-one)
   h.update(cache_salt.encode("utf-8", "surrogatepass"))
   return int.from_bytes(h.digest(), "little")
 
