@@ -320,8 +320,12 @@ class Engine:
 
   def add_request(self, request_id: str | None = None, prompt: str | None = None,
                   sampling_params: SamplingParams | None = None, *,
-                  prompt_token_ids: Sequence[int] | None = None) -> str:
-    """Queues a request; returns its id. Bad input raises ValueError naming the field."""
+                  prompt_token_ids: Sequence[int] | None = None,
+                  cache_salt: str | None = None) -> str:
+    """Queues a request; returns its id. Bad input raises ValueError naming the field.
+    `cache_salt` (vLLM's): a non-empty string mixed into the prompt's block hashes and
+    tier keys, so the request shares cached KV (prefix cache, host, disk and remote tiers)
+    only with requests of the same salt; None shares with every unsalted request."""
     sampling_params = sampling_params if sampling_params is not None else SamplingParams()
     if not isinstance(sampling_params, SamplingParams):
       raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -333,6 +337,8 @@ class Engine:
       raise ValueError(f"request_id {request_id!r} is already in use")
     if prompt is None and prompt_token_ids is None:
       raise ValueError("give prompt or prompt_token_ids")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+      raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
     if prompt_token_ids is None:  # (with both, the ids are the prompt; the text is kept)
       if self.tokenizer is None:
         raise ValueError("prompt: this engine has no tokenizer; pass prompt_token_ids")
@@ -369,7 +375,7 @@ class Engine:
       seed = (int(self._seed_rng.integers(0, 2**31 - 1)) if seed is None
               else (seed + i) % 2**32)
       seqs.append(Request(seq_id, token_ids, sampling_params, seed=seed, prompt=prompt,
-                          arrival_time=arrival, index=i,
+                          arrival_time=arrival, index=i, cache_salt=cache_salt,
                           detokenizer=self.tokenizer.decode_stream(
                               prompt_token_ids=token_ids,
                               skip_special_tokens=sampling_params.skip_special_tokens)
@@ -623,7 +629,8 @@ class Engine:
         # Its prompt's KV is computed: host copies of its full blocks, stored behind.
         self.tier.on_prefilled(request, hashes_of(request.prompt_token_ids,
                                                   self.config.block_size,
-                                                  request.block_hashes))
+                                                  request.block_hashes,
+                                                  request.cache_salt))
     else:
       tally.token_gaps.append(now - request.last_token_time)
     request.last_token_time = now

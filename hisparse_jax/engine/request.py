@@ -115,6 +115,9 @@ class Request:
   # admission needs them (Scheduler._prefix_hashes): a request that waits for blocks is
   # hashed once, not every step. Valid because tokens are only ever appended.
   block_hashes: list = dataclasses.field(default_factory=list)
+  # vLLM's cache_salt: mixed into the first block's hash and tier key (so into every
+  # later one's), so only requests of the same salt share cached blocks. None: unsalted.
+  cache_salt: str | None = None
   # The third KV tier (engine/tier_connector.py): the tier keys of the same blocks, whether
   # the tiers were asked for this request's prompt, its loads in flight and the blocks they
   # brought into the host pool.

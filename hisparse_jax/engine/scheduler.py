@@ -446,7 +446,8 @@ class Scheduler:
         break
       self.waiting.popleft()
       result = self.bm.allocate(request.request_id, allocated, num_new_tokens=0,
-                                read_cache=read_cache, hashes=hashes)
+                                read_cache=read_cache, hashes=hashes,
+                                cache_salt=request.cache_salt)
       request.prefill_len = len(tokens)
       if result.swap_in.num_blocks:
         out.swap_in.append(result.swap_in)
@@ -477,7 +478,8 @@ class Scheduler:
     if len(have) < full:
       start = len(have)
       have.extend(kv_hash.hash_full_blocks(request.token_slice(start * size, full * size),
-                                           size, None, have[-1] if have else None))
+                                           size, None, have[-1] if have else None,
+                                           cache_salt=request.cache_salt))
     return have[:full]
 
 

@@ -221,7 +221,8 @@ class TierConnector:
     keys = request.tier_keys
     if len(keys) < num_blocks:
       keys = request.tier_keys = chain_keys(tokens[:num_blocks * self.block_size],
-                                            self.block_size, self.namespace)
+                                            self.block_size, self.namespace,
+                                            request.cache_salt)
     for h, k in zip(hashes[:num_blocks], keys):
       self._keys[h] = k
       self._keys.move_to_end(h)
@@ -492,15 +493,18 @@ class TierConnector:
     return out
 
 
-def hashes_of(tokens: Sequence[int], block_size: int, have: list) -> list:
-  """Extends `have` (a request's prefix hashes) to every full block of `tokens`."""
+def hashes_of(tokens: Sequence[int], block_size: int, have: list,
+              cache_salt: str | None = None) -> list:
+  """Extends `have` (a request's prefix hashes, under its `cache_salt`) to every full
+  block of `tokens`."""
   from hisparse_jax.kv_cache import kv_hash
 
   full = len(tokens) // block_size
   if len(have) < full:
     start = len(have)
     have.extend(kv_hash.hash_full_blocks(list(tokens[start * block_size:full * block_size]),
-                                         block_size, None, have[-1] if have else None))
+                                         block_size, None, have[-1] if have else None,
+                                         cache_salt=cache_salt))
   return have[:full]
 
 

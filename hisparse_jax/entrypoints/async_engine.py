@@ -137,10 +137,10 @@ class AsyncEngine:
   # --- Callers (event loop) -------------------------------------------------------
 
   def _add(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int] | None,
-           sampling_params: SamplingParams) -> None:
+           sampling_params: SamplingParams, cache_salt: str | None = None) -> None:
     with self._lock:
       self.engine.add_request(request_id, prompt, sampling_params,
-                              prompt_token_ids=prompt_token_ids)
+                              prompt_token_ids=prompt_token_ids, cache_salt=cache_salt)
     self._wake.set()
 
   def abort(self, request_id: str) -> None:
@@ -155,9 +155,11 @@ class AsyncEngine:
 
   async def add_request(self, request_id: str, sampling_params: SamplingParams, *,
                         prompt: str | None = None,
-                        prompt_token_ids: Sequence[int] | None = None) -> RequestStream:
+                        prompt_token_ids: Sequence[int] | None = None,
+                        cache_salt: str | None = None) -> RequestStream:
     """Adds a request; returns the stream of its outputs (as `sampling_params.output_kind`
     streams them, up to the finished one). Bad input raises ValueError naming the field.
+    `cache_salt`: as `Engine.add_request`'s (shares cached KV only within one salt).
     The caller must `close()` the stream (it aborts a request still running)."""
     if not self.is_running:
       raise EngineDeadError("the engine is not running")
@@ -168,7 +170,7 @@ class AsyncEngine:
     self._streams[request_id] = (loop, stream)
     try:
       await loop.run_in_executor(None, self._add, request_id, prompt, prompt_token_ids,
-                                 sampling_params)
+                                 sampling_params, cache_salt)
     except BaseException:
       stream.close()  # (cancelled while adding: the request may have been added)
       raise
@@ -176,11 +178,11 @@ class AsyncEngine:
 
   async def generate(self, request_id: str, sampling_params: SamplingParams, *,
                      prompt: str | None = None,
-                     prompt_token_ids: Sequence[int] | None = None
-                     ) -> AsyncIterator[RequestOutput]:
+                     prompt_token_ids: Sequence[int] | None = None,
+                     cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
     """`add_request`, then its outputs; leaving early aborts the request."""
     stream = await self.add_request(request_id, sampling_params, prompt=prompt,
-                                    prompt_token_ids=prompt_token_ids)
+                                    prompt_token_ids=prompt_token_ids, cache_salt=cache_salt)
     try:
       async for output in stream:
         yield output

@@ -47,16 +47,18 @@ class PromptError(ValueError):
 
 def _prompt_kwargs(item: Any) -> dict[str, Any]:
   """`add_request` keyword arguments of one prompt item, as vLLM takes them: a string,
-  a TextPrompt `{"prompt": str}` or a TokensPrompt `{"prompt_token_ids": [...]}`."""
+  a TextPrompt `{"prompt": str}` or a TokensPrompt `{"prompt_token_ids": [...]}`, either
+  dict with an optional `"cache_salt": str` (checked by `add_request`)."""
   if isinstance(item, str):
     return {"prompt": item}
-  if isinstance(item, dict) and set(item) == {"prompt"} and isinstance(item["prompt"], str):
-    return {"prompt": item["prompt"]}
-  if isinstance(item, dict) and "prompt_token_ids" in item and set(item) <= {
-      "prompt_token_ids", "prompt"}:  # (a text beside the ids is reported, not encoded)
+  if (isinstance(item, dict) and "prompt" in item and set(item) <= {"prompt", "cache_salt"}
+      and isinstance(item["prompt"], str)):
     return dict(item)
-  raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
-                   f"got {item!r:.80}")
+  if isinstance(item, dict) and "prompt_token_ids" in item and set(item) <= {
+      "prompt_token_ids", "prompt", "cache_salt"}:  # (a text beside the ids: reported only)
+    return dict(item)
+  raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]} "
+                   f"(each dict with an optional 'cache_salt': str), got {item!r:.80}")
 
 
 class LLM:

@@ -11,10 +11,12 @@
 Request fields map onto `SamplingParams` by vLLM's names (n, temperature, top_p, stop,
 seed, max_tokens, logprobs, penalties, and vLLM's extra fields top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens). Errors are OpenAI's shape, {"error": {"message", "type", "param",
-"code"}}: 400 naming the field for a bad field or an oversize prompt, 404 for an unknown
-model (vLLM's, and OpenAI's), 401 without the key when one is set, 503 while the engine
-is not running; never a traceback. A stream whose client disconnects is aborted at once.
+skip_special_tokens). vLLM's `cache_salt` (a non-empty string) reaches the engine: the
+request shares cached KV, in every tier, only with requests of the same salt. Errors
+are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 naming the field
+for a bad field or an oversize prompt, 404 for an unknown model (vLLM's, and OpenAI's),
+401 without the key when one is set, 503 while the engine is not running; never a
+traceback. A stream whose client disconnects is aborted at once.
 
 GET /openapi.json describes every route (the interactive docs stay off): its bodies, its
 responses (the models below, "text/event-stream" for a stream, the error shape for each
@@ -150,6 +152,9 @@ class _Sampling(pydantic.BaseModel):
   stop_token_ids: list[int] | None = None
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
+  # vLLM's: mixed into the prompt's block hashes, so only requests of the same salt share
+  # cached KV (prefix cache, host, disk and remote tiers); a bad one is a 400 naming it.
+  cache_salt: str | None = pydantic.Field(None, min_length=1)
 
   def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                       kind: RequestOutputKind, names: dict[str, str] | None = None
@@ -689,7 +694,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     streams = []
     try:
       for i, prompt in enumerate(prompts):
-        streams.append(await engine.add_request(f"{request_id}-{i}", sp, **prompt))
+        streams.append(await engine.add_request(
+            f"{request_id}-{i}", sp, cache_salt=getattr(body, "cache_salt", None), **prompt))
     except (ValueError, EngineDeadError) as e:
       for stream in streams:
         stream.close()

@@ -48,7 +48,8 @@ def check_block_manager(device_pool: BlockPool, host_pool: BlockPool,
       np.add.at(refs["pinned_host"], seq.host_ids, 1)
     if prefix_caching:
       assert seq.block_hashes == hash_full_blocks(
-          seq.token_ids, block_size, seq.extra_keys)[:len(seq.block_hashes)], seq_id
+          seq.token_ids, block_size, seq.extra_keys,
+          cache_salt=seq.cache_salt)[:len(seq.block_hashes)], seq_id
       pool = host_pool if seq.swapped else device_pool
       for block_id, block_hash in zip(seq.block_ids, seq.block_hashes):
         if block_id != NULL_BLOCK_ID:

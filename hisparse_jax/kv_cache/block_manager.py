@@ -204,13 +204,15 @@ class BlockManager:
   # --- New sequences -------------------------------------------------------------
 
   def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple | None = None, *,
-                   read_cache: bool = True, hashes: list[BlockHash] | None = None) -> bool:
+                   read_cache: bool = True, hashes: list[BlockHash] | None = None,
+                   cache_salt: str | None = None) -> bool:
     """Whether `allocate` of this prompt would find enough device blocks. `hashes`: the
     prompt's full blocks' chained hashes if the caller keeps them (`prefix_cache.hashes`
-    of these tokens), so a prompt that waits is not hashed again every step."""
+    of these tokens, under `cache_salt`), so a prompt that waits is not hashed again
+    every step."""
     cache = self.prefix_cache
     if read_cache and hashes is None:
-      hashes = cache.hashes(token_ids, extra_keys)
+      hashes = cache.hashes(token_ids, extra_keys, cache_salt)
     hits = cache.hits(hashes, len(token_ids), count=False) if read_cache else []
     device_hit_ids = [i for kind, i in hits if kind == "device"]
     need = cache.num_device_blocks_needed(self._num_blocks(len(token_ids)), device_hit_ids)
@@ -219,7 +221,8 @@ class BlockManager:
   def allocate(self, seq_id: Hashable, token_ids: Sequence[int],
                extra_keys: tuple | None = None, *,
                num_new_tokens: int | None = None, read_cache: bool = True,
-               hashes: list[BlockHash] | None = None) -> AllocateResult:
+               hashes: list[BlockHash] | None = None,
+               cache_salt: str | None = None) -> AllocateResult:
     """Device blocks for a new sequence's prompt, reusing cached prefix blocks.
 
     Device hits are shared (ref_cnt += 1); host hits get a new device block and an
@@ -229,7 +232,9 @@ class BlockManager:
     tokens are cached for prefix hits: a later request must never hit a block whose KV
     is not computed yet. Call `cache_blocks` as the next chunks are scheduled.
     `read_cache` False: no prefix hits (the whole prompt is computed; its full blocks are
-    still cached for later requests). `hashes`: as in `can_allocate`.
+    still cached for later requests). `hashes`: as in `can_allocate`. `cache_salt`: the
+    request's (vLLM's): it enters its first block's hash, so its blocks are hit only by
+    requests of the same salt (kv_hash.salted_root).
     """
     if seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} already has blocks")
@@ -237,8 +242,9 @@ class BlockManager:
       raise ValueError(f"sequence {seq_id!r} has no tokens")
     token_ids = [int(t) for t in token_ids]
     if hashes is None:
-      hashes = self.prefix_cache.hashes(token_ids, extra_keys)
-    if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache, hashes=hashes):
+      hashes = self.prefix_cache.hashes(token_ids, extra_keys, cache_salt)
+    if not self.can_allocate(token_ids, extra_keys, read_cache=read_cache, hashes=hashes,
+                             cache_salt=cache_salt):
       raise ValueError(
           f"cannot allocate {seq_id!r}: {self._num_blocks(len(token_ids))} blocks needed, "
           f"{self.device_pool.num_free_blocks} device blocks free")
@@ -260,7 +266,8 @@ class BlockManager:
         device_dst.append(block_id)
     self.tier_mover.pin_host_blocks(host_src[::-1], touch=True)  # Chain tail evicted first.
     num_cached_tokens = len(hits) * self.block_size
-    seq = SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens)
+    seq = SeqState(token_ids, block_ids, [], extra_keys, num_cached_tokens=num_cached_tokens,
+                   cache_salt=cache_salt)
     self._seqs[seq_id] = seq
     num_computed = len(token_ids) if num_new_tokens is None else num_new_tokens
     self.prefix_cache.cache_full_blocks(seq, num_cached_tokens + num_computed, hashes)
@@ -364,7 +371,8 @@ class BlockManager:
     self.device_pool.touch(parent.block_ids)
     self._seqs[child_id] = SeqState(
         list(parent.token_ids), list(parent.block_ids), list(parent.block_hashes),
-        parent.extra_keys, num_cached_tokens=parent.num_cached_tokens)
+        parent.extra_keys, num_cached_tokens=parent.num_cached_tokens,
+        cache_salt=parent.cache_salt)
 
   def free(self, seq_id: Hashable) -> None:
     """Drops a finished sequence's blocks, tail first (its full blocks stay cached)."""

@@ -32,11 +32,13 @@ class PrefixCache:
     self.block_size = block_size
     self.enabled = enabled
 
-  def hashes(self, token_ids: Sequence[int], extra_keys: tuple | None) -> list[BlockHash]:
-    """Chained hashes of the full blocks of `token_ids` ([] when disabled)."""
+  def hashes(self, token_ids: Sequence[int], extra_keys: tuple | None,
+             cache_salt: str | None = None) -> list[BlockHash]:
+    """Chained hashes of the full blocks of `token_ids` ([] when disabled); `cache_salt`
+    enters the first block's (kv_hash.salted_root)."""
     if not self.enabled:
       return []
-    return hash_full_blocks(token_ids, self.block_size, extra_keys)
+    return hash_full_blocks(token_ids, self.block_size, extra_keys, cache_salt=cache_salt)
 
   def hits(self, hashes: list[BlockHash], num_tokens: int,
            count: bool) -> list[tuple[str, int]]:
@@ -74,7 +76,8 @@ class PrefixCache:
     if hashes is None:
       hashes = seq.block_hashes + hash_full_blocks(
           seq.token_ids[start * self.block_size:num_full * self.block_size], self.block_size,
-          seq.extra_keys, seq.block_hashes[-1] if seq.block_hashes else None)
+          seq.extra_keys, seq.block_hashes[-1] if seq.block_hashes else None,
+          cache_salt=seq.cache_salt)
     for i in range(start, num_full):
       self.device_pool.cache_block(seq.block_ids[i], hashes[i])
     seq.block_hashes.extend(hashes[start:num_full])

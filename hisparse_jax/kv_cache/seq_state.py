@@ -39,6 +39,8 @@ class SeqState:
   # change it); the mirror is valid for `mirror_version` and its first `mirror_len`
   # entries.
   pending: int | None = None  # position of the PENDING_TOKEN in token_ids, if any
+  # The request's cache_salt: the parent of its first block's hash (kv_hash.salted_root).
+  cache_salt: str | None = None
   table_version: int = 0
   mirror: np.ndarray | None = None
   mirror_len: int = 0

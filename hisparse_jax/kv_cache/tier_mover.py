@@ -89,7 +89,8 @@ class TierMover:
   @staticmethod
   def tail(seq: SeqState, start: int) -> SeqState:
     """A view of `seq` from block `start` on, for `move` (which reads ids and hashes)."""
-    return SeqState([], seq.block_ids[start:], seq.block_hashes[start:], seq.extra_keys)
+    return SeqState([], seq.block_ids[start:], seq.block_hashes[start:], seq.extra_keys,
+                    cache_salt=seq.cache_salt)
 
   def can_swap_out(self, seq: SeqState) -> bool:
     """Whether the host tier can take every block of the resident `seq` now (blocks with

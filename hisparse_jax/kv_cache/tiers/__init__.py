@@ -2,7 +2,7 @@
 server, keyed by prefix, shared across restarts (disk) and engines (remote).
 
   keys.py      Namespace (what makes stored blocks one engine's), chain_keys (SHA-256
-               chained over full blocks' token ids)
+               chained over full blocks' token ids, seeded by a request's cache_salt)
   payload.py   the stored form of a block: header, payload, CRC-32; verified on every read
   base.py      BlockIO (the engine's host pool), Backend, LookupResult, TierJob, TierError
   tier.py      KVTier: a backend behind a worker thread; lookup, exists, submit_store,

@@ -14,6 +14,11 @@ must match before stored bytes may be served:
                k1 = sha256(k0   || int64le(t16..t31))
                (none: a partial block is never keyed, so it is never stored)
 
+A request's `cache_salt` (vLLM's) enters the first key only, through its seed:
+seed = sha256("hisparse_jax/cache_salt\0" || namespace digest bytes || utf-8 salt); the
+chain carries it on, so no tier serves one salt's blocks to another salt or to an
+unsalted request. Without a salt the seed, and so every key, is as above.
+
 Equal keys mean equal prefixes under equal namespaces (a 256-bit digest makes an
 accidental collision negligible), across processes and machines: never Python's `hash`.
 These keys are independent of kv_hash.py's (the in-memory prefix cache's), which may
@@ -31,6 +36,7 @@ import numpy as np
 
 KEY_NBYTES = 32  # a SHA-256 digest
 _TOKEN_DTYPE = np.dtype("<i8")  # token ids hashed as little-endian int64, on every host
+_SALT_DOMAIN = b"hisparse_jax/cache_salt\0"  # a salted seed's prefix (never a key's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,18 +85,29 @@ class Namespace:
             if getattr(self, f.name) != getattr(other, f.name)]
 
 
+def chain_seed(namespace: Namespace, cache_salt: str | None = None) -> bytes:
+  """The parent of the first block's key: the namespace digest's bytes, salted by a
+  request's `cache_salt` when it has one."""
+  seed = bytes.fromhex(namespace.digest())
+  if cache_salt is None:
+    return seed
+  salt = cache_salt.encode("utf-8", "surrogatepass")  # (one-to-one, lone surrogates too)
+  return hashlib.sha256(_SALT_DOMAIN + seed + salt).digest()
+
+
 def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int,
-               namespace: Namespace) -> list[bytes]:
+               namespace: Namespace, cache_salt: str | None = None) -> list[bytes]:
   """32-byte keys of every full block of `token_ids`, chained; a trailing partial block
   is skipped. `block_size` must equal the namespace's (it is passed to make call sites
-  say which block size they key by)."""
+  say which block size they key by). `cache_salt`: the request's, mixed into the first
+  key (`chain_seed`); None keys as without one."""
   if block_size != namespace.block_size:
     raise ValueError(f"chain_keys: block_size {block_size} differs from the namespace's "
                      f"{namespace.block_size}")
   tokens = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
   if tokens.ndim != 1:
     raise ValueError(f"chain_keys: token_ids must be 1-D, got shape {tokens.shape}")
-  parent = bytes.fromhex(namespace.digest())
+  parent = chain_seed(namespace, cache_salt)
   keys = []
   for start in range(0, len(tokens) - block_size + 1, block_size):
     h = hashlib.sha256(parent)
