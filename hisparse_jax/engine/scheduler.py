@@ -14,7 +14,10 @@ Each `schedule()` call makes one step's plan, in this order (FCFS throughout):
      device pool holds their prompt blocks plus one spare block per running request
      (so admission does not force an immediate preemption). A prompt whose leading full
      blocks are in the prefix cache starts after them (device hits shared, host hits
-     swapped in).
+     swapped in). With HiSparse (admission "offload", the default) running sparse
+     decoders are offloaded to make that room, and a prompt that will decode sparse but
+     does not fit even then is admitted STREAMED (below) when its first chunk and its
+     hot buffer do: more requests decode at once than the device holds whole.
 
 Admission counts both tiers: a request occupies device blocks only while it runs;
 when the device is short, running requests move to the host pool and come back later,
@@ -231,6 +234,15 @@ class Scheduler:
             and not request.pending_children
             and num_blocks > self.bm.device_pool.num_usable_blocks)
 
+  def _may_stream(self, request: Request) -> bool:
+    """Whether a waiting request that fits the device pool may still be admitted streamed
+    (HiSparse's admission by offload, when the device is short): it decodes sparse from
+    its first token on (so its computed blocks may leave the device) and forks nothing."""
+    return (self.hisparse is not None and self.hisparse.admission == "offload"
+            and self.hisparse.indexer != "lightning"  # (a DSA prompt: no streamed prefill)
+            and self.enable_chunked_prefill and not request.pending_children
+            and self.hisparse.is_sparse(len(request.all_token_ids)))
+
   def _fork(self, chunk: ScheduledChunk, out: SchedulerOutput) -> list[Request]:
     """Adds `chunk` to the step; when it is the final prefill chunk of a request with
     sequences not forked yet, they fork its blocks now and sample in this step from its
@@ -419,8 +431,18 @@ class Scheduler:
       if request.streamed:  # its first chunk's blocks now, the next ones as it runs
         allocated = tokens[:budget]
         needed = -(-len(allocated) // self.bm.block_size)
-      if self.hisparse is not None:  # admission by host-backed capacity: offload first
-        self._make_room(needed + spare if self.running else needed, out)
+      if self.hisparse is not None and (request.streamed
+                                        or self.hisparse.admission == "offload"):
+        # Admission by host-backed capacity: offload first. A prompt that will decode
+        # sparse and does not fit beside the others even then streams in (its first
+        # chunk now, beside room for its hot buffer), rather than waiting for them.
+        room = needed + spare if self.running else needed
+        if (not self._make_room(room, out) and not request.streamed
+            and self._may_stream(request)):
+          first = tokens[:budget]
+          first_blocks = -(-len(first) // self.bm.block_size)
+          if self._make_room(first_blocks + self.hot_buffer_blocks + spare, out):
+            request.streamed, allocated, needed = True, first, first_blocks
       if request.streamed:  # what the device gives now (at least one block)
         free = self.bm.device_pool.num_free_blocks - (spare if self.running else 0)
         allocated = tokens[:max(0, min(len(allocated), free * self.bm.block_size))]

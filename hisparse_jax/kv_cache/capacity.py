@@ -281,6 +281,10 @@ class HiSparseCapacity:
   # the indexer keys of host blocks, the top-k and hot buffer are in tokens.
   lightning: bool = False
   top_k_tokens: int = 0
+  # The scheduler's limits on sparse requests running at once (hisparse_concurrency):
+  # its seats, and how it admits when the device is short (HiSparseConfig.admission).
+  max_num_seqs: int | None = None
+  admission: str = "offload"
 
   @property
   def reserved_bytes(self) -> int:
@@ -298,6 +302,20 @@ class HiSparseCapacity:
             f"{self.hot_state_bytes:,} bytes; hot buffer {self.hot_buffer_blocks:,} blocks "
             f"= {self.hot_buffer_blocks * block_size:,} tokens per offloaded request, from "
             f"the pool; top-k {self.top_k_blocks:,} blocks")
+
+
+def _limited_by(report, running: int, tokens_per_request: int) -> str:
+  """What bounds `hisparse_concurrency` (its arguments), in the capacity line's words."""
+  hs, host = report.hisparse, report[PINNED_HOST]
+  if hs.max_num_seqs is not None and running == hs.max_num_seqs:
+    return "limited by --max_num_seqs"
+  if running == host.num_blocks // math.ceil(tokens_per_request / host.block_size):
+    return f"limited by the {PINNED_HOST} pool"
+  streams = (hs.streamed_device_blocks is not None and hs.streamed_device_blocks - 2
+             < math.ceil(tokens_per_request / host.block_size))
+  first = "its first prefill chunk and hot buffer" if streams else "its whole prompt"
+  return (f"limited by {DEVICE}: each also keeps a spare block, and the last admitted "
+          f"needs {first}")
 
 
 def bounds_bytes_per_block(spec: KVCacheSpec, bounds_dtype: str = "float32") -> int:
@@ -337,7 +355,8 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
         hot_state_bytes=state * 4 * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
         top_k_blocks=blocks.top_k_blocks,
         sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
-        bounds_dtype=spec.dtype, lightning=True, top_k_tokens=hisparse.top_k_tokens)
+        bounds_dtype=spec.dtype, lightning=True, top_k_tokens=hisparse.top_k_tokens,
+        max_num_seqs=max_num_seqs, admission=hisparse.admission)
   state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
   return HiSparseCapacity(
       indexer_bytes=(num_device_blocks + num_host_blocks)
@@ -345,7 +364,8 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
       hot_state_bytes=state * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
       top_k_blocks=blocks.top_k_blocks,
       sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
-      bounds_dtype=hisparse.bounds_dtype,
+      bounds_dtype=hisparse.bounds_dtype, max_num_seqs=max_num_seqs,
+      admission=hisparse.admission,
       streamed_device_blocks=None if max_num_batched_tokens is None else
       streamed_device_blocks(hisparse, spec.block_size, max_num_batched_tokens))
 
@@ -459,16 +479,29 @@ class CapacityReport:
     tiers = [t for t in self.tiers if memory_kinds is None or t.memory_kind in memory_kinds]
     return sum(t.num_blocks / math.ceil(tokens_per_request / t.block_size) for t in tiers)
 
-  def hisparse_concurrency(self, tokens_per_request: int) -> float | None:
-    """Sparse requests of `tokens_per_request` tokens that RUN at once with HiSparse:
-    each holds its whole KV on the host and a hot buffer plus its newest block on the
-    device (None without HiSparse or for requests that stay dense)."""
-    if self.hisparse is None or tokens_per_request <= self.hisparse.sparse_threshold_tokens:
+  def hisparse_concurrency(self, tokens_per_request: int) -> int | None:
+    """Sparse requests of `tokens_per_request` tokens that RUN at once with HiSparse, as
+    the scheduler admits them (None without HiSparse, for requests that stay dense, or
+    with admission "wait"). Each running one holds its whole KV on the host and, once
+    offloaded, a hot buffer plus its newest block on the device, and keeps a spare block
+    there for its next one (admission's reserve); the last one admitted needs, beside
+    them, its first prefill chunk and room for its hot buffer (streamed admission), or
+    its whole prompt where prompts cannot stream. Also at most max_num_seqs."""
+    hs = self.hisparse
+    if (hs is None or tokens_per_request <= hs.sparse_threshold_tokens
+        or hs.admission != "offload"):
       return None
     host, device = self[PINNED_HOST], self[DEVICE]
-    host_need = math.ceil(tokens_per_request / host.block_size)
-    return min(host.num_blocks / host_need,
-               device.num_blocks / (self.hisparse.hot_buffer_blocks + 1))
+    request_blocks = math.ceil(tokens_per_request / host.block_size)
+    last = request_blocks  # whole, or streamed when less: its first chunk + hot buffer
+    if hs.streamed_device_blocks is not None:
+      last = min(last, hs.streamed_device_blocks - 2)
+    by_device = 0 if device.num_blocks < last else (
+        1 + (device.num_blocks - last) // (hs.hot_buffer_blocks + 2))
+    limits = [host.num_blocks // request_blocks, by_device]
+    if hs.max_num_seqs is not None:
+      limits.append(hs.max_num_seqs)
+    return min(limits)
 
   def log_lines(self, tokens_per_request: int) -> list[str]:
     lines = [t.log_line() for t in self.per_device]  # tensor parallel: each device first
@@ -488,14 +521,19 @@ class CapacityReport:
                                 else "bounded by the server") for t in self.third_tiers)
     running = self.hisparse_concurrency(tokens_per_request)
     if running is not None:
-      line += (f"; HiSparse runs {running:,.2f}x at once (full KV on {PINNED_HOST}, hot "
-               f"buffer + newest block on {DEVICE})")
+      line += (f"; HiSparse runs {running:,} at once (full KV on {PINNED_HOST}, hot "
+               f"buffer + newest block on {DEVICE}; "
+               + _limited_by(self, running, tokens_per_request) + ")")
       device_tokens = self[DEVICE].num_tokens
       if self.hisparse.streamed_device_blocks is not None and tokens_per_request > device_tokens:
         line += (f"; one request may be up to {tokens_per_request:,} tokens, beyond the "
                  f"{device_tokens:,} of {DEVICE}: its prefill streams through "
                  f"{self.hisparse.streamed_device_blocks:,} device blocks, its KV to "
                  f"{PINNED_HOST}")
+    elif (self.hisparse is not None and self.hisparse.admission != "offload"
+          and tokens_per_request > self.hisparse.sparse_threshold_tokens):
+      line += ("; HiSparse admission 'wait': a waiting request waits for free device "
+               "blocks (running sparse decoders are offloaded only for their own decodes)")
     elif self.hisparse is not None:  # the threshold is at least the longest request
       line += (f"; HiSparse: requests up to {self.hisparse.sparse_threshold_tokens:,} tokens "
                f"decode dense, so none of up to {tokens_per_request:,} decodes sparse: lower "

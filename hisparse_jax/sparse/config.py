@@ -38,6 +38,11 @@ BOUNDS_DTYPES = ("bfloat16", "float32")
 # them, loaded from the host in groups through its hot buffer (the dense prefill's keys,
 # more host traffic); "sparse" over the top-k of them, selected like a decode row.
 STREAMED_PREFILLS = ("exact", "sparse")
+# How a waiting request gets device room when the device is short (Scheduler):
+# "offload": running sparse decoders are offloaded to admit it, and a prompt that will
+# decode sparse is admitted streamed (chunk by chunk) when its whole prompt does not fit;
+# "wait": it waits for free device blocks (the policy hisparse_throughput compares).
+ADMISSIONS = ("offload", "wait")
 
 # Default `resident_sparse_min_tokens`: the attention tokens a step's resident sparse rows
 # must skip together before they take the sparse path. 0 (always sparse): on the real
@@ -89,7 +94,9 @@ class HiSparseConfig:
   `thrash_window_steps >= 0`; `bounds_dtype`
   in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
   the selection accuracy of each); `streamed_prefill` in STREAMED_PREFILLS (default
-  "exact": a prompt longer than the device pool prefills as dense attention would).
+  "exact": a prompt longer than the device pool prefills as dense attention would);
+  `admission` in ADMISSIONS (default "offload": running sparse decoders make room for a
+  waiting request, which may itself stream in; "wait": it waits for free blocks).
   """
 
   top_k_tokens: int = 2048
@@ -103,6 +110,7 @@ class HiSparseConfig:
   thrash_window_steps: int = 8
   bounds_dtype: str = "bfloat16"
   streamed_prefill: str = "exact"
+  admission: str = "offload"
 
   def __post_init__(self):
     if self.hot_buffer_tokens is None:
@@ -144,6 +152,9 @@ class HiSparseConfig:
     if self.streamed_prefill not in STREAMED_PREFILLS:
       raise ValueError(f"HiSparseConfig.streamed_prefill must be one of {STREAMED_PREFILLS}, "
                        f"got {self.streamed_prefill!r}")
+    if self.admission not in ADMISSIONS:
+      raise ValueError(f"HiSparseConfig.admission must be one of {ADMISSIONS}, got "
+                       f"{self.admission!r}")
     if self.selection not in SELECTIONS:
       raise ValueError(f"HiSparseConfig.selection must be one of {SELECTIONS}, got "
                        f"{self.selection!r}")

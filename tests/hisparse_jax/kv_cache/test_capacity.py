@@ -1,6 +1,7 @@
 """Capacity planning and the capacity log, measured on the allocated pools."""
 
 import collections
+import dataclasses
 import logging
 import re
 import types
@@ -116,10 +117,11 @@ def test_hisparse_total_line_says_when_no_request_decodes_sparse():
                              num_tokens=16_000, num_null_blocks=1, bytes_per_token=1)
                 for kind in ("device", "pinned_host"))
 
-  def total_line(hisparse, max_model_len):
+  def total_line(hisparse, max_model_len, max_num_seqs=4, max_num_batched_tokens=None):
     detail = capacity.hisparse_capacity(SPEC, hisparse, num_device_blocks=1001,
-                                        num_host_blocks=1001, max_num_seqs=4,
-                                        max_model_len=max_model_len)
+                                        num_host_blocks=1001, max_num_seqs=max_num_seqs,
+                                        max_model_len=max_model_len,
+                                        max_num_batched_tokens=max_num_batched_tokens)
     return CapacityReport(tiers=tiers, hisparse=detail).log_lines(max_model_len)[-1]
 
   # top-k 2,048: the threshold (2 x top-k) is past every request of max_model_len 2,048.
@@ -128,8 +130,35 @@ def test_hisparse_total_line_says_when_no_request_decodes_sparse():
       "sparse: lower sparse_threshold_tokens (default: 2 x top_k_tokens) below max_model_len")
   # The settings derived from max_model_len decode its longer requests sparse.
   derived = HiSparseConfig.for_max_model_len(2048, 16)
-  # min(1,000 host blocks / 128 a request, 1,000 device blocks / (64 hot + 1)):
-  assert "HiSparse runs 7.81x at once" in total_line(derived, 2048)
+  # As the scheduler admits (test_admission_offload.py): at most max_num_seqs; the host
+  # pool's 1,000 blocks hold 7 requests of 128; on the device each running request keeps
+  # 64 hot + newest + a spare block, and the last admitted its whole prompt (no
+  # streaming: 1 + (1,000 - 128) // 66 = 14) or its first chunk and hot buffer (with
+  # chunks of 256 tokens: 1 + (1,000 - 16 - 64) // 66 = 14; of 16: 1 + 935 // 66 = 15).
+  assert ("HiSparse runs 4 at once (full KV on pinned_host, hot buffer + newest block on "
+          "device; limited by --max_num_seqs)") in total_line(derived, 2048)
+  assert "HiSparse runs 7 at once" in total_line(derived, 2048, max_num_seqs=64)
+  assert "limited by the pinned_host pool" in total_line(derived, 2048, max_num_seqs=64)
+  # A hot buffer of 256 blocks: the device binds. Whole prompts: 1 + (1,000 - 128) // 258
+  # = 4; a prompt streams only where its first chunk and hot buffer are less than it.
+  big_hot = dataclasses.replace(derived, hot_buffer_tokens=4096, sparse_threshold_tokens=1024)
+  assert ("HiSparse runs 4 at once (full KV on pinned_host, hot buffer + newest block on "
+          "device; limited by device: each also keeps a spare block, and the last admitted "
+          "needs its whole prompt)") in total_line(big_hot, 2048, max_num_seqs=64,
+                                                   max_num_batched_tokens=256)
+  # A hot buffer of 16 blocks and chunks of 256 tokens: 1 + (1,000 - 32) // 18 = 54.
+  small_hot = HiSparseConfig(top_k_tokens=128, hot_buffer_tokens=256)
+  big_host = tuple(dataclasses.replace(t, num_blocks=10_000) if t.memory_kind == "pinned_host"
+                   else t for t in tiers)
+  detail = capacity.hisparse_capacity(SPEC, small_hot, num_device_blocks=1001,
+                                      num_host_blocks=10_001, max_num_seqs=64,
+                                      max_model_len=2048, max_num_batched_tokens=256)
+  line = CapacityReport(tiers=big_host, hisparse=detail).log_lines(2048)[-1]
+  assert ("HiSparse runs 54 at once (full KV on pinned_host, hot buffer + newest block on "
+          "device; limited by device: each also keeps a spare block, and the last admitted "
+          "needs its first prefill chunk and hot buffer)") in line
+  wait = dataclasses.replace(derived, admission="wait")
+  assert "HiSparse admission 'wait': a waiting request waits" in total_line(wait, 2048)
 
 
 def test_cpu_default_device_budget():
