@@ -38,12 +38,13 @@ import kernels_pallas
 from hisparse_jax.distributed import parallel
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.dsa_runner import DsaModelRunner
-from hisparse_jax.engine.engine import (
-  _check_model_kind,
-  check_model_fits,
-  plan_engine_capacity,
-)
 from hisparse_jax.engine.gpu_target import GpuTarget
+from hisparse_jax.engine.planning import (
+  check_model_fits,
+  check_model_kind,
+  plan_engine_capacity,
+  resolve_config,
+)
 from hisparse_jax.engine.request import Request
 from hisparse_jax.engine.runner import ModelRunner, SparseTiers
 from hisparse_jax.engine.sampling import SamplingParams
@@ -180,7 +181,7 @@ class AotBuild:
       config = dataclasses.replace(config, block_size=16)
     source = load_config(config.model)
     self.is_dsa = is_dsa_config(source)
-    config = _check_model_kind(config, source, self.is_dsa)
+    config = check_model_kind(config, source, self.is_dsa)
     self.config = config
     tp = config.tensor_parallel_size
     device = TargetDevice(target, 0)
@@ -207,6 +208,8 @@ class AotBuild:
     self.spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
                                            config.kv_cache_dtype)
     device = TargetDevice(target, self.weight_bytes)
+    config = self.config = resolve_config(config, self.spec, is_dsa=self.is_dsa,
+                                          num_devices=tp, device=device, check_host_ram=False)
     self.plan: CapacityPlan = plan_engine_capacity(config, self.spec, is_dsa=self.is_dsa,
                                                    num_devices=tp, device=device,
                                                    check_host_ram=False)

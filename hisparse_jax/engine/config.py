@@ -27,6 +27,11 @@ def default_block_size(hisparse: bool = False) -> int:
   return 128 if kernels_pallas.backend.platform() == "cpu" else 16
 
 
+# The prefill chunk when max_num_batched_tokens is left to the engine (vLLM's default for
+# online serving).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Everything an engine is built from; validated on construction (fields = CLI flags)."""
@@ -42,7 +47,10 @@ class EngineConfig:
   host_pool_gib: float = 1.0
   max_model_len: int = 2048
   max_num_seqs: int = 256
-  max_num_batched_tokens: int = 2048
+  # Tokens one step schedules (the prefill chunk). None: the engine decides
+  # (planning.resolve_config): DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len where larger
+  # without chunked prefill, and with HiSparse no more than the device budget streams.
+  max_num_batched_tokens: int | None = None
   enable_chunked_prefill: bool = True
   enable_prefix_caching: bool = True
   kernel_backend: str | None = None  # "auto" (None), "pallas", "xla" or "reference"
@@ -85,6 +93,8 @@ class EngineConfig:
                                         or self.block_size & (self.block_size - 1)):
       raise ValueError(f"block_size must be a power of two, got {self.block_size}")
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+      if name == "max_num_batched_tokens" and self.max_num_batched_tokens is None:
+        continue  # (decided by the engine)
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.seed < 0:
@@ -103,7 +113,8 @@ class EngineConfig:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:
       raise ValueError(f"device_kv_gib must be > 0, got {self.device_kv_gib}")
-    if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+    if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+        and self.max_num_batched_tokens < self.max_model_len):
       # A recomputed request prefills up to max_model_len tokens in one step.
       raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                        f"max_model_len={self.max_model_len} without chunked prefill")

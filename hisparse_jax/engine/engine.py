@@ -26,6 +26,13 @@ from hisparse_jax.engine.config import EngineConfig, default_block_size
 from hisparse_jax.engine.dsa_runner import DsaModelRunner
 from hisparse_jax.engine.hot_rows import HotRows
 from hisparse_jax.engine.output_processor import OutputProcessor
+from hisparse_jax.engine.planning import (
+  check_model_fits,
+  check_model_kind,
+  hisparse_capacity_for,
+  plan_engine_capacity,
+  resolve_config,
+)
 from hisparse_jax.engine.request import (
   Request,
   RequestOutput,
@@ -44,14 +51,7 @@ from hisparse_jax.engine.tier_connector import (
   open_tiers,
 )
 from hisparse_jax.kv_cache.block_manager import BlockManager
-from hisparse_jax.kv_cache.capacity import (
-  CapacityReport,
-  HiSparseCapacity,
-  hisparse_capacity,
-  plan_capacity,
-  plan_capacity_reserving,
-  streamed_device_blocks,
-)
+from hisparse_jax.kv_cache.capacity import CapacityReport, HiSparseCapacity
 from hisparse_jax.kv_cache.kv_pool import (
   KVCacheSpec,
   MLACacheSpec,
@@ -64,81 +64,6 @@ from hisparse_jax.observability.library_logging import configure_library_logging
 from hisparse_jax.observability.metrics import MetricsRegistry
 
 __all__ = ["Engine", "EngineConfig", "configure_library_logging", "default_block_size"]
-
-
-def _check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> EngineConfig:
-  """The config a model of this kind runs with; ValueError naming the field for an option
-  it does not support. DSA models (models.deepseek_v32): HiSparse only with their learned
-  indexer (`HiSparseConfig.for_index_topk`), no tensor parallelism or 8-bit cache yet;
-  llama-family models have no learned indexer."""
-  hisparse = config.hisparse
-  if not is_dsa:
-    if hisparse is not None and hisparse.indexer == "lightning":
-      raise ValueError(
-          f"hisparse: indexer='lightning' needs a model with a learned (lightning) indexer "
-          f"(DSA models: deepseek_v32, glm_moe_dsa); {model_config.model_type} has none: use "
-          "indexer='block_bounds'")
-    return config
-  kind = model_config.model_type
-  if config.tensor_parallel_size > 1:
-    raise ValueError(f"--tensor_parallel_size={config.tensor_parallel_size}: DSA models "
-                     f"({kind}) run on one device so far; use 1")
-  if config.kv_cache_dtype != "auto":
-    raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype}: 8-bit caches of DSA models "
-                     f"({kind}: MLA latent + indexer keys) are not supported; use auto")
-  if config.kernel_backend == "pallas_mgpu":
-    raise ValueError(f"kernel_backend=pallas_mgpu: DSA models ({kind}) run the Triton "
-                     "sparse MLA kernel; use auto or pallas")
-  if hisparse is not None:
-    try:
-      hisparse = hisparse.for_index_topk(model_config.index_topk, config.max_model_len)
-    except ValueError as e:
-      raise ValueError(f"--hisparse: {str(e).replace('HiSparseConfig.', '--')}") from None
-    config = dataclasses.replace(config, hisparse=hisparse)
-  return config
-
-
-def check_model_fits(config: EngineConfig, model_config) -> None:
-  """ValueError naming the field when `config` asks more of the model than it has: a
-  max_model_len past its positions, HiSparse over sliding-window attention."""
-  max_positions = getattr(model_config, "max_position_embeddings", None)
-  if max_positions is not None and config.max_model_len > max_positions:
-    raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                     f"max_position_embeddings={max_positions}")
-  if config.hisparse is not None and getattr(model_config, "sliding_window", None):
-    raise ValueError("hisparse: models with sliding-window attention are not supported by "
-                     "the sparse path; run without hisparse")
-
-
-def hisparse_capacity_for(config: EngineConfig, spec: KVCacheSpec, num_device_blocks: int,
-                          num_host_blocks: int, num_devices: int = 1) -> HiSparseCapacity:
-  """The device bytes HiSparse holds beside pools of these block counts, for `config`."""
-  c = config
-  return hisparse_capacity(spec, c.hisparse, num_device_blocks=num_device_blocks,
-                           num_host_blocks=num_host_blocks, max_num_seqs=c.max_num_seqs,
-                           max_model_len=c.max_model_len, num_devices=num_devices,
-                           max_num_batched_tokens=(c.max_num_batched_tokens
-                                                   if c.enable_chunked_prefill else None))
-
-
-def plan_engine_capacity(config: EngineConfig, spec: KVCacheSpec, *, is_dsa: bool,
-                         num_devices: int = 1, device=None, check_host_ram: bool = True):
-  """The capacity plan an engine of `config` allocates (`Engine` at load; `aot` for a GPU
-  target, with `device` a stand-in answering memory_stats()). With HiSparse the indexer's
-  key bounds and the hot-buffer state come out of the device budget, beside the blocks
-  they serve, and a prompt longer than the device pool streams through it (llama models;
-  a DSA model's prompt must fit the device pool: its streamed prefill is not built)."""
-  plan_args = dict(max_model_len=config.max_model_len, host_pool_gib=config.host_pool_gib,
-                   device_kv_gib=config.device_kv_gib, num_devices=num_devices, device=device,
-                   check_host_ram=check_host_ram)
-  if config.hisparse is None:
-    return plan_capacity(spec, **plan_args)
-  if config.enable_chunked_prefill and not is_dsa:
-    plan_args["streamed_device_blocks"] = streamed_device_blocks(
-        config.hisparse, spec.block_size, config.max_num_batched_tokens)
-  return plan_capacity_reserving(
-      spec, lambda d, h: hisparse_capacity_for(config, spec, d, h, num_devices).reserved_bytes,
-      **plan_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +105,7 @@ class Engine:
     # they run with, decided from config.json before any weight is read.
     unloaded = load_config(config.model) if model is None else model.config
     self.is_dsa = is_dsa_config(unloaded)
-    config = _check_model_kind(config, unloaded, self.is_dsa)
+    config = check_model_kind(config, unloaded, self.is_dsa)
     self.config = config
     # Tensor parallel: one mesh; the weights go straight into their shards.
     self.mesh = parallel.make_mesh(config.tensor_parallel_size)
@@ -212,6 +137,8 @@ class Engine:
     spec_cls = MLACacheSpec if self.is_dsa else KVCacheSpec
     spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
                                       config.kv_cache_dtype)
+    config = self.config = resolve_config(config, spec, is_dsa=self.is_dsa,
+                                          num_devices=parallel.tp_size(self.mesh))
     plan = plan_engine_capacity(config, spec, is_dsa=self.is_dsa,
                                 num_devices=parallel.tp_size(self.mesh))
     self.device_pool, self.host_pool = plan.allocate(mesh=self.mesh)

@@ -45,7 +45,10 @@ from hisparse_jax.engine.step_batch import (  # noqa: F401 (re-exported)
 )
 from hisparse_jax.engine.step_program import copy_program, refresh_program, step_program
 from hisparse_jax.engine.step_shapes import StepCompiler, dense_q_lens
-from hisparse_jax.kv_cache.capacity import bounds_bytes_per_block  # noqa: F401 (re-exported)
+from hisparse_jax.kv_cache.capacity import (  # noqa: F401 (bounds_...: re-exported)
+  bounds_bytes_per_block,
+  num_hot_rows,
+)
 from hisparse_jax.kv_cache.kv_pool import KVPool, device_full_fn, storage_dtype
 from hisparse_jax.kv_cache.transfer import bucket_size
 from hisparse_jax.sparse import resolver
@@ -164,7 +167,10 @@ class ModelRunner:
     # out of a stacked array compiles one kernel per layer for it (fusions of identical
     # computations are compiled once; a layer's constant offset makes them differ).
     self.hot_state: tuple[jax.Array, ...] | None = None
-    self.num_hot_rows = max_num_seqs
+    # One row per sequence offloaded at once: each holds a hot buffer of device blocks,
+    # so at most the usable blocks' worth (capacity.num_hot_rows), not every seat.
+    self.num_hot_rows = max_num_seqs if hisparse is None else num_hot_rows(
+        max_num_seqs, device_pool.num_blocks, hisparse.blocks(self.block_size).hot_buffer_blocks)
     self.step_clock = 0
     self.last_counts: np.ndarray | None = None  # int32 [layers, num_seqs, 5] (COUNT_FIELDS)
     if hisparse is not None:

@@ -88,7 +88,7 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
                   device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
                   num_devices: int = 1,
                   streamed_device_blocks: int | None = None,
-                  check_host_ram: bool = True) -> CapacityPlan:
+                  check_host_ram: bool = True, chunk_is_smallest: bool = False) -> CapacityPlan:
   """Plans the block counts of both tiers; `ValueError` naming the flag when refused.
 
   streamed_device_blocks: with HiSparse (and chunked prefill) one request's KV lives in
@@ -100,7 +100,10 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   `device_reserved_bytes` are over all of them. The host budget is the whole host's.
 
   check_host_ram: refuse a host pool above 95% of this machine's available RAM (False:
-  planning for another machine, `hisparse-jax compile --target`)."""
+  planning for another machine, `hisparse-jax compile --target`).
+
+  chunk_is_smallest: the streamed prefill chunk is already one block (the engine chose
+  it, engine/planning.resolve_config): a refusal does not suggest a smaller one."""
   device = device if device is not None else jax.local_devices()[0]  # (this process's)
   if max_model_len <= 0:
     raise ValueError(f"--max_model_len must be positive, got {max_model_len}")
@@ -136,9 +139,10 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   device_need = blocks_per_request
   if streamed_device_blocks is not None and streamed_device_blocks < blocks_per_request:
     device_need = streamed_device_blocks
+    chunk = ("a prefill chunk of one block at the least" if chunk_is_smallest
+             else "one prefill chunk of --max_num_batched_tokens")
     need = (f"HiSparse streams a request through {streamed_device_blocks:,} blocks of "
-            f"{spec.block_size} tokens (its hot buffer, one prefill chunk of "
-            "--max_num_batched_tokens, and 2 more)")
+            f"{spec.block_size} tokens (its hot buffer, {chunk}, and 2 more)")
   if num_usable_blocks(num_device_blocks) < device_need:
     raise ValueError(
         f"--device_kv_gib: the device KV budget of {budget:,} bytes = {_gib(budget)} "
@@ -146,7 +150,8 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         f"{max(0, num_usable_blocks(num_device_blocks)):,} usable blocks after the null block and "
         f"{device_reserved_bytes:,} bytes reserved for the indexer and hot buffers, but "
         f"{need}; raise --device_kv_gib or lower --max_model_len"
-        + (", --hot_buffer_tokens or --max_num_batched_tokens" if device_need
+        + ((" or --hot_buffer_tokens" if chunk_is_smallest
+            else ", --hot_buffer_tokens or --max_num_batched_tokens") if device_need
            < blocks_per_request else "")
         + (" (or lower --host_pool_gib or raise --block_size: the indexer keeps the "
            f"{'indexer keys' if spec.is_mla else 'key bounds'} of every host block on the "
@@ -325,6 +330,13 @@ def bounds_bytes_per_block(spec: KVCacheSpec, bounds_dtype: str = "float32") -> 
       bounds_dtype).itemsize
 
 
+def num_hot_rows(max_num_seqs: int, num_device_blocks: int, hot_buffer_blocks: int) -> int:
+  """Rows of HiSparse's hot-buffer state (runner): one per sequence offloaded at once,
+  and each offloaded sequence holds `hot_buffer_blocks` of the device pool's usable
+  blocks, so at most that many fit; at most one per seat (max_num_seqs); at least one."""
+  return max(1, min(max_num_seqs, num_usable_blocks(num_device_blocks) // hot_buffer_blocks))
+
+
 def streamed_device_blocks(hisparse, block_size: int, max_num_batched_tokens: int) -> int:
   """Device blocks one request needs with HiSparse when its prompt streams through the
   device (Scheduler: a prompt longer than the device pool): its hot buffer, one prefill
@@ -340,7 +352,7 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
                       max_num_batched_tokens: int | None = None) -> HiSparseCapacity:
   """The device bytes HiSparse needs besides the pool, for pools of these block counts
   (null blocks included): key bounds of every device and host block, and hot-buffer
-  state rows of [slots] x 2 + [max blocks] int32 per layer and running request (what
+  state rows of [slots] x 2 + [max blocks] int32 per layer and hot row (num_hot_rows; what
   hisparse_jax.engine.runner.ModelRunner allocates). `hisparse`: a HiSparseConfig.
   num_devices: tensor parallel; the key bounds are split by KV head, the state is
   replicated (one copy per device, all counted). max_num_batched_tokens: the prefill
@@ -349,7 +361,8 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
   max_blocks = math.ceil(max_model_len / spec.block_size)
   if spec.is_mla:  # token-granular hot buffer; the indexer keys of every host block
     bs = spec.block_size
-    state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * bs
+    rows = num_hot_rows(max_num_seqs, num_device_blocks, blocks.hot_buffer_blocks)
+    state = spec.num_layers * rows * (2 * blocks.hot_buffer_blocks + max_blocks) * bs
     return HiSparseCapacity(
         indexer_bytes=num_host_blocks * bs * spec.index_bytes_per_token,
         hot_state_bytes=state * 4 * num_devices, hot_buffer_blocks=blocks.hot_buffer_blocks,
@@ -357,7 +370,8 @@ def hisparse_capacity(spec: KVCacheSpec, hisparse, *, num_device_blocks: int,
         sparse_threshold_tokens=hisparse.sparse_threshold_tokens,
         bounds_dtype=spec.dtype, lightning=True, top_k_tokens=hisparse.top_k_tokens,
         max_num_seqs=max_num_seqs, admission=hisparse.admission)
-  state = spec.num_layers * max_num_seqs * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
+  rows = num_hot_rows(max_num_seqs, num_device_blocks, blocks.hot_buffer_blocks)
+  state = spec.num_layers * rows * (2 * blocks.hot_buffer_blocks + max_blocks) * 4
   return HiSparseCapacity(
       indexer_bytes=(num_device_blocks + num_host_blocks)
       * bounds_bytes_per_block(spec, hisparse.bounds_dtype),
@@ -535,9 +549,11 @@ class CapacityReport:
       line += ("; HiSparse admission 'wait': a waiting request waits for free device "
                "blocks (running sparse decoders are offloaded only for their own decodes)")
     elif self.hisparse is not None:  # the threshold is at least the longest request
+      default = ("the hot buffer: 2 x the model's index_topk, at most half of max_model_len"
+                 if self.hisparse.lightning else "2 x top_k_tokens")
       line += (f"; HiSparse: requests up to {self.hisparse.sparse_threshold_tokens:,} tokens "
                f"decode dense, so none of up to {tokens_per_request:,} decodes sparse: lower "
-               "sparse_threshold_tokens (default: 2 x top_k_tokens) below max_model_len")
+               f"sparse_threshold_tokens (default: {default}) below max_model_len")
     lines.append(line)
     return lines
 

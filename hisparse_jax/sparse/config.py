@@ -105,14 +105,25 @@ class HiSparseConfig:
   local_tokens: int | None = None
   sparse_threshold_tokens: int | None = None
   resident_sparse_min_tokens: int = DEFAULT_RESIDENT_SPARSE_MIN_TOKENS
-  indexer: str = "block_bounds"
+  indexer: str | None = None  # None: "block_bounds" (a DSA model: its "lightning")
   selection: str = "union"
   thrash_window_steps: int = 8
   bounds_dtype: str = "bfloat16"
   streamed_prefill: str = "exact"
   admission: str = "offload"
+  # The fields left to their defaults at construction (derived here, not given):
+  # `for_index_topk` derives those from the model's index_topk instead. Not carried by
+  # dataclasses.replace (its values count as given).
+  defaulted: frozenset = dataclasses.field(init=False, repr=False, compare=False,
+                                           default=frozenset())
 
   def __post_init__(self):
+    object.__setattr__(self, "defaulted", frozenset(
+        name for name in ("hot_buffer_tokens", "sink_tokens", "local_tokens",
+                          "sparse_threshold_tokens", "indexer")
+        if getattr(self, name) is None))
+    if self.indexer is None:
+      object.__setattr__(self, "indexer", "block_bounds")
     if self.hot_buffer_tokens is None:
       _set_default(self, "hot_buffer_tokens", 2 * _int(self, "top_k_tokens"))
     if self.sparse_threshold_tokens is None:
@@ -181,9 +192,22 @@ class HiSparseConfig:
     """The settings a DSA model runs with (`indexer="lightning"`): its learned indexer
     attends the model's `index_topk` tokens per query, so that is the top-k (whatever
     top_k_tokens said), with no sink or local window (the indexer picks every token); the
-    hot buffer (token slots per offloaded request) must hold index_topk tokens. ValueError
-    naming the field: a hot buffer below index_topk, or an index_topk not below
-    max_model_len (every query would attend every earlier token: nothing to select)."""
+    hot buffer (token slots per offloaded request) must hold index_topk tokens. Settings
+    left to their defaults follow the model, not the block top-k's default: the indexer
+    is "lightning", the hot buffer 2 x index_topk, but at most half of max_model_len
+    (never below index_topk) so that long requests offload, and the sparse threshold the
+    hot buffer. ValueError naming the field: a hot buffer below index_topk, or an
+    index_topk not below max_model_len (every query would attend every earlier token:
+    nothing to select)."""
+    given = self
+    if "indexer" in self.defaulted:
+      given = dataclasses.replace(given, indexer="lightning")
+    if "hot_buffer_tokens" in self.defaulted:
+      hot = max(index_topk, min(2 * index_topk, max_model_len // 2))
+      given = dataclasses.replace(given, hot_buffer_tokens=hot)
+      if "sparse_threshold_tokens" in self.defaulted:
+        given = dataclasses.replace(given, sparse_threshold_tokens=hot)
+    self = given  # noqa: PLW0642 (the settings with the model's defaults filled in)
     if self.indexer != "lightning":
       raise ValueError(f"HiSparseConfig.indexer={self.indexer!r}: a DSA model selects with "
                        "its learned indexer; use indexer='lightning' (--hisparse_indexer="

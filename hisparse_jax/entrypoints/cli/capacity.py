@@ -22,13 +22,7 @@ from __future__ import annotations
 from absl import flags
 
 from hisparse_jax.entrypoints.cli.generate import block_size_from_flags, hisparse_from_flags
-from hisparse_jax.kv_cache.capacity import (
-  CapacityReport,
-  hisparse_capacity,
-  plan_capacity,
-  plan_capacity_reserving,
-  streamed_device_blocks,
-)
+from hisparse_jax.kv_cache.capacity import CapacityReport, plan_capacity
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, MLACacheSpec, check_kv_cache_dtype
 
 FLAGS = flags.FLAGS
@@ -73,24 +67,25 @@ def main(argv: list[str]) -> int:
     pools = plan.allocate()
     _print(CapacityReport.from_pools(pools, plan.device_reserved_bytes))
     return 0
-  # As the engine does: the indexer and hot-buffer bytes come out of the device budget,
-  # and a prompt longer than the device pool streams through it (chunked prefill).
-  sizes = dict(max_num_seqs=FLAGS.max_num_seqs, max_model_len=FLAGS.max_model_len,
-               max_num_batched_tokens=FLAGS.max_num_batched_tokens)
-  if is_dsa:  # (as the engine: its learned indexer's settings; prompts fit the device)
-    try:
-      hisparse = hisparse.for_index_topk(config.index_topk, FLAGS.max_model_len)
-    except ValueError as e:
-      raise ValueError(f"--hisparse: {str(e).replace('HiSparseConfig.', '--')}") from None
-  else:
-    plan_args["streamed_device_blocks"] = streamed_device_blocks(
-        hisparse, spec.block_size, FLAGS.max_num_batched_tokens)
-  pools = plan_capacity_reserving(
-      spec, lambda d, h: hisparse_capacity(spec, hisparse, num_device_blocks=d,
-                                           num_host_blocks=h, **sizes).reserved_bytes,
-      **plan_args).allocate()
-  detail = hisparse_capacity(spec, hisparse, num_device_blocks=pools[0].num_blocks,
-                             num_host_blocks=pools[1].num_blocks, **sizes)
+  # As the engine plans (engine/planning.py): the model's HiSparse settings, the prefill
+  # chunk the device budget streams, the indexer and hot-buffer bytes out of the budget.
+  from hisparse_jax.engine.config import EngineConfig  # noqa: PLC0415
+  from hisparse_jax.engine.planning import (  # noqa: PLC0415
+    check_model_kind,
+    hisparse_capacity_for,
+    plan_engine_capacity,
+    resolve_config,
+  )
+
+  engine_config = EngineConfig(
+      model=FLAGS.model, dtype=dtype, block_size=spec.block_size,
+      device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
+      max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+      max_num_batched_tokens=FLAGS.max_num_batched_tokens, hisparse=hisparse)
+  engine_config = check_model_kind(engine_config, config, is_dsa)
+  engine_config = resolve_config(engine_config, spec, is_dsa=is_dsa)
+  pools = plan_engine_capacity(engine_config, spec, is_dsa=is_dsa).allocate()
+  detail = hisparse_capacity_for(engine_config, spec, pools[0].num_blocks, pools[1].num_blocks)
   _print(CapacityReport.from_pools(pools, detail.reserved_bytes, detail))
   return 0
 

@@ -161,6 +161,21 @@ def test_greedy_and_every_selection_equal_transformers(checkpoint):
   assert decode_checks >= len(prompts) * (NUM_GREEDY - 1)
 
 
+def test_default_hisparse_follows_the_model_index_topk(checkpoint):
+  # HiSparseConfig() on a DSA model: its learned indexer and index_topk (8), a hot buffer
+  # of 2 x 8 token slots (not the block top-k default's 4,096), and the capacity line says
+  # so; requests past the hot buffer decode sparse.
+  _, _, _, model, _, _ = checkpoint
+  engine = _engine(model, hisparse=HiSparseConfig())
+  hs = engine.config.hisparse
+  assert (hs.indexer, hs.top_k_tokens, hs.hot_buffer_tokens, hs.sparse_threshold_tokens) == (
+      "lightning", 8, 16, 16)
+  lines = engine.capacity.log_lines(MAX_MODEL_LEN)
+  assert ("HiSparse (learned indexer, top-k 8 tokens)" in lines[0]
+          and "hot buffer 4 blocks = 16 token slots per offloaded request" in lines[0])
+  assert "HiSparse runs" in lines[-1] and "decode dense" not in lines[-1]
+
+
 def test_offloaded_decoding_gives_the_all_resident_tokens(checkpoint):
   # One HiSparse config, run with a device pool that holds every block (nothing
   # offloaded) and with one that holds about two of the four requests: long decoders are

@@ -1,5 +1,6 @@
 """HiSparseConfig: defaults, validation naming the field, token -> block conversion."""
 
+import dataclasses
 import re
 
 import pytest
@@ -93,7 +94,27 @@ def test_lightning_takes_the_model_index_topk():
   with pytest.raises(ValueError, match="index_topk=128 .* is not below max_model_len=128"):
     config.for_index_topk(128, max_model_len=128)
   with pytest.raises(ValueError, match="use indexer='lightning'"):
-    HiSparseConfig(top_k_tokens=64).for_index_topk(32, max_model_len=128)
+    HiSparseConfig(top_k_tokens=64, indexer="block_bounds").for_index_topk(32, 128)
+
+
+def test_dsa_defaults_follow_the_model_index_topk():
+  # Settings left to their defaults follow index_topk (#53), not the block top-k's
+  # default (2,048: a hot buffer of 4,096); the ones given win.
+  runs = HiSparseConfig().for_index_topk(9, max_model_len=64)
+  assert (runs.indexer, runs.top_k_tokens, runs.hot_buffer_tokens,
+          runs.sparse_threshold_tokens) == ("lightning", 9, 18, 18)
+  # At most half of max_model_len (never below index_topk): long requests offload.
+  runs = HiSparseConfig(indexer="lightning").for_index_topk(2048, max_model_len=4096)
+  assert (runs.hot_buffer_tokens, runs.sparse_threshold_tokens) == (2048, 2048)
+  runs = HiSparseConfig().for_index_topk(2048, max_model_len=163_840)
+  assert (runs.hot_buffer_tokens, runs.sparse_threshold_tokens) == (4096, 4096)
+  runs = HiSparseConfig(indexer="lightning", hot_buffer_tokens=40).for_index_topk(9, 64)
+  assert (runs.hot_buffer_tokens, runs.sparse_threshold_tokens) == (40, 40)
+  runs = HiSparseConfig(sparse_threshold_tokens=30).for_index_topk(9, 64)
+  assert (runs.hot_buffer_tokens, runs.sparse_threshold_tokens) == (18, 30)
+  # What was given counts as given through dataclasses.replace too.
+  given = dataclasses.replace(HiSparseConfig(), hot_buffer_tokens=4096, indexer="lightning")
+  assert given.for_index_topk(9, max_model_len=64).hot_buffer_tokens == 4096
 
 
 def test_rounding_that_breaks_the_budget_is_refused():
