@@ -259,7 +259,7 @@ flags.DEFINE_string("served_model_name", None, "serve: the model name clients se
                     "(default: the --model directory's name, or hisparse-tiny).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running requests "
                    "get to finish before they are aborted.")
-# serve's limits (openai_server.ServerLimits; the defaults are its fields').
+# serve's limits (openai_limits.ServerLimits; the defaults are its fields').
 flags.DEFINE_integer("max_request_bytes", 8 << 20, "serve: largest request body (413 beyond).")
 flags.DEFINE_integer("max_prompts_per_request", 64, "serve: prompts in one /v1/completions "
                      "request (400 beyond).")
