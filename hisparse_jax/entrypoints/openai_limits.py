@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import math
 
 import fastapi
 
 from hisparse_jax.entrypoints.async_engine import AsyncEngine
+from hisparse_jax.entrypoints.openai_auth import ApiKeys
 from hisparse_jax.entrypoints.openai_errors import APIError, error_response
 
 
@@ -50,24 +50,27 @@ class ServerLimits:
 
 
 def install_gate(app: fastapi.FastAPI, engine: AsyncEngine, limits: ServerLimits,
-                 api_key: str | None) -> None:
-  """The middleware every request passes first: the key on the guarded routes (/v1/*,
-  /tokenize, /detokenize, the dashboard), then a POST body's size, then 503 unless the
-  engine runs and the server is not draining (/metrics and the dashboard still answer)."""
+                 api_keys: ApiKeys | None) -> None:
+  """The middleware every request passes first: one of `api_keys` on the guarded routes
+  (/v1/*, /tokenize, /detokenize, the dashboard; its key salt then in
+  `request.state.key_salt`), then a POST body's size, then 503 unless the engine runs and
+  the server is not draining (/metrics and the dashboard still answer)."""
 
   @app.middleware("http")
   async def _gate(request: fastapi.Request, call_next):
     path = request.url.path
     dashboard = path.rstrip("/") in ("/dashboard", "/dashboard/data")
     guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize") or dashboard
-    if api_key is not None and guarded:
-      # The dashboard also takes ?token=KEY: a browser opening the page cannot send the
-      # header; the page then sends it as the header to /dashboard/data.
-      token = request.query_params.get("token") if dashboard else None
-      if (request.headers.get("authorization") != f"Bearer {api_key}"
-          and not (token is not None and hmac.compare_digest(token, api_key))):
+    if api_keys is not None and guarded:
+      key_salt = api_keys.bearer_salt(request.headers.get("authorization"))
+      if key_salt is None and dashboard:
+        # The dashboard also takes ?token=KEY: a browser opening the page cannot send the
+        # header; the page then sends it as the header to /dashboard/data.
+        key_salt = api_keys.key_salt(request.query_params.get("token"))
+      if key_salt is None:
         return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                               None, "AuthenticationError")
+      request.state.key_salt = key_salt  # (the routes' cache salt under --cache_salt_by_api_key)
     if request.method == "POST":  # the body's size, before anything reads it
       declared = request.headers.get("content-length")
       if declared is not None and (not declared.isdigit()

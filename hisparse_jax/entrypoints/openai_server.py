@@ -4,7 +4,7 @@
                                                   "stream": true, then "data: [DONE]")
     GET  /v1/models, /health, /metrics            (metrics: the engine's Prometheus registry)
     GET  /dashboard, /dashboard/data              (observability/dashboard.py: the live page
-                                                   and its JSON; with --api_key, the key as
+                                                   and its JSON; with API keys, a key as
                                                    the header or ?token=KEY)
     POST /tokenize, /detokenize                   (vLLM's extras)
 
@@ -12,10 +12,12 @@ Request fields map onto `SamplingParams` by vLLM's names (n, temperature, top_p,
 seed, max_tokens, logprobs, penalties, and vLLM's extra fields top_k, min_p, min_tokens,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens). vLLM's `cache_salt` (a non-empty string) reaches the engine: the
-request shares cached KV, in every tier, only with requests of the same salt. Errors
-are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 naming the field
-for a bad field or an oversize prompt, 404 for an unknown model (vLLM's, and OpenAI's),
-401 without the key when one is set, 503 while the engine is not running; never a
+request shares cached KV, in every tier, only with requests of the same salt; with
+`cache_salt_by_api_key` the salt is derived from the request's API key (and joined to
+the body's), so tenants of one server share none (openai_auth.py). Errors are OpenAI's
+shape, {"error": {"message", "type", "param", "code"}}: 400 naming the field for a bad
+field or an oversize prompt, 404 for an unknown model (vLLM's, and OpenAI's), 401
+without one of the keys when keys are set, 503 while the engine is not running; never a
 traceback. A stream whose client disconnects is aborted at once.
 
 GET /openapi.json describes every route (the interactive docs stay off): its bodies, its
@@ -28,6 +30,7 @@ The server in modules, one concern each (none imports this one):
 
     openai_protocol.py   request / response models; a request -> SamplingParams
     openai_errors.py     APIError, the error shape and the handlers that answer in it
+    openai_auth.py       the API keys (several: one per tenant) and each key's cache salt
     openai_limits.py     ServerLimits; the gate (key, body size, drain), request limits
     openai_streaming.py  engine streams -> JSON answers and server-sent events
     openai_schema.py     /openapi.json: each route's errors, stream events, the limits
@@ -39,16 +42,18 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import fastapi
 import prometheus_client
 import pydantic
+from absl import logging
 from fastapi import responses
 
 from hisparse_jax.engine.sampling import RequestOutputKind, SamplingParams
 from hisparse_jax.entrypoints import openai_limits
 from hisparse_jax.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hisparse_jax.entrypoints.openai_auth import ApiKeys, cache_salt
 from hisparse_jax.entrypoints.openai_errors import APIError, install_error_handlers
 from hisparse_jax.entrypoints.openai_limits import (
   ServerLimits,
@@ -66,6 +71,7 @@ from hisparse_jax.entrypoints.openai_protocol import (
   DetokenizeRequest,
   DetokenizeResponse,
   ModelList,
+  SamplingFields,
   TokenizeRequest,
   TokenizeResponse,
   completion_prompts,
@@ -84,9 +90,16 @@ from hisparse_jax.observability import dashboard
 __all__ = ["ServerLimits", "build_app"]
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | None = None,
-              max_model_len: int, limits: ServerLimits | None = None) -> fastapi.FastAPI:
-  """The FastAPI app over a started `AsyncEngine`."""
+def build_app(engine: AsyncEngine, served_model_name: str, *, max_model_len: int,
+              api_keys: Sequence[str] = (), cache_salt_by_api_key: bool = False,
+              limits: ServerLimits | None = None) -> fastapi.FastAPI:
+  """The FastAPI app over a started `AsyncEngine`. `api_keys`: the bearer keys the
+  guarded routes take (none: no key needed); `cache_salt_by_api_key`: each request's
+  cache salt derived from its key (openai_auth.py: tenants share no cached KV)."""
+  if cache_salt_by_api_key and not api_keys:
+    raise ValueError("cache_salt_by_api_key needs api_keys: the salt is derived from each "
+                     "request's key")
+  keys = ApiKeys(api_keys) if api_keys else None
   limits = limits if limits is not None else ServerLimits()
   app = fastapi.FastAPI(title="hisparse-jax", docs_url=None, redoc_url=None)
   app.state.draining = False
@@ -95,7 +108,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
   tokenizer = engine.engine.tokenizer
   created = int(time.time())
   install_error_handlers(app)
-  install_gate(app, engine, limits, api_key)
+  install_gate(app, engine, limits, keys)
+  if keys is not None:
+    logging.info("API keys: %d%s", len(keys), "; each request's cache salt from its key"
+                 if cache_salt_by_api_key else "")
 
   def check_model(name: str | None) -> None:
     if name is not None and name != served_model_name:
@@ -103,7 +119,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
 
   # The statuses each route can answer besides 200 (401 only with a key; 503 past the gate;
   # 413 for a POST's body).
-  key = (401,) if api_key is not None else ()
+  key = (401,) if keys is not None else ()
   engine_errors = (*key, 503, 500)
   post_errors = (400, 404, 413, *engine_errors)
 
@@ -180,29 +196,39 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
   def _stream_closed() -> None:
     app.state.num_streams -= 1
 
+  def request_salt(body: SamplingFields, raw: fastapi.Request) -> str | None:
+    """The cache salt a request's prompts run under: the body's cache_salt, or with
+    cache_salt_by_api_key, its key's salt (set by the gate) joined to it."""
+    if not cache_salt_by_api_key:
+      return body.cache_salt
+    return cache_salt(raw.state.key_salt, body.cache_salt)
+
   async def start(request_id: str, prompts: list[dict], sp: SamplingParams,
-                  body: pydantic.BaseModel, param: str) -> list[RequestStream]:
-    """One engine request per prompt, all added (and so checked) before any output; a
-    bad one ends those added before it. 429 when the engine's queue is full (counting the
-    requests being added now: the check and the count are one step of the event loop)."""
+                  body: pydantic.BaseModel, param: str,
+                  salt: str | None) -> list[RequestStream]:
+    """One engine request per prompt (under cache salt `salt`), all added (and so
+    checked) before any output; a bad one ends those added before it. 429 when the
+    engine's queue is full (counting the requests being added now: the check and the
+    count are one step of the event loop)."""
     scheduler = engine.engine.scheduler
     waiting = len(scheduler.waiting) + len(scheduler.loading) + app.state.adding
     check_queue(limits, waiting, len(prompts))
     app.state.adding += len(prompts)
     try:
-      return await _add_all(request_id, prompts, sp, body, param)
+      return await _add_all(request_id, prompts, sp, body, param, salt)
     finally:
       app.state.adding -= len(prompts)
 
   async def _add_all(request_id: str, prompts: list[dict], sp: SamplingParams,
-                     body: pydantic.BaseModel, param: str) -> list[RequestStream]:
+                     body: pydantic.BaseModel, param: str,
+                     salt: str | None) -> list[RequestStream]:
     """The engine's ValueError is a 400 naming the field its message starts with ("n=17
     exceeds ...", "stop_token_ids: ..."), else `param`."""
     streams = []
     try:
       for i, prompt in enumerate(prompts):
-        streams.append(await engine.add_request(
-            f"{request_id}-{i}", sp, cache_salt=getattr(body, "cache_salt", None), **prompt))
+        streams.append(await engine.add_request(f"{request_id}-{i}", sp, cache_salt=salt,
+                                                 **prompt))
     except (ValueError, EngineDeadError) as e:
       for stream in streams:
         stream.close()
@@ -229,7 +255,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     sp = body.sampling_params(body.max_tokens, body.logprobs, kind)
     check_request(body, prompts, body.max_tokens, body.logprobs, "logprobs", "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start(request_id, prompts, sp, body, "prompt")
+    streams = await start(request_id, prompts, sp, body, "prompt", request_salt(body, raw))
     name = body.model or served_model_name
     if body.stream:
       return stream_response(completion_stream(streams, request_id, name, body, tokenizer))
@@ -259,7 +285,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
     check_request(body, prompts, max_tokens, body.top_logprobs, "top_logprobs", "messages",
                   max_tokens_field)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start(request_id, prompts, sp, body, "messages")
+    streams = await start(request_id, prompts, sp, body, "messages",
+                          request_salt(body, raw))
     name = body.model or served_model_name
     if body.stream:
       return stream_response(chat_stream(streams, request_id, name, body, tokenizer, num_top))
@@ -267,7 +294,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, api_key: str | Non
                                 limits.request_timeout_s)
 
   app.openapi = lambda: openapi_schema(
-      app, keyed=api_key is not None, limits=limits,
+      app, keyed=keys is not None, limits=limits,
       vocab_size=engine.engine.model_config.vocab_size,
       max_num_seqs=engine.engine.config.max_num_seqs, max_model_len=max_model_len)
   return app
