@@ -253,13 +253,23 @@ flags.DEFINE_enum("kv_tier_write_policy", "write_through", ["write_through", "wr
 # serve (hisparse_jax.entrypoints.cli.serve); it also takes the engine flags of generate.
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
 flags.DEFINE_integer("port", 8000, "serve: the TCP port (0: a free one, logged).")
-flags.DEFINE_string("api_key", None, "serve: when set, /v1/* requests need "
-                    "'Authorization: Bearer KEY' (401 otherwise).")
+flags.DEFINE_string("api_key", None, "serve: when set, /v1/*, /tokenize, /detokenize and "
+                    "the dashboard need 'Authorization: Bearer KEY' (401 otherwise): one "
+                    "key, or several separated by commas (one per tenant; any of them is "
+                    "accepted). Keys are words of printable ASCII.")
+flags.DEFINE_string("api_keys_file", None, "serve: a file of API keys, one a line (blank "
+                    "lines and lines starting with # skipped), read at start; added to "
+                    "--api_key's. Keeps the keys out of the process list.")
+flags.DEFINE_bool("cache_salt_by_api_key", False, "serve: derive each request's cache salt "
+                  "from its API key (a SHA-256 digest, never the key; joined to the body's "
+                  "cache_salt when it has one), so tenants share no cached KV in any tier "
+                  "while one tenant's repeated prompts still hit. Needs --api_key or "
+                  "--api_keys_file.")
 flags.DEFINE_string("served_model_name", None, "serve: the model name clients send "
                     "(default: the --model directory's name, or hisparse-tiny).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running requests "
                    "get to finish before they are aborted.")
-# serve's limits (openai_server.ServerLimits; the defaults are its fields').
+# serve's limits (openai_limits.ServerLimits; the defaults are its fields').
 flags.DEFINE_integer("max_request_bytes", 8 << 20, "serve: largest request body (413 beyond).")
 flags.DEFINE_integer("max_prompts_per_request", 64, "serve: prompts in one /v1/completions "
                      "request (400 beyond).")
@@ -311,7 +321,8 @@ COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 ("engine", ("max_num_seqs", "max_num_batched_tokens")),
                 ("HiSparse", _HISPARSE), ("third KV tier", _TIER),
                 ("parallel", ("tensor_parallel_size",))),
-    "serve": (("server", ("host", "port", "api_key", "served_model_name", "drain_timeout_s")),
+    "serve": (("server", ("host", "port", "api_key", "api_keys_file", "cache_salt_by_api_key",
+                          "served_model_name", "drain_timeout_s")),
               ("limits", ("max_request_bytes", "max_prompts_per_request",
                           "max_request_prompt_tokens", "max_logprobs", "request_timeout_s",
                           "max_waiting_requests", "max_concurrent_streams",

@@ -2,8 +2,9 @@
 
 Usage::
 
-  hisparse-jax serve [--host=127.0.0.1] [--port=8000] [--api_key=KEY]
-      [--served_model_name=NAME] [--drain_timeout_s=S] [engine flags of generate]
+  hisparse-jax serve [--host=127.0.0.1] [--port=8000] [--api_key=KEY[,KEY2...]]
+      [--api_keys_file=FILE] [--cache_salt_by_api_key] [--served_model_name=NAME]
+      [--drain_timeout_s=S] [engine flags of generate]
 
 Loads the model (logging the KV capacity of each memory kind), binds the port, logs
 "serving on http://HOST:PORT" and serves until SIGTERM or SIGINT. Then it drains: no new
@@ -67,6 +68,12 @@ def main(argv: list[str]) -> int:
   # bad flags fail before the load (--port before the engine flags, whose check logs the
   # compilation cache's line: a bad flag's error is the one line on stderr)
   check_port(FLAGS.port)
+  from hisparse_jax.entrypoints.openai_auth import keys_from_flags  # noqa: PLC0415
+
+  api_keys = keys_from_flags(FLAGS.api_key, FLAGS.api_keys_file)
+  if FLAGS.cache_salt_by_api_key and not api_keys:
+    raise ValueError("--cache_salt_by_api_key needs API keys to derive each request's salt "
+                     "from: give --api_key or --api_keys_file")
   llm_kwargs = generate_cmd.engine_kwargs_from_flags(compile_in_background=True)
   if FLAGS.drain_timeout_s < 0:
     raise ValueError(f"--drain_timeout_s must be >= 0, got {FLAGS.drain_timeout_s}")
@@ -94,7 +101,8 @@ def main(argv: list[str]) -> int:
   sock = bind(FLAGS.host, FLAGS.port)
   engine = LLM(**llm_kwargs).engine
   async_engine = AsyncEngine(engine, max_stream_buffer=FLAGS.max_stream_buffer)
-  app = build_app(async_engine, served_model_name(), api_key=FLAGS.api_key,
+  app = build_app(async_engine, served_model_name(), api_keys=api_keys,
+                  cache_salt_by_api_key=FLAGS.cache_salt_by_api_key,
                   max_model_len=engine.config.max_model_len, limits=limits)
 
   @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""`serve`'s limits (openai_server.ServerLimits): each gets its documented 4xx (or 429 with
+"""`serve`'s limits (openai_limits.ServerLimits): each gets its documented 4xx (or 429 with
 Retry-After) naming the field, and the server goes on serving a normal request; a slow
 and a stalled streaming client cannot slow the other streams, and the stalled request is
 aborted with its blocks freed."""
