@@ -18,6 +18,10 @@ from hisparse_jax.kv_cache.capacity import (
 )
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, num_usable_blocks
 
+# Below this prefill chunk a hot buffer left to its default gives way (resolve_config):
+# a 7.5k-token prompt in chunks of fewer tokens takes over 15 streamed steps.
+MIN_AUTO_CHUNK_TOKENS = 512
+
 
 def check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> EngineConfig:
   """The config a model of this kind runs with; ValueError naming the field for an option
@@ -109,8 +113,11 @@ def resolve_config(config: EngineConfig, spec: KVCacheSpec, *, is_dsa: bool,
   With HiSparse (llama models), where the device budget cannot stream a prompt longer
   than the device pool through chunks of that size (hot buffer + chunk + 2 blocks), the
   chunk is the largest the budget streams, in whole blocks: a prompt as long as the host
-  pool takes then runs at the flags' device budget instead of being refused; only when
-  not even one block's chunk streams does the plan refuse, naming the flags."""
+  pool takes then runs at the flags' device budget instead of being refused. Where that
+  chunk would be below MIN_AUTO_CHUNK_TOKENS (or none), a hot buffer left to its default
+  (2 x top-k) is lowered to the top-k (a default sparse threshold with it) when that
+  gives a larger chunk; where not even one block's chunk streams, the plan refuses,
+  naming the flags."""
   if config.max_num_batched_tokens is not None:
     return config
   if not config.enable_chunked_prefill:
@@ -126,10 +133,33 @@ def resolve_config(config: EngineConfig, spec: KVCacheSpec, *, is_dsa: bool,
     return chosen
   except ValueError:
     pass
-  # (refuses, naming the flags, when even a chunk of one block does not stream)
-  smallest = dataclasses.replace(config, max_num_batched_tokens=spec.block_size)
-  plan = plan_engine_capacity(smallest, spec, **args, chunk_is_smallest=True)
-  hot = config.hisparse.blocks(spec.block_size).hot_buffer_blocks
-  chunk_blocks = num_usable_blocks(plan.num_device_blocks) - hot - 2
+  chunk = _streamed_chunk(config, spec, args)
+  hs = config.hisparse
+  if ((chunk is None or chunk < MIN_AUTO_CHUNK_TOKENS) and "hot_buffer_tokens" in hs.defaulted
+      and hs.hot_buffer_tokens > hs.top_k_tokens):
+    # A hot buffer left to its default (2 x top-k) gives way to the prefill chunk, down to
+    # the top-k it must hold; a sparse threshold left to its default follows it.
+    lowered = dataclasses.replace(hs, hot_buffer_tokens=hs.top_k_tokens)
+    if "sparse_threshold_tokens" in hs.defaulted:
+      lowered = dataclasses.replace(lowered, sparse_threshold_tokens=hs.top_k_tokens)
+    lowered_config = dataclasses.replace(config, hisparse=lowered)
+    lowered_chunk = _streamed_chunk(lowered_config, spec, args)
+    if lowered_chunk is not None and (chunk is None or lowered_chunk > chunk):
+      config, chunk = lowered_config, lowered_chunk
+  if chunk is None:  # refused, naming the flags: not even a one-block chunk streams
+    plan_engine_capacity(dataclasses.replace(config, max_num_batched_tokens=spec.block_size),
+                         spec, **args, chunk_is_smallest=True)
   return dataclasses.replace(config, max_num_batched_tokens=min(
-      DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk_blocks * spec.block_size))
+      DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk))
+
+
+def _streamed_chunk(config: EngineConfig, spec: KVCacheSpec, args: dict) -> int | None:
+  """The largest prefill chunk (tokens, whole blocks) the device budget streams a prompt
+  longer than the device pool through beside the hot buffer (None: not even one block)."""
+  smallest = dataclasses.replace(config, max_num_batched_tokens=spec.block_size)
+  try:
+    plan = plan_engine_capacity(smallest, spec, **args, chunk_is_smallest=True)
+  except ValueError:
+    return None
+  hot = config.hisparse.blocks(spec.block_size).hot_buffer_blocks
+  return (num_usable_blocks(plan.num_device_blocks) - hot - 2) * spec.block_size

@@ -91,3 +91,19 @@ def test_hot_state_rows_are_the_offloaded_sequences_the_device_holds():
   engine = Engine(config, model=model, model_config=model.config)
   assert engine.runner.num_hot_rows == 16 // 4  # 16 usable blocks, hot buffers of 4
   assert engine.runner.hot_state[0].shape[0] == 4
+
+
+def test_a_default_hot_buffer_gives_way_to_the_prefill_chunk():
+  # Hot buffer left to its default (2 x 32 = 8 blocks): 17 usable (2 hot-state rows, not
+  # 4) - 8 - 2 = 7 blocks of chunk (56 tokens, below MIN_AUTO_CHUNK_TOKENS); lowered to
+  # the top-k (4 blocks), 16 - 4 - 2 = 10.
+  default_hot = HiSparseConfig(top_k_tokens=32, sink_tokens=8, local_tokens=8)
+  config, model = _config(24, hisparse=default_hot)
+  resolved = _resolve(config, model)
+  assert (resolved.hisparse.hot_buffer_tokens, resolved.hisparse.sparse_threshold_tokens,
+          resolved.max_num_batched_tokens) == (32, 32, 80)
+  # One given keeps its value: the chunk is what is left beside it.
+  given = dataclasses.replace(default_hot, hot_buffer_tokens=64)
+  config, model = _config(24, hisparse=given)
+  resolved = _resolve(config, model)
+  assert (resolved.hisparse.hot_buffer_tokens, resolved.max_num_batched_tokens) == (64, 56)
