@@ -25,6 +25,7 @@ from hisparse_jax.distributed import parallel
 from hisparse_jax.engine.config import EngineConfig, default_block_size
 from hisparse_jax.engine.dsa_runner import DsaModelRunner
 from hisparse_jax.engine.hot_rows import HotRows
+from hisparse_jax.engine.invariants import check_engine
 from hisparse_jax.engine.output_processor import OutputProcessor
 from hisparse_jax.engine.planning import (
   check_model_fits,
@@ -39,17 +40,12 @@ from hisparse_jax.engine.request import (
   RequestStatus,
   SequenceGroup,
   check_prompt,
+  check_sampling,
 )
 from hisparse_jax.engine.runner import ModelRunner, SparseTiers, StepBatch, StepHandle
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.engine.scheduler import Scheduler, SchedulerOutput
-from hisparse_jax.engine.tier_connector import (
-  TierConnector,
-  hashes_of,
-  model_identity,
-  namespace_for,
-  open_tiers,
-)
+from hisparse_jax.engine.tier_connector import TierConnector, hashes_of, open_engine_tiers
 from hisparse_jax.kv_cache.block_manager import BlockManager
 from hisparse_jax.kv_cache.capacity import CapacityReport, HiSparseCapacity
 from hisparse_jax.kv_cache.kv_pool import (
@@ -57,7 +53,6 @@ from hisparse_jax.kv_cache.kv_pool import (
   MLACacheSpec,
   check_kv_cache_dtype_devices,
 )
-from hisparse_jax.kv_cache.tiers.pool_io import HostPoolIO
 from hisparse_jax.kv_cache.transfer import TransferEngine
 from hisparse_jax.observability import engine_metrics
 from hisparse_jax.observability.library_logging import configure_library_logging
@@ -176,7 +171,8 @@ class Engine:
     self._tier_parts = None
     self.tier_namespace = None  # the third tier's Namespace (tier_connector.namespace_for)
     if config.disk_cache_dir or config.remote_cache_url:
-      self._tier_parts = self._open_tiers(spec)
+      self._tier_parts = open_engine_tiers(config, self.mesh, self.host_pool,
+                                           self.model_config, self.model)
       self.tier_namespace = self._tier_parts[2]
       self.capacity = dataclasses.replace(self.capacity,
                                           third_tiers=tuple(self._tier_parts[3]))
@@ -211,23 +207,6 @@ class Engine:
     self.num_steps = 0
     self.last_step_num_tokens = 0  # tokens the last step() scheduled
     self.last_step_prefill_tokens = 0  # of those, prompt (or recomputed) tokens
-
-  def _open_tiers(self, spec):
-    """(tiers, failures at open, namespace, capacity lines) of the configured third
-    tiers; one that cannot open is logged on one line and left out (the engine serves
-    without it, recomputing)."""
-    c = self.config
-    if self.mesh is not None:
-      raise ValueError(f"--disk_cache_dir / --remote_cache_url: the third KV tier does not "
-                       f"support --tensor_parallel_size={c.tensor_parallel_size} yet; use 1")
-    block_io = HostPoolIO(self.host_pool)
-    name = (self.model_config.name_or_path if getattr(self.model_config, "name_or_path", None)
-            else (c.model or "hisparse-tiny"))
-    namespace = namespace_for(model_identity(name, self.model), c.dtype, c.block_size,
-                              block_io.layout(), block_io.block_nbytes)
-    tiers, failed = open_tiers(c, self.host_pool, namespace, block_io)
-    lines = [*TierConnector.capacity_of(tiers, namespace), *failed]
-    return tiers, failed, namespace, lines
 
   def close(self) -> None:
     """Finishes the third tier's pending stores (write_back: stores the host blocks it
@@ -275,22 +254,12 @@ class Engine:
     token_ids = check_prompt(token_ids, vocab_size=self.model_config.vocab_size,
                              max_model_len=self.config.max_model_len,
                              text=prompt if prompt_token_ids is None else None)
-    vocab = self.model_config.vocab_size
-    if bad := [t for t in sampling_params.stop_token_ids if not 0 <= t < vocab]:
-      raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                       f"[0, {vocab})")
-    if sampling_params.stop and self.tokenizer is None:
-      raise ValueError("stop: stop strings match the output's text, and this engine has no "
-                       "tokenizer; use stop_token_ids")
+    check_sampling(sampling_params, vocab_size=self.model_config.vocab_size,
+                   has_tokenizer=self.tokenizer is not None,
+                   max_num_seqs=self.config.max_num_seqs, prompt_len=len(token_ids),
+                   device_tokens=(self.block_manager.device_pool.num_usable_blocks
+                                  * self.config.block_size))
     n = sampling_params.n
-    if n > self.config.max_num_seqs:
-      raise ValueError(f"n={n} exceeds max_num_seqs={self.config.max_num_seqs} (the n "
-                       "sequences of a request run together)")
-    device_tokens = self.block_manager.device_pool.num_usable_blocks * self.config.block_size
-    if n > 1 and len(token_ids) > device_tokens:  # (HiSparse streams only lone sequences)
-      raise ValueError(f"n={n}: the {n} sequences fork the prompt's blocks on the device, "
-                       f"which holds {device_tokens:,} tokens, and the prompt has "
-                       f"{len(token_ids):,}; use n=1 for prompts longer than the device pool")
     # Sequence i > 0 of a request with n > 1 runs as f"{i}_{request_id}" (vLLM's).
     seq_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, n)]
     if taken := [i for i in seq_ids[1:] if i in self.requests]:
@@ -455,7 +424,7 @@ class Engine:
         if self.runner.hisparse.streamed_prefill == "sparse":
           earlier = min(earlier, self.runner.hisparse_blocks.top_k_blocks)
         own = num_blocks - earlier
-      self._tally_blocks(request, num_blocks, tally,
+      engine_metrics.tally_blocks(request, num_blocks, tally,
                          counts[:, i] if counts is not None and sparse_rows[i] else None,
                          own, self.config.block_size if self.is_dsa else 1)
       if chunk.samples:  # (a prompt chunk before the last has nothing to report)
@@ -515,36 +484,6 @@ class Engine:
       if self.tier is not None:  # a block loaded from the third tier has no host bounds
         self.runner.copy_bounds_to_host_index(device_ids, host_ids)
 
-  @staticmethod
-  def _tally_blocks(request: Request, num_blocks: int, tally: engine_metrics.StepTally,
-                    sparse_counts: np.ndarray | None, own_blocks: int = 0,
-                    units_per_block: int = 1) -> None:
-    """Where a row's blocks came from, into the step's `tally` and the request's
-    metrics. `num_blocks`: blocks the row's attention read (all of them, or the
-    selected); `sparse_counts` [layers, 5] (runner.COUNT_FIELDS) of a sparse row, per
-    layer (counted as the mean over layers); `own_blocks`: a sparse prefill chunk's own
-    blocks, read besides the selected ones (device-resident); `units_per_block`: count units
-    per block (1; a DSA model counts tokens: block_size)."""
-    from_host = min(request.num_swapped_in_blocks, num_blocks)
-    request.num_swapped_in_blocks = 0
-    selected = request.blocks_selected
-    if sparse_counts is None:
-      tally.add_blocks(num_blocks - from_host, 0, from_host)
-      selected["device"] += num_blocks - from_host
-      selected["host"] += from_host
-      return
-    layers = sparse_counts.shape[0]
-    device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
-    device += own_blocks * layers  # a sparse prefill chunk's own blocks (on the device)
-    # The hot buffer counts in its unit (block-layers; a DSA model's: token-layers); the
-    # blocks read in blocks (a DSA model's selected tokens / block_size).
-    tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
-    per_block = layers * units_per_block
-    tally.add_blocks(device / per_block, hot / per_block, host / per_block)
-    selected["device"] += device / per_block
-    selected["hot"] += hot / per_block
-    selected["host"] += host / per_block
-
   def _append_token(self, request: Request, token: int, now: float,
                     tally: engine_metrics.StepTally, logprobs) -> None:
     """A sampled token reaches its request: its timings, the pending slot it fills in the
@@ -597,22 +536,5 @@ class Engine:
     return self.metrics_registry.to_dict()
 
   def check_invariants(self) -> None:
-    """Block-manager invariants plus: the engine holds exactly the unfinished requests,
-    each in one scheduler queue, and only they hold blocks."""
-    self.block_manager.check_invariants()
-    sched = self.scheduler
-    queued = [r.request_id for r in [*sched.waiting, *sched.running, *sched.swapped,
-                                     *sched.loading]]
-    queued += [c.request_id for r in self.requests.values() for c in r.pending_children]
-    assert sorted(queued) == sorted(self.requests), (queued, sorted(self.requests))
-    reserved = sum(len(r.pending_children) for r in [*sched.running, *sched.swapped])
-    assert sched.num_reserved_seats == reserved, (sched.num_reserved_seats, reserved)
-    assert len(sched.running) + reserved <= sched.max_num_seqs
-    assert sorted(self._groups) == sorted(
-        {r.group.request_id for r in self.requests.values() if r.group is not None})
-    assert all(not r.is_finished for r in self.requests.values())
-    assert set(self.block_manager.seq_ids) <= set(self.requests), self.block_manager.seq_ids
-    for request in sched.running:
-      assert request.status == RequestStatus.RUNNING and request.request_id in self.block_manager
-    for request in sched.swapped:
-      assert request.status == RequestStatus.SWAPPED and request.request_id in self.block_manager
+    """Block-manager invariants plus the engine's own (invariants.check_engine)."""
+    check_engine(self)

@@ -49,6 +49,28 @@ def check_prompt(token_ids: Sequence[int], *, vocab_size: int, max_model_len: in
                      "no room for an output token")
   return ids
 
+def check_sampling(params, *, vocab_size: int, has_tokenizer: bool, max_num_seqs: int,
+                   prompt_len: int, device_tokens: int) -> None:
+  """ValueError naming the field when an engine cannot run `params` (a SamplingParams)
+  for a prompt of `prompt_len` tokens: stop ids outside the vocabulary, stop strings
+  without a tokenizer, more sequences (n) than seats, or n > 1 for a prompt longer than
+  the device pool (HiSparse streams lone sequences only; n forks on the device)."""
+  if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:
+    raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                     f"[0, {vocab_size})")
+  if params.stop and not has_tokenizer:
+    raise ValueError("stop: stop strings match the output's text, and this engine has no "
+                     "tokenizer; use stop_token_ids")
+  n = params.n
+  if n > max_num_seqs:
+    raise ValueError(f"n={n} exceeds max_num_seqs={max_num_seqs} (the n "
+                     "sequences of a request run together)")
+  if n > 1 and prompt_len > device_tokens:
+    raise ValueError(f"n={n}: the {n} sequences fork the prompt's blocks on the device, "
+                     f"which holds {device_tokens:,} tokens, and the prompt has "
+                     f"{prompt_len:,}; use n=1 for prompts longer than the device pool")
+
+
 
 class RequestStatus(enum.Enum):
   WAITING = "waiting"

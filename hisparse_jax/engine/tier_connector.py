@@ -40,6 +40,7 @@ from absl import logging
 from hisparse_jax.kv_cache.tiers import payload
 from hisparse_jax.kv_cache.tiers.base import TierError
 from hisparse_jax.kv_cache.tiers.keys import Namespace, chain_keys
+from hisparse_jax.kv_cache.tiers.pool_io import HostPoolIO
 from hisparse_jax.kv_cache.tiers.tier import KVTier
 from hisparse_jax.observability import metrics as m
 
@@ -136,6 +137,23 @@ def namespace_for(model_name: str, dtype: str, block_size: int, layout: str,
                   block_nbytes: int) -> Namespace:
   return Namespace(model=model_name, dtype=dtype, block_size=block_size, kv_layout=layout,
                    shard="tp0of1", block_nbytes=block_nbytes)
+
+
+def open_engine_tiers(config, mesh, host_pool, model_config, model):
+  """(tiers, failures at open, namespace, capacity lines) of an engine's configured third
+  tiers (`config`: its EngineConfig); one that cannot open is logged on one line and left
+  out (the engine serves without it, recomputing)."""
+  if mesh is not None:
+    raise ValueError(f"--disk_cache_dir / --remote_cache_url: the third KV tier does not "
+                     f"support --tensor_parallel_size={config.tensor_parallel_size} yet; use 1")
+  block_io = HostPoolIO(host_pool)
+  name = (model_config.name_or_path if getattr(model_config, "name_or_path", None)
+          else (config.model or "hisparse-tiny"))
+  namespace = namespace_for(model_identity(name, model), config.dtype, config.block_size,
+                            block_io.layout(), block_io.block_nbytes)
+  tiers, failed = open_tiers(config, host_pool, namespace, block_io)
+  lines = [*TierConnector.capacity_of(tiers, namespace), *failed]
+  return tiers, failed, namespace, lines
 
 
 def open_tiers(config, host_pool, namespace: Namespace, block_io) -> tuple[list[KVTier],

@@ -250,3 +250,33 @@ class StepTally:
       self.hot_buffer = dict.fromkeys(counts, 0)
     for name, n in counts.items():
       self.hot_buffer[name] += n
+
+
+def tally_blocks(request, num_blocks: int, tally: StepTally, sparse_counts,
+                 own_blocks: int = 0, units_per_block: int = 1) -> None:
+  """Where a row's blocks came from, into the step's `tally` and the request's metrics
+  (an engine Request: its num_swapped_in_blocks and blocks_selected). `num_blocks`:
+  blocks the row's attention read (all of them, or the selected); `sparse_counts`: None
+  for a dense row, else [layers, 5] (runner.COUNT_FIELDS) of a sparse row, per
+  layer (counted as the mean over layers); `own_blocks`: a sparse prefill chunk's own
+  blocks, read besides the selected ones (device-resident); `units_per_block`: count units
+  per block (1; a DSA model counts tokens: block_size)."""
+  from_host = min(request.num_swapped_in_blocks, num_blocks)
+  request.num_swapped_in_blocks = 0
+  selected = request.blocks_selected
+  if sparse_counts is None:
+    tally.add_blocks(num_blocks - from_host, 0, from_host)
+    selected["device"] += num_blocks - from_host
+    selected["host"] += from_host
+    return
+  layers = sparse_counts.shape[0]
+  device, hot, host, evictions, thrash = (int(x) for x in sparse_counts.sum(axis=0))
+  device += own_blocks * layers  # a sparse prefill chunk's own blocks (on the device)
+  # The hot buffer counts in its unit (block-layers; a DSA model's: token-layers); the
+  # blocks read in blocks (a DSA model's selected tokens / block_size).
+  tally.add_hot_buffer(hits=hot, misses=host, evictions=evictions, thrash=thrash)
+  per_block = layers * units_per_block
+  tally.add_blocks(device / per_block, hot / per_block, host / per_block)
+  selected["device"] += device / per_block
+  selected["hot"] += hot / per_block
+  selected["host"] += host / per_block

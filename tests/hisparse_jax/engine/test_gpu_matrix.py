@@ -71,10 +71,9 @@ def run_config(name: str, platform: str | None = None) -> dict:
   """The config's engine over PROMPT_LENS prompts, greedy: {"tokens", "events"}."""
   from engine_fixtures import random_prompts  # noqa: PLC0415
 
-  from hisparse_jax.engine.engine import (  # noqa: PLC0415
-    Engine,
-    EngineConfig,
-    _check_model_kind,
+  from hisparse_jax.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+  from hisparse_jax.engine.planning import (  # noqa: PLC0415
+    check_model_kind,
     hisparse_capacity_for,
   )
   from hisparse_jax.engine.sampling import SamplingParams  # noqa: PLC0415
@@ -89,7 +88,7 @@ def run_config(name: str, platform: str | None = None) -> dict:
   spec = spec_cls.from_model_config(model.config, dtype, fields["block_size"])
   host_blocks, gib = 80, 2**30
   # A budget of exactly `device_blocks` blocks beside what HiSparse reserves for them.
-  config = _check_model_kind(EngineConfig(**fields), model.config, name == "dsa_offload")
+  config = check_model_kind(EngineConfig(**fields), model.config, name == "dsa_offload")
   reserved = (0 if config.hisparse is None else hisparse_capacity_for(
       config, spec, device_blocks, host_blocks).reserved_bytes)
   config = EngineConfig(**fields, device_kv_gib=(
