@@ -7,9 +7,10 @@ Public API:
                                        goes through an `AttnFn` (models.attention)
   load_pretrained, load_config         models.loader: HF directory or GGUF file -> (model,
                                        config, tokenizer); GGUF via models.gguf_checkpoint
-  CheckpointError                      models.loader: every loading failure (a ValueError)
+  CheckpointError                      models.checkpoint (also models.loader): every loading
+                                       failure (a ValueError)
   Tokenizer                            models.tokenizer: `tokenizers` wrapper + BOS/EOS ids
-                                       (`from_dir`, `from_gguf`: GGUF metadata)
+                                       (`from_dir`; a GGUF file's: models.loader.load_tokenizer)
   make_retrieval_prompts               models.data: retrieval prompts with expected answers
 """
 

@@ -2,10 +2,10 @@
 
 This module owns everything GGUF: metadata -> `ModelConfig`, GGUF tensor names
 (`blk.3.attn_q.weight`) -> Hugging Face names (`model.layers.3.self_attn.q_proj.weight`, whose
-mapping to our parameters `models/loader.py` owns), dequantization to float32, the undoing
-of llama.cpp's Q/K permutation (the tokenizer the metadata describes: gguf_tokenizer.py).
-Files are read
-only through llama.cpp's own `gguf` package (`gguf.GGUFReader`, `gguf.quants.dequantize`):
+mapping to our parameters `models/checkpoint.py` owns), dequantization to float32, the
+undoing of llama.cpp's Q/K permutation (the file's reader: gguf_reader.py; the tokenizer the
+metadata describes: gguf_tokenizer.py). Files are read only through llama.cpp's own `gguf`
+package (`gguf.GGUFReader`, `gguf.quants.dequantize`):
 every tensor type it dequantizes loads, one tensor at a time. Every failure raises
 `CheckpointError` naming the file and what is wrong with it.
 
@@ -25,16 +25,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from models.checkpoint import DTYPES, CheckpointError, LoadTarget, hf_param_map
 from models.config import ConfigError, ModelConfig
-from models.loader import _DTYPES, CheckpointError, LoadTarget, hf_param_map
-from models.tokenizer import Tokenizer
+from models.gguf_reader import MISSING, metadata_value, open_reader
+from models.gguf_tokenizer import tokenizer_from_reader
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-# llama.cpp's token types (tokenizer.ggml.token_type).
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
 
-# GGUF tensor name -> HF tensor name ({i}: the layer). `models.loader.hf_param_map` maps the
+# GGUF tensor name -> HF tensor name ({i}: the layer). `models.checkpoint.hf_param_map` maps the
 # HF names on to our parameters, so both formats end in the same model.
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -73,62 +71,13 @@ def gguf_tensor_names(config: ModelConfig) -> dict[str, str]:
 # ----------------------------------------------------------------------------- reading
 
 
-def _open(path: str):
-  """A `gguf.GGUFReader` over `path`; CheckpointError when the file is not a readable GGUF.
-
-  One reader per file per process (cached by path, mtime and size): parsing the metadata
-  takes seconds for a large vocabulary (7 s for SmolLM2's 49k tokens and merges on the
-  2-core machine), and a run reads the config, the weights and the tokenizer."""
-  if not os.path.isfile(path):
-    raise CheckpointError(f"GGUF file {path} does not exist")
-  st = os.stat(path)
-  return _open_file(os.path.realpath(path), st.st_mtime_ns, st.st_size, path)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_file(realpath: str, mtime_ns: int, size: int, path: str):
-  import gguf  # noqa: PLC0415 (GGUF support is loaded on use)
-
-  del realpath, mtime_ns, size  # the cache key
-  with open(path, "rb") as f:
-    magic = f.read(4)
-  if magic != b"GGUF":
-    raise CheckpointError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-  try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # the reader raises ValueError, IndexError, struct errors ...
-    raise CheckpointError(f"{path} is a truncated or corrupt GGUF file: "
-                          f"{type(e).__name__}: {e}") from e
-  split = _value(reader, path, "split.count", 1)
-  if isinstance(split, int) and split > 1:
-    raise CheckpointError(f"{path} is one of {split} GGUF split files; split checkpoints are "
-                          "not supported (merge them with llama.cpp's gguf-split --merge)")
-  return reader
-
-
-_MISSING = object()
-
-
-def _value(reader, path: str, key: str, default: Any = _MISSING) -> Any:
-  """A metadata value (str, int, float, bool or list); `default` when absent."""
-  field = reader.fields.get(key)
-  if field is None:
-    if default is _MISSING:
-      raise CheckpointError(f"{path} lacks metadata key {key!r}")
-    return default
-  try:
-    return field.contents()
-  except Exception as e:
-    raise CheckpointError(f"{path}: metadata key {key!r} cannot be read: {e}") from e
-
-
 @functools.lru_cache(maxsize=8)
 def _summary(path: str, mtime_ns: int, size: int) -> tuple[ModelConfig, str]:
   """(config, "auto" dtype) of a file, cached by identity: `checkpoint_dtype`, `load_config`
   and `load_pretrained` each read the file's metadata, which takes seconds for a large
   vocabulary."""
   del mtime_ns, size
-  reader = _open(path)
+  reader = open_reader(path)
   return _config(reader, path), _auto_dtype(reader, path)
 
 
@@ -163,13 +112,13 @@ def _auto_dtype(reader, path: str) -> str:
 
 def _config(reader, path: str) -> ModelConfig:
   """The HF config.json fields the metadata gives, through `ModelConfig.from_hf_dict`."""
-  arch = _value(reader, path, "general.architecture")
+  arch = metadata_value(reader, path, "general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise CheckpointError(f"{path}: unknown architecture {arch!r} (general.architecture); "
                           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
-  def key(name: str, default: Any = _MISSING) -> Any:
-    value = _value(reader, path, f"{arch}.{name}", default)
+  def key(name: str, default: Any = MISSING) -> Any:
+    value = metadata_value(reader, path, f"{arch}.{name}", default)
     if isinstance(value, list):  # per-layer values (some architectures): one value only
       if len(set(value)) != 1:
         raise CheckpointError(f"{path}: metadata key {arch}.{name} varies per layer "
@@ -228,9 +177,9 @@ def _config(reader, path: str) -> ModelConfig:
       "attention_bias": "blk.0.attn_q.bias" in names,
       "mlp_bias": "blk.0.ffn_gate.bias" in names,
       "sliding_window": key("attention.sliding_window", None),
-      "bos_token_id": _value(reader, path, "tokenizer.ggml.bos_token_id", None),
-      "eos_token_id": _value(reader, path, "tokenizer.ggml.eos_token_id", None),
-      "pad_token_id": _value(reader, path, "tokenizer.ggml.padding_token_id", None),
+      "bos_token_id": metadata_value(reader, path, "tokenizer.ggml.bos_token_id", None),
+      "eos_token_id": metadata_value(reader, path, "tokenizer.ggml.eos_token_id", None),
+      "pad_token_id": metadata_value(reader, path, "tokenizer.ggml.padding_token_id", None),
   }
   try:
     return ModelConfig.from_hf_dict(raw)
@@ -415,25 +364,16 @@ def _checked_tensors(reader, target: LoadTarget, path: str) -> list[tuple[Any, s
 def load_pretrained(path: str | os.PathLike, dtype: str = "float32",
                     mesh: jax.sharding.Mesh | None = None):
   """(model, config, tokenizer) from a GGUF file; see `models.loader.load_pretrained`."""
-  if dtype not in _DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
   path = os.fspath(path)
-  reader = _open(path)
+  reader = open_reader(path)
   config = _config(reader, path)
   target = LoadTarget(config, dtype, mesh)
   tensors = _checked_tensors(reader, target, path)
-  from models.gguf_tokenizer import tokenizer_from_reader  # noqa: PLC0415 (imports this module)
-
   tokenizer = tokenizer_from_reader(reader, path)  # before any tensor is read: fails fast
   hf_map = hf_param_map(config)
   for tensor, hf in tensors:
     param_path, transposed = hf_map[hf]
     target.set(param_path, transposed, _read_tensor(tensor, config, path))
   return target.model, target.config, tokenizer
-
-
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-  """The tokenizer a GGUF file's metadata describes (models/gguf_tokenizer.py)."""
-  from models import gguf_tokenizer  # noqa: PLC0415 (imports this module)
-
-  return gguf_tokenizer.load_tokenizer(path)

@@ -6,7 +6,8 @@ special tokens), BOS/EOS/pad ids, `add_bos_token`, the chat template, and the en
 token the template writes among the EOS ids. Token ids equal llama.cpp's (where
 transformers' GGUF tokenizer splits digits differently: tests/models). A tokenizer model
 it cannot read (SentencePiece "llama", ...) is refused with `CheckpointError` naming the
-file and the model. Read through `models.gguf_checkpoint`'s reader helpers.
+file and the model. Read through `models/gguf_reader.py` (as the checkpoint's metadata);
+`models.loader.load_tokenizer` and `models.gguf_checkpoint.load_pretrained` call it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ import functools
 import os
 from collections.abc import Sequence
 
-from models.gguf_checkpoint import TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, _open, _value
-from models.loader import CheckpointError
+from models.checkpoint import CheckpointError
+from models.gguf_reader import (
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_USER_DEFINED,
+    metadata_value,
+    open_reader,
+)
 from models.tokenizer import Tokenizer
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp splits text
@@ -62,9 +68,13 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<en
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-  """The tokenizer a GGUF file's metadata describes (see `Tokenizer.from_gguf`)."""
+  """The tokenizer a GGUF file's metadata describes: byte-level BPE ("gpt2": tokens, merges,
+  the pre-tokenizer `tokenizer.ggml.pre` names, control tokens as special tokens), BOS/EOS/pad
+  ids, `add_bos_token`, the chat template; EOS ids include the end-of-turn token the chat
+  template writes (e.g. `<|im_end|>`). Raises `CheckpointError` (a ValueError) naming the
+  file and the problem."""
   path = os.fspath(path)
-  return tokenizer_from_reader(_open(path), path)
+  return tokenizer_from_reader(open_reader(path), path)
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,21 +102,21 @@ def tokenizer_from_reader(reader, path: str) -> Tokenizer:
   if "tokenizer.ggml.tokens" not in reader.fields:
     raise CheckpointError(f"{path} has no tokenizer (metadata key 'tokenizer.ggml.tokens' is "
                           "missing)")
-  kind = _value(reader, path, "tokenizer.ggml.model", None)
+  kind = metadata_value(reader, path, "tokenizer.ggml.model", None)
   if kind != "gpt2":
     what = {"llama": "SentencePiece ('llama')", None: "none given"}.get(kind, repr(kind))
     raise CheckpointError(f"{path}: tokenizer.ggml.model {what} is not supported; only "
                           "'gpt2' (byte-level BPE) tokenizers load from GGUF metadata")
-  tokens = _value(reader, path, "tokenizer.ggml.tokens")
-  merges = _value(reader, path, "tokenizer.ggml.merges", None)
+  tokens = metadata_value(reader, path, "tokenizer.ggml.tokens")
+  merges = metadata_value(reader, path, "tokenizer.ggml.merges", None)
   if merges is None:
     raise CheckpointError(f"{path}: byte-level BPE tokenizer without merges "
                           "(metadata key 'tokenizer.ggml.merges' is missing)")
-  types = _value(reader, path, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
+  types = metadata_value(reader, path, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
   if len(types) != len(tokens):
     raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
                           f"{len(tokens)} tokens")
-  pre = _value(reader, path, "tokenizer.ggml.pre", "default")
+  pre = metadata_value(reader, path, "tokenizer.ggml.pre", "default")
   if pre not in _PRE_TOKENIZERS:
     raise CheckpointError(f"{path}: unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
                           f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
@@ -158,7 +168,7 @@ def tokenizer_from_reader(reader, path: str) -> Tokenizer:
     backend.add_tokens(user)
 
   def token_id(key: str) -> int | None:
-    value = _value(reader, path, f"tokenizer.ggml.{key}", None)
+    value = metadata_value(reader, path, f"tokenizer.ggml.{key}", None)
     if value is None:
       return None
     if not isinstance(value, int) or not 0 <= value < len(tokens):
@@ -168,8 +178,8 @@ def tokenizer_from_reader(reader, path: str) -> Tokenizer:
 
   bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
   pad, unk = token_id("padding_token_id"), token_id("unknown_token_id")
-  add_bos = bool(_value(reader, path, "tokenizer.ggml.add_bos_token", add_bos_default))
-  add_eos = bool(_value(reader, path, "tokenizer.ggml.add_eos_token", False))
+  add_bos = bool(metadata_value(reader, path, "tokenizer.ggml.add_bos_token", add_bos_default))
+  add_eos = bool(metadata_value(reader, path, "tokenizer.ggml.add_eos_token", False))
   add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
   # transformers' TokenizersBackend.update_post_processor: BOS/EOS around each sequence.
   single = ([tokens[bos]] if add_bos else []) + ["$A"] + ([tokens[eos]] if add_eos else [])
@@ -182,7 +192,7 @@ def tokenizer_from_reader(reader, path: str) -> Tokenizer:
   except Exception as e:
     raise CheckpointError(f"{path}: cannot add BOS/EOS tokens {specials}: {e}") from e
 
-  template = _value(reader, path, "tokenizer.chat_template", None)
+  template = metadata_value(reader, path, "tokenizer.chat_template", None)
   template = template if isinstance(template, str) else None
   eos_ids = _end_of_generation_ids(tokens, types, template, eos,
                                    [token_id("eot_token_id"), token_id("eom_token_id")])

@@ -1,17 +1,16 @@
-"""Loading (and saving) Hugging Face-layout checkpoints from a local directory; GGUF files.
+"""ONE loader for every checkpoint: the dispatcher (a path, a model preset's name or None ->
+its format) and the Hugging Face-layout directory's own loading, saving and converting.
 
-This module owns the mapping between HF tensor names (`model.layers.3.self_attn.q_proj.
-weight`, torch layout [out, in]) and our NNX parameters (`layers[3].self_attn.q_proj.kernel`,
-[in, out]), and every check a checkpoint must pass before a model is built from it. Every
-failure raises `CheckpointError` (a ValueError) naming the file and, where there is one, the
-tensor.
+A path that is a file is a GGUF checkpoint (llama.cpp's format; `models/gguf_checkpoint.py`
+owns it); a directory whose config.json names a DSA model type loads through
+`models/deepseek_v32_checkpoint.py`; every other directory is a llama-family HF checkpoint
+read here. Every public function takes any of them where it takes a path. This module is
+the only one that imports the formats' modules; what they share (`CheckpointError`, the HF
+tensor names, `LoadTarget`) is `models/checkpoint.py`, re-exported here. Every failure
+raises `CheckpointError` (a ValueError) naming the file and, where there is one, the tensor.
 
 Layout read: `config.json` + (`model.safetensors` | `model.safetensors.index.json` with its
 shards) + `tokenizer.json` (+ optional `generation_config.json`, `tokenizer_config.json`).
-
-A path that is a file is a GGUF checkpoint (llama.cpp's format; `models/gguf_checkpoint.py`
-owns it): every public function here takes one where it takes a directory, and both
-formats load through `LoadTarget` into the same model.
 """
 
 from __future__ import annotations
@@ -30,22 +29,25 @@ from safetensors import safe_open
 
 import models
 from models import sharding
+from models.checkpoint import (  # CheckpointError, LoadTarget, hf_param_map: also public here
+    CONFIG_FILE,
+    DTYPES,
+    GENERATION_CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    LoadTarget,
+    get_variable,
+    hf_param_map,
+    read_config_json,
+    tensor_files,
+)
 from models.config import ConfigError, ModelConfig
 from models.llama import LlamaForCausalLM
 from models.tokenizer import Tokenizer
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_SAVE_DTYPES = {**_DTYPES, "float16": jnp.float16}
+_SAVE_DTYPES = {**DTYPES, "float16": jnp.float16}
 # Buffers some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-  """A checkpoint we cannot load; the message names the file (and tensor)."""
 
 
 def _resolve(path: str | os.PathLike | None) -> str:
@@ -78,15 +80,16 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     return gguf_checkpoint.load_config(path)
   file, raw = read_config_json(path)
   if _is_dsa(raw):
-    from models import deepseek_v32  # noqa: PLC0415 (it imports this module)
-    return deepseek_v32.load_config(path)
+    from models import deepseek_v32_checkpoint  # noqa: PLC0415 (DSA support is loaded on use)
+    return deepseek_v32_checkpoint.load_config(path)
   try:
     return ModelConfig.from_hf_dict(raw)
   except ConfigError as e:
     raise CheckpointError(f"{file}: {e}") from e
 
 
-# DSA models (MLA + lightning indexer): their own config and loader (models/deepseek_v32.py).
+# DSA models (MLA + lightning indexer): their own config (models/deepseek_v32_config.py) and
+# checkpoint reading (models/deepseek_v32_checkpoint.py).
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
@@ -97,22 +100,6 @@ def _is_dsa(raw: dict) -> bool:
 def is_dsa_config(config: Any) -> bool:
   """Whether a loaded model config is a DSA model's (models.deepseek_v32)."""
   return getattr(config, "model_type", None) in DSA_MODEL_TYPES
-
-
-def read_config_json(path: str | os.PathLike) -> tuple[str, dict]:
-  """(path of, contents of) the HF directory's config.json; `CheckpointError` names the
-  file when it is missing, not JSON or not a JSON object."""
-  file = os.path.join(os.fspath(path), CONFIG_FILE)
-  if not os.path.isfile(file):
-    raise CheckpointError(f"missing file {file}")
-  try:
-    with open(file) as f:
-      raw = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{file} is not valid JSON: {e}") from e
-  if not isinstance(raw, dict):
-    raise CheckpointError(f"{file} does not hold a JSON object")
-  return file, raw
 
 
 def checkpoint_dtype(path: str | os.PathLike | None = None) -> str:
@@ -143,123 +130,6 @@ def checkpoint_dtype(path: str | os.PathLike | None = None) -> str:
                         "(float32, bfloat16, float16)")
 
 
-def hf_param_map(config: ModelConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
-  """HF tensor name -> (path of our parameter, whether the tensor is transposed)."""
-  out: dict[str, tuple[tuple[Any, ...], bool]] = {
-      "model.embed_tokens.weight": (("embed_tokens",), False),
-      "model.norm.weight": (("norm", "weight"), False),
-  }
-  if not config.tie_word_embeddings:
-    out["lm_head.weight"] = (("lm_head", "kernel"), True)
-  o_bias = config.attention_bias and config.model_type != "qwen2"
-  for i in range(config.num_hidden_layers):
-    pre = f"model.layers.{i}."
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-      out[f"{pre}{norm}.weight"] = (("layers", i, norm, "weight"), False)
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      out[f"{pre}self_attn.{proj}.weight"] = (("layers", i, "self_attn", proj, "kernel"), True)
-      if config.attention_bias and (proj != "o_proj" or o_bias):
-        out[f"{pre}self_attn.{proj}.bias"] = (("layers", i, "self_attn", proj, "bias"), False)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-      out[f"{pre}mlp.{proj}.weight"] = (("layers", i, "mlp", proj, "kernel"), True)
-      if config.mlp_bias:
-        out[f"{pre}mlp.{proj}.bias"] = (("layers", i, "mlp", proj, "bias"), False)
-  return out
-
-
-def _get_variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
-  node: Any = model
-  for part in path:
-    node = node[part] if isinstance(part, int) else getattr(node, part)
-  return node
-
-
-def _tensor_files(path: str) -> dict[str, str]:
-  """HF tensor name -> safetensors file holding it (single file or sharded index)."""
-  single = os.path.join(path, WEIGHTS_FILE)
-  index = os.path.join(path, WEIGHTS_INDEX_FILE)
-  if os.path.isfile(single):
-    files = [single]
-  elif os.path.isfile(index):
-    try:
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-      raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
-    for name, shard in weight_map.items():
-      if not os.path.isfile(os.path.join(path, shard)):
-        raise CheckpointError(f"missing file {os.path.join(path, shard)} (shard of tensor "
-                              f"{name!r} named by {index})")
-    files = sorted({os.path.join(path, s) for s in weight_map.values()})
-  else:
-    raise CheckpointError(f"missing file {single} (or {index})")
-  name_to_file: dict[str, str] = {}
-  for file in files:
-    try:
-      with safe_open(file, framework="flax") as f:
-        for name in f.keys():
-          name_to_file[name] = file
-    except Exception as e:  # safetensors raises its own error types on bad headers
-      raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
-  return name_to_file
-
-
-class LoadTarget:
-  """Where a checkpoint's tensors go, one at a time: the abstract model of `config` (shapes
-  only, no memory) whose variables each `set` fills. With a mesh, tensor parallelism over
-  its `models.sharding.TP_AXIS` axis: each tensor goes from host memory straight into its
-  shards (`models.sharding.param_spec`; no device holds a full copy of a split parameter)
-  and `config` / `model` are `models.sharding.tp_config`'s (KV heads repeated when fewer
-  than the devices). Both checkpoint formats (HF directory, GGUF file) load through it."""
-
-  def __init__(self, config: ModelConfig, dtype: str, mesh: jax.sharding.Mesh | None):
-    if dtype not in _DTYPES:
-      raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    self.dtype = _DTYPES[dtype]
-    self.mesh = mesh
-    self.source_config = config
-    self.shapes_model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=self.dtype,
-                                                                seed=None))
-    self.model = self.shapes_model  # the model whose variables get the values
-    self.config = config
-    self.repeat = 1
-    self.host = None
-    if mesh is not None:
-      tp = int(mesh.shape[sharding.TP_AXIS])
-      tp_cfg = sharding.tp_config(config, tp)
-      self.repeat = sharding.kv_head_repeat(config, tp)
-      if self.repeat > 1:
-        self.model = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=self.dtype,
-                                                             seed=None))
-      self.config = tp_cfg
-      self.host = jax.local_devices(backend="cpu")[0]  # tensors read into host memory
-
-  def checkpoint_shape(self, param_path: tuple[Any, ...], transposed: bool) -> tuple[int, ...]:
-    """The shape the checkpoint's tensor for `param_path` must have (HF layout)."""
-    var = _get_variable(self.shapes_model, param_path)
-    return tuple(var.shape[::-1] if transposed else var.shape)
-
-  def set(self, param_path: tuple[Any, ...], transposed: bool, tensor: Any) -> None:
-    """Fills `param_path` from a checkpoint tensor (HF layout; numpy or jax array). A numpy
-    tensor is cast and transposed on the host (no XLA op compiled per shape) and copied
-    to the device once."""
-    if self.mesh is None:
-      if isinstance(tensor, np.ndarray):
-        tensor = tensor.astype(self.dtype, copy=False)
-        tensor = jnp.asarray(np.ascontiguousarray(tensor.T if transposed else tensor))
-        _get_variable(self.model, param_path).set_value(tensor)
-        return
-      tensor = jnp.asarray(tensor).astype(self.dtype)
-      _get_variable(self.model, param_path).set_value(tensor.T if transposed else tensor)
-      return
-    tensor = np.asarray(tensor).astype(self.dtype)
-    tensor = sharding.repeat_kv_heads(tensor, str(param_path[-2:]),
-                                      self.source_config.head_dim, self.repeat, transposed)
-    tensor = tensor.T if transposed else tensor
-    spec = jax.sharding.NamedSharding(self.mesh, sharding.param_spec(param_path))
-    _get_variable(self.model, param_path).set_value(jax.device_put(tensor, spec))
-
-
 def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32",
                     mesh: jax.sharding.Mesh | None = None
                     ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
@@ -274,11 +144,11 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
   `models.sharding.tp_config` (KV heads repeated when fewer than the devices).
 
   A DSA checkpoint (config.json's model_type deepseek_v32 or glm_moe_dsa) loads through
-  `models.deepseek_v32.load_pretrained`: (DeepseekV32ForCausalLM, DeepseekV32Config,
+  `models.deepseek_v32_checkpoint.load_pretrained`: (DeepseekV32ForCausalLM, DeepseekV32Config,
   tokenizer); no tensor parallelism.
   """
-  if dtype not in _DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
   path = _resolve(path)
   if _is_gguf_path(path):
     from models import gguf_checkpoint  # noqa: PLC0415 (GGUF support is loaded on use)
@@ -288,11 +158,11 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
     if mesh is not None:
       raise CheckpointError(f"{path}: DSA models ({config.model_type}) are not supported "
                             "with tensor parallelism (--tensor_parallel_size > 1)")
-    from models import deepseek_v32  # noqa: PLC0415
-    model, config = deepseek_v32.load_pretrained(path, dtype)
+    from models import deepseek_v32_checkpoint  # noqa: PLC0415
+    model, config = deepseek_v32_checkpoint.load_pretrained(path, dtype)
     return model, config, _load_tokenizer(path)
   expected = hf_param_map(config)
-  name_to_file = _tensor_files(path)
+  name_to_file = tensor_files(path)
   present = {n for n in name_to_file if not n.endswith(_IGNORED_SUFFIXES)}
   if config.tie_word_embeddings:
     present.discard("lm_head.weight")  # some exporters write the tied copy; it is redundant
@@ -335,13 +205,16 @@ def load_pretrained(path: str | os.PathLike | None = None, dtype: str = "float32
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
   """The tokenizer of the checkpoint at `path` (None = the embedded default model); a GGUF
-  file's from its metadata (`Tokenizer.from_gguf`)."""
+  file's from its metadata (`models.gguf_tokenizer.load_tokenizer`)."""
   return _load_tokenizer(_resolve(path))
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
   try:
-    return Tokenizer.from_gguf(path) if _is_gguf_path(path) else Tokenizer.from_dir(path)
+    if _is_gguf_path(path):
+      from models import gguf_tokenizer  # noqa: PLC0415 (GGUF support is loaded on use)
+      return gguf_tokenizer.load_tokenizer(path)
+    return Tokenizer.from_dir(path)
   except CheckpointError:
     raise
   except (FileNotFoundError, ValueError) as e:
@@ -371,7 +244,7 @@ def save_pretrained(model: LlamaForCausalLM, out_dir: str | os.PathLike, *,
   config = model.config
   tensors = {}
   for name, (param_path, transposed) in hf_param_map(config).items():
-    value = _get_variable(model, param_path)[...]
+    value = get_variable(model, param_path)[...]
     value = value.T if transposed else value
     tensors[name] = jnp.asarray(jax.device_get(value)).astype(_SAVE_DTYPES[dtype])
   save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
@@ -450,9 +323,9 @@ def shard_model(model: LlamaForCausalLM, mesh: jax.sharding.Mesh) -> LlamaForCau
   dtype = model.embed_tokens[...].dtype
   placed = nnx.eval_shape(lambda: LlamaForCausalLM(tp_cfg, dtype=dtype, seed=None))
   for param_path, _ in hf_param_map(config).values():
-    value = np.asarray(jax.device_get(_get_variable(model, param_path)[...]))
+    value = np.asarray(jax.device_get(get_variable(model, param_path)[...]))
     value = sharding.repeat_kv_heads(value, str(param_path[-2:]), config.head_dim, repeat,
                                      transposed=False)
     spec = jax.sharding.NamedSharding(mesh, sharding.param_spec(param_path))
-    _get_variable(placed, param_path).set_value(jax.device_put(value, spec))
+    get_variable(placed, param_path).set_value(jax.device_put(value, spec))
   return placed

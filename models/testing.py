@@ -61,12 +61,12 @@ def random_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from models.loader import _get_variable, hf_param_map  # noqa: PLC0415
+  from models.checkpoint import get_variable, hf_param_map  # noqa: PLC0415
 
   model = LlamaForCausalLM(config, seed=seed)
   rng = np.random.default_rng(seed + 1)
   for name, (path, _) in hf_param_map(config).items():
-    var = _get_variable(model, path)
+    var = get_variable(model, path)
     if len(var.shape) == 1:
       base = 1.0 if name.endswith("norm.weight") else 0.0
       var.set_value(jnp.asarray(base + 0.1 * rng.standard_normal(var.shape), var.dtype))
@@ -114,13 +114,13 @@ def gguf_contents(model: LlamaForCausalLM, tokenizer, *, tensor_type: Any = None
   from gguf import GGMLQuantizationType as Q  # noqa: PLC0415
   from gguf.quants import quantize  # noqa: PLC0415
 
+  from models.checkpoint import get_variable, hf_param_map  # noqa: PLC0415
   from models.gguf_checkpoint import (  # noqa: PLC0415
       ROPE_FREQS,
       gguf_tensor_names,
       llama3_rope_factors,
       permute_qk,
   )
-  from models.loader import _get_variable, hf_param_map  # noqa: PLC0415
 
   config = model.config
   arch = config.model_type
@@ -167,7 +167,7 @@ def gguf_contents(model: LlamaForCausalLM, tokenizer, *, tensor_type: Any = None
                                               config.rope_scaling)
   for gguf_name, hf_name in gguf_tensor_names(config).items():
     path, transposed = hf_map[hf_name]
-    value = np.asarray(jax.device_get(_get_variable(model, path)[...]), np.float32)
+    value = np.asarray(jax.device_get(get_variable(model, path)[...]), np.float32)
     value = value.T if transposed else value
     if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
       heads = (config.num_attention_heads if ".attn_q." in gguf_name

@@ -3,7 +3,8 @@
 This module owns text <-> ids for a checkpoint directory and the special ids the engine needs
 (BOS, EOS), which come from `generation_config.json` first, then `config.json`, then the
 tokenizer's own special tokens. A GGUF file's tokenizer is built from its metadata by
-`models/gguf_checkpoint.py` (`Tokenizer.from_gguf`). It also builds the word-level
+`models/gguf_tokenizer.py` (which imports this module; this one imports no checkpoint
+format: `models.loader.load_tokenizer` takes either). It also builds the word-level
 tokenizer of the default model (`build_word_level_tokenizer`) and writes the files that let
 `transformers.AutoTokenizer` load the same tokenizer (`save_tokenizer_files`).
 """
@@ -138,17 +139,6 @@ class Tokenizer:
     return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids,
                pad_token_id=merged.get("pad_token_id"), chat_template=_chat_template(path),
                special_tokens=special)
-
-
-  @classmethod
-  def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer a GGUF file's metadata describes: byte-level BPE (`tokenizer.ggml.model`
-    "gpt2": tokens, merges, the pre-tokenizer `tokenizer.ggml.pre` names, control tokens as
-    special tokens), BOS/EOS/pad ids, `add_bos_token`, the chat template; EOS ids include
-    the end-of-turn token the chat template writes (e.g. `<|im_end|>`). Raises
-    `models.loader.CheckpointError` (a ValueError) naming the file and the problem."""
-    from models import gguf_checkpoint  # noqa: PLC0415 (GGUF support is loaded on use)
-    return gguf_checkpoint.load_tokenizer(path)
 
 
 class DecodeStream:

@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
           # silently corrupted, SGLang-JAX warns)
           "tests/hisparse_jax/kv_cache/test_round_trips.py",
           "tests/hisparse_jax/sparse/test_hisparse_engine.py",
+          "tests/hisparse_jax/sparse/test_hisparse_engine_resources.py",
           "tests/hisparse_jax/engine/test_engine_pallas.py",
           "tests/hisparse_jax/kv_cache/test_kv_quant_engine.py::"
           "test_int8_hisparse_engine_on_the_pallas_kernels_equals_xla"],

@@ -2,8 +2,9 @@
 
 ``python -m hisparse_jax.bench.report results/bench_cpu.json`` prints the Markdown the
 README carries (``results/passkey_cpu.json``: its passkey section);
-tests/hisparse_jax/bench/test_bench.py checks that the README holds exactly this text for
-the committed JSON, so the README cannot drift from the recorded run.
+tests/hisparse_jax/bench/test_bench.py (and test_bench_named_suites.py, for the suites run
+by name) checks that the README holds exactly this text for the committed JSON, so the
+README cannot drift from the recorded run.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ class TierConnector:
   """The third tier(s) of one engine: loads on prefix misses, stores of prompt blocks.
 
   Invariants: every host block it holds (a load in flight) is counted in
-  `BlockManager.tier_held` until the load finished; a request is in `Scheduler.loading`
+  `BlockManager.tier_holds` until the load finished; a request is in `Scheduler.loading`
   exactly while one of its loads is in flight; a host block gets a prefix hash from a
   load only for the verified prefix of that load's chain.
   """

@@ -33,6 +33,7 @@ The BlockManager owns its state and the parts that act on it (all host bookkeepi
                             one engine step
       .placement            HiSparsePlacement (hisparse_placement.py): write-through,
                             offload, hot slots
+      .tier_holds           TierHolds (tier_holds.py): host blocks the third tier holds
     seq_state.py            SeqState: one sequence's blocks; PENDING_TOKEN
     block_invariants.py     check_block_manager: the invariants below, over that state
     block_plans.py          the plans it returns
@@ -58,6 +59,7 @@ from hisparse_jax.kv_cache.kv_hash import BlockHash
 from hisparse_jax.kv_cache.kv_pool import NULL_BLOCK_ID
 from hisparse_jax.kv_cache.prefix_cache import PrefixCache
 from hisparse_jax.kv_cache.seq_state import PENDING_TOKEN, SeqState
+from hisparse_jax.kv_cache.tier_holds import TierHolds
 from hisparse_jax.kv_cache.tier_mover import TierMover
 
 __all__ = ["PENDING_TOKEN", "AllocateResult", "AppendResult", "BlockManager", "SwapInPlan",
@@ -69,7 +71,8 @@ class BlockManager:
 
   State: `device_pool` and `host_pool` (BlockPool), the sequences `_seqs` (SeqState by
   id), and, in its parts, the host blocks pinned by this step's plans
-  (`tier_mover.pinned_host_groups`); `prefix_cache` and `placement` own none.
+  (`tier_mover.pinned_host_groups`) and held by the third tier (`tier_holds.held`);
+  `prefix_cache` and `placement` own none.
 
   Invariants (checked by `check_invariants`):
   - both pools hold their own invariants (`BlockPool`);
@@ -81,7 +84,7 @@ class BlockManager:
     and no device block;
   - a device block's ref_cnt equals the resident table entries and hot slots naming it;
     a host block's ref_cnt equals the swapped table entries and `host_ids` naming it
-    plus the pins of this step's transfers;
+    plus the pins of this step's transfers and the third tier's holds;
   - the null block appears in no table otherwise;
   - a block carries a hash only once it is full and its KV is computed (or computed
     in the step that cached it), and the hash is that of the sequence's tokens up to
@@ -109,9 +112,7 @@ class BlockManager:
                                 self.prefix_cache)
     self.placement = HiSparsePlacement(self.device_pool, self.host_pool, block_size,
                                        self.tier_mover)
-    # Host blocks held by third-tier loads in flight (engine/tier_connector.py), one
-    # reference each, until the load finishes (`release_host_blocks`).
-    self.tier_held: dict[int, list[int]] = {}
+    self.tier_holds = TierHolds(self.device_pool, self.host_pool, enable_prefix_caching)
 
   @property
   def pools(self) -> dict[str, BlockPool]:
@@ -121,7 +122,7 @@ class BlockManager:
   def check_invariants(self) -> None:
     """Raises AssertionError when a class invariant does not hold."""
     check_block_manager(self.device_pool, self.host_pool, self._seqs,
-                        [*self.tier_mover.pinned_host_groups, *self.tier_held.values()],
+                        [*self.tier_mover.pinned_host_groups, *self.tier_holds.held.values()],
                         self.block_size, self.enable_prefix_caching)
 
   # --- Queries -------------------------------------------------------------------
@@ -396,56 +397,21 @@ class BlockManager:
     """
     self.prefix_cache.cache_full_blocks(self._resident(seq_id), num_computed_tokens)
 
-  # --- The third tier (engine/tier_connector.py) ------------------------------------
+  # --- The third tier (tier_holds.py; engine/tier_connector.py) --------------------
 
   def take_host_blocks(self, num_blocks: int) -> list[int]:
-    """Up to `num_blocks` host blocks (fewer when fewer are free) for a third-tier load to
-    write into, held (`tier_held`) until `release_host_blocks`."""
-    host_ids = self.host_pool.allocate(min(num_blocks, self.host_pool.num_free_blocks))
-    if host_ids:
-      self.tier_held[host_ids[0]] = host_ids
-    return host_ids
+    """Host blocks a third-tier load writes into, held until released (TierHolds.take)."""
+    return self.tier_holds.take(num_blocks)
 
   def release_host_blocks(self, host_ids: Sequence[int], hashes: Sequence[BlockHash] | None
                           ) -> None:
-    """Drops the hold on `host_ids` (from `take_host_blocks` or `host_copies`); the first
-    len(hashes) of them hold those blocks' verified KV and stay CACHED under their
-    hashes (as host prefix hits), unless the host tier holds the hash already."""
-    if not host_ids:
-      return
-    self.tier_held.pop(host_ids[0], None)
-    if hashes and self.enable_prefix_caching:
-      for block_id, block_hash in zip(host_ids, hashes):
-        if (self.host_pool.block_hash(block_id) is None
-            and self.host_pool.peek_cached_block(block_hash) is None):
-          self.host_pool.cache_block(block_id, block_hash)
-    self.host_pool.free(reversed(list(host_ids)))  # the chain's tail evicted first
+    """Drops a hold; verified loaded blocks stay CACHED (TierHolds.release)."""
+    self.tier_holds.release(host_ids, hashes)
 
   def host_copies(self, hashes: Sequence[BlockHash]
                   ) -> tuple[list[int], np.ndarray, np.ndarray, list[int]]:
-    """Host blocks holding the blocks of `hashes` (a chain), for a third-tier store:
-    (host ids, each held until `release_host_blocks(host_ids, None)`; device ids and new
-    host ids of the d2h copies the caller must dispatch first; the indices into `hashes`
-    found). A block the host tier holds is shared; one only the device holds gets a new
-    host block, CACHED under its hash once released. Stops at the first block in neither
-    tier or when the host pool has no free block."""
-    host_ids, device_ids, copy_ids, found = [], [], [], []
-    for j, block_hash in enumerate(hashes):
-      host_id = self.host_pool.peek_cached_block(block_hash)
-      if host_id is not None:
-        self.host_pool.touch([host_id])
-      else:
-        device_id = self.device_pool.peek_cached_block(block_hash)
-        if device_id is None or self.host_pool.num_free_blocks == 0:
-          break
-        (host_id,) = self.host_pool.allocate(1)
-        self.host_pool.cache_block(host_id, block_hash)
-        device_ids.append(device_id)
-        copy_ids.append(host_id)
-      host_ids.append(host_id)
-      found.append(j)
-    return (host_ids, np.asarray(device_ids, np.int32), np.asarray(copy_ids, np.int32),
-            found)
+    """Held host blocks of a chain, for a third-tier store (TierHolds.copies)."""
+    return self.tier_holds.copies(hashes)
 
   # --- Moves between tiers (tier_mover.py: the plan contract of one step) ---------
 

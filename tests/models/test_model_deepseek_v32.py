@@ -27,7 +27,8 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
 from models import deepseek_v32 as ds
-from models import testing
+from models import deepseek_v32_checkpoint, testing
+from models.config import ConfigError
 from models.loader import CheckpointError
 
 HF_CONFIG = testing.DSA_TINY_HF_CONFIG
@@ -63,7 +64,7 @@ def _forward(model, ids):
 def _save_random(path, kind, **overrides):
   """(HF eager model, our model loaded from `path`): models.testing.save_random_dsa."""
   hf = testing.save_random_dsa(path, kind, **overrides)
-  return hf, ds.load_pretrained(path)[0]
+  return hf, deepseek_v32_checkpoint.load_pretrained(path)[0]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -197,7 +198,7 @@ def test_config_and_checkpoint_errors(checkpoint, tmp_path):
       "model_type must be": {"model_type": "llama"},
   }
   for message, change in bad.items():
-    with pytest.raises(ds.ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
       ds.DeepseekV32Config.from_hf_dict({**raw, **change})
   if base.model_type == ds.GLM_MODEL_TYPE:
     bad["indexer_types must hold .* the first 'full'"] = {
@@ -238,7 +239,7 @@ def test_config_and_checkpoint_errors(checkpoint, tmp_path):
   name = "model.layers.2.mlp.experts.5.up_proj.weight"  # (layer 2 has an indexer in both)
   save_file({k: v for k, v in tensors.items() if k != name}, broken / "model.safetensors")
   with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
-    ds.load_pretrained(broken)
+    deepseek_v32_checkpoint.load_pretrained(broken)
 
 
 def test_fused_expert_layout_loads_the_same(checkpoint, prompts, tmp_path):
@@ -258,7 +259,7 @@ def test_fused_expert_layout_loads_the_same(checkpoint, prompts, tmp_path):
   fused.mkdir()
   (fused / "config.json").write_text((path / "config.json").read_text())
   save_file(tensors, fused / "model.safetensors")
-  loaded, _ = ds.load_pretrained(fused)
+  loaded, _ = deepseek_v32_checkpoint.load_pretrained(fused)
   ids = jnp.asarray(_buffer(prompts))
   np.testing.assert_array_equal(np.asarray(_forward(loaded, ids)[0]),
                                 np.asarray(_forward(model, ids)[0]))
@@ -319,7 +320,7 @@ def test_bfloat16_keeps_router_and_indexer_weights_float32(checkpoint, prompts):
   expert and top-k choices, and transformers' own bfloat16 model is 10-22% (mean absolute
   logit error over mean absolute logit) from its float32 one here."""
   path, _, model, _ = checkpoint
-  bf16, _ = ds.load_pretrained(path, dtype="bfloat16")
+  bf16, _ = deepseek_v32_checkpoint.load_pretrained(path, dtype="bfloat16")
   layer = bf16.layers[2]  # MoE, with an indexer in both kinds
   assert layer.mlp.gate.weight[...].dtype == jnp.float32
   assert layer.mlp.gate.e_score_correction_bias[...].dtype == jnp.float32

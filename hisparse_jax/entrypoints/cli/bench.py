@@ -141,7 +141,7 @@ def _write_json(result: dict, path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-  del argv  # all input comes from the flags of hisparse_jax.entrypoints.cli.main
+  del argv  # all input comes from the flags of hisparse_jax.entrypoints.cli.flag_defs
   names = suite_names(FLAGS.suite)
   for name in names:  # (full and smoke: every suite's; others: a suite's own)
     module = importlib.import_module(

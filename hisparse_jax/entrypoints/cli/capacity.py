@@ -29,7 +29,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv: list[str]) -> int:
-  del argv  # all input comes from the shared flags of hisparse_jax.entrypoints.cli.main
+  del argv  # all input comes from the shared flags of hisparse_jax.entrypoints.cli.flag_defs
   try:  # before the model loads
     check_kv_cache_dtype(FLAGS.kv_cache_dtype)
   except ValueError as e:

@@ -50,7 +50,7 @@ def check_out(out: str | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-  del argv  # all input comes from the shared flags of hisparse_jax.entrypoints.cli.main
+  del argv  # all input comes from the shared flags of hisparse_jax.entrypoints.cli.flag_defs
   out = check_out(FLAGS.out)
   from models import loader  # noqa: PLC0415 (heavy: jax)
 

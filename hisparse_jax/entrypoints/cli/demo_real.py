@@ -1,5 +1,6 @@
-"""The real-model part of `hisparse-jax demo` (see demo.py): a chat answer and passkey
-retrievals under HiSparse with a device pool too small for all of them."""
+"""The real-model part of `hisparse-jax demo` (see demo.py, which dispatches here): a chat
+answer and passkey retrievals under HiSparse with a device pool too small for all of them
+(sizes from demo_common.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import dataclasses
 
 from absl import flags
 
-from hisparse_jax.entrypoints.cli import demo as demo_cmd
 from hisparse_jax.entrypoints.cli import generate as generate_cmd
+from hisparse_jax.entrypoints.cli.demo_common import demo_settings, host_pool_line
 
 FLAGS = flags.FLAGS
 NUM_PROMPTS = 3
@@ -62,9 +63,8 @@ def real_demo() -> int:
                              max_model_len=max_model_len).reserved_bytes
 
   max_new = FLAGS.max_new_tokens if FLAGS["max_new_tokens"].present else MAX_NEW_TOKENS
-  chosen = demo_cmd.demo_settings(prompt_len, spec.bytes_per_token, spec.block_size,
-                                  num_prompts, max_new, reserved_bytes,
-                                  device_pool_prompts=DEVICE_POOL_PROMPTS)
+  chosen = demo_settings(prompt_len, spec.bytes_per_token, spec.block_size, num_prompts,
+                         max_new, reserved_bytes, device_pool_prompts=DEVICE_POOL_PROMPTS)
   llm_kwargs = generate_cmd.engine_kwargs_from_flags()
   llm_kwargs["max_num_seqs"] = max_num_seqs
   # The passkey prompts share their filler up to the first needle: with prefix caching
@@ -99,7 +99,7 @@ def real_demo() -> int:
                             metrics_json=FLAGS.metrics_json,
                             prometheus_port=FLAGS.prometheus_port,
                             **generate_cmd.dashboard_from_flags())
-  print(demo_cmd.host_pool_line(result), flush=True)
+  print(host_pool_line(result), flush=True)
   print(f"try it yourself: hisparse-jax generate --model={model} --chat "
         "--prompt='Name three colors of the rainbow.' --max_new_tokens=48", flush=True)
   return 0

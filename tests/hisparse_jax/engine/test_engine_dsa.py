@@ -26,8 +26,7 @@ from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST
-from models import deepseek_v32 as ds
-from models import testing
+from models import deepseek_v32_checkpoint, testing
 from models.loader import CheckpointError
 
 KINDS = ("deepseek_v32", "glm_moe_dsa")
@@ -57,7 +56,7 @@ def checkpoint(request, tmp_path_factory):
   kind = request.param
   path = tmp_path_factory.mktemp(kind) / "ckpt"
   hf = testing.save_random_dsa(path, kind)
-  model, _ = ds.load_pretrained(path)
+  model, _ = deepseek_v32_checkpoint.load_pretrained(path)
   rng = np.random.default_rng(1)
   prompts = [rng.integers(2, 97, size=n).tolist() for n in PROMPT_LENS]
   greedy = []

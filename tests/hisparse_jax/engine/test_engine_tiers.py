@@ -79,7 +79,7 @@ def redis_server(tmp_path):
 
 def _no_leaks(engine: Engine) -> None:
   bm = engine.block_manager
-  assert not bm.tier_held and engine.tier.num_loading == 0
+  assert not bm.tier_holds.held and engine.tier.num_loading == 0
   assert bm.host_pool.num_free_blocks == bm.host_pool.num_usable_blocks
   assert bm.device_pool.num_free_blocks == bm.device_pool.num_usable_blocks
 

@@ -6,6 +6,7 @@ import sys
 
 from absl import flags
 
+from hisparse_jax.entrypoints.cli import flag_defs
 from hisparse_jax.entrypoints.cli import main as cli
 
 
@@ -35,11 +36,13 @@ def test_command_help_shows_its_own_flags():
 
 
 def test_every_project_flag_belongs_to_a_command():
-  """The groups name real flags, and every flag cli.py defines is in some command's help."""
+  """The groups name real flags, and every flag flag_defs.py defines is in some command's
+  help."""
   grouped = {n for groups in cli.COMMAND_FLAGS.values() for _, names in groups for n in names}
   assert set(cli.COMMAND_FLAGS) == set(cli.COMMANDS)
+  defined_in = flags.FLAGS.find_module_defining_flag
   ours = {name for name, flag in flags.FLAGS._flags().items()
-          if name == flag.name and flags.FLAGS.find_module_defining_flag(name) == cli.__name__}
+          if name == flag.name and defined_in(name) == flag_defs.__name__}
   assert grouped == ours, (grouped ^ ours)
 
 
@@ -47,7 +50,7 @@ def test_helpfull_lists_the_project_flags_first_and_exits_0():
   r = _help("--helpfull")
   assert r.returncode == 0, r.stderr
   assert r.stdout.startswith("usage: hisparse-jax COMMAND [--flags]")
-  ours = r.stdout.index("hisparse_jax.entrypoints.cli.main:")
+  ours = r.stdout.index("hisparse_jax.entrypoints.cli.flag_defs:")
   absl_logging = r.stdout.index("absl.logging:")
   assert ours < absl_logging
   assert "--top_k_tokens: HiSparse:" in r.stdout and "--verbosity" in r.stdout
@@ -85,7 +88,7 @@ def test_each_command_lists_every_flag_it_reads():
   import re
 
   from hisparse_jax.entrypoints.cli import generate as generate_cmd
-  ours = {f.name for f in flags.FLAGS.get_flags_for_module(cli)}
+  ours = {f.name for f in flags.FLAGS.get_flags_for_module(flag_defs)}
   helpers = {name: _flags_read(inspect.getsource(fn)) for name, fn in vars(generate_cmd).items()
              if inspect.isfunction(fn) and fn.__module__ == generate_cmd.__name__}
   for command, (module_name, _) in cli.COMMANDS.items():

@@ -8,82 +8,42 @@ plans 11 blocks with HiSparse (key bounds of every device and host block, an eig
 block's bytes each, and the hot-buffer state come out of it), so the six prompts are
 preempted, come back offloaded and read blocks from the host pool. Steps compute at most
 16 tokens (prefill in chunks of 16), so every step pads to one token bucket and the file
-compiles few programs (compilation is nearly all of its time).
+compiles few programs (compilation is nearly all of its time). The tokens: sparse rows
+give the dense reference's (or the all-resident run's) tokens. What the host loads move,
+what HiSparse reserves and counts, and its config: test_hisparse_engine_resources.py.
 """
 
 import dataclasses
-import functools
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
-from absl.testing import flagsaver
 from engine_fixtures import (
-  BLOCK_SIZE,
-  MAX_MODEL_LEN,
-  NUM_HOST_BLOCKS,
-  SIX_PROMPTS,
   add_all,
   assert_all_blocks_free,
-  gib_for_blocks,
   random_prompts,
   reference_greedy,
   run,
   tiny_model,
 )
+from hisparse_engine_fixtures import (
+  FULL,
+  GREEDY,
+  NUM_TOKENS,
+  PROMPTS,
+  SMALL,
+  count_sparse_rows,
+  make_engine,
+)
 
 import kernels_pallas
 import models
 from hisparse_jax import HiSparseConfig
-from hisparse_jax.engine.engine import Engine, EngineConfig
-from hisparse_jax.engine.runner import bounds_bytes_per_block
 from hisparse_jax.engine.sampling import SamplingParams
-from hisparse_jax.entrypoints.cli import generate as generate_cmd
-from hisparse_jax.entrypoints.cli import main as cli  # noqa: F401 (defines the flags)
-from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool, from_storage
-from hisparse_jax.sparse import resolver  # noqa: F401
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, from_storage
 from models import data
-
-PROMPTS = SIX_PROMPTS
-NUM_TOKENS = 20
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
-# The configs below take the sparse path for every long decode row, offloaded or resident
-# (resident_sparse_min_tokens=0: the toy's rows are far too short for the default cost
-# rule, which would decode resident ones densely; that rule has its own test).
-# top_k covers max_model_len (8 blocks): every sparse row selects all its blocks.
-FULL = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
-                      sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16,
-                      resident_sparse_min_tokens=0)
-# Two blocks per sparse step: the sink block and the newest one; a hot buffer of 2 blocks.
-SMALL = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8, local_tokens=8,
-                       sparse_threshold_tokens=16, resident_sparse_min_tokens=0)
-BLOCKS = '{source="device"}'
-
-
-def _engine(hisparse, num_dense_blocks=17, model=None, **overrides):
-  model = model if model is not None else tiny_model()
-  fields = dict(block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-                max_num_batched_tokens=16,
-                device_kv_gib=gib_for_blocks(model.config, num_dense_blocks),
-                host_pool_gib=gib_for_blocks(model.config, NUM_HOST_BLOCKS), hisparse=hisparse)
-  return Engine(EngineConfig(**{**fields, **overrides}), model=model, model_config=model.config)
-
-
-def _count_sparse_rows(engine):
-  """Wraps build_batch; returns a list that gets each step's number of sparse rows."""
-  counts, build = [], engine.runner.build_batch
-
-  def recording(chunks, tables, tiers=None):
-    batch = build(chunks, tables, tiers)
-    counts.append(int(batch.metadata.sparse_rows.sum()))
-    return batch
-
-  engine.runner.build_batch = recording
-  return counts
 
 
 def _assert_bounds_exact(engine):
@@ -121,19 +81,14 @@ def _assert_bounds_exact(engine):
   return len(slots) + len(host_ids)
 
 
-@pytest.fixture(scope="module")
-def reference():
-  return reference_greedy(tiny_model(), PROMPTS, NUM_TOKENS)
-
-
 @pytest.mark.parametrize(("bounds_dtype", "num_device_blocks"),
                          [("bfloat16", 14), ("float32", 11)])
 def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, bounds_dtype,
                                                                      num_device_blocks):
   # bfloat16 bounds (the default) take half the device bytes of float32 ones: more blocks.
-  engine = _engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
+  engine = make_engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
   assert engine.device_pool.num_blocks == num_device_blocks
-  sparse_rows = _count_sparse_rows(engine)
+  sparse_rows = count_sparse_rows(engine)
   checked = []
   step = engine.step
 
@@ -170,8 +125,8 @@ def test_every_selection_at_full_top_k_gives_the_dense_tokens(reference, selecti
   # Top-k covering max_model_len: every head of every selection attends to every block,
   # offloaded requests loading theirs from the host pool; per-head selections go through
   # paged_attention_per_head. ("union", the default, is the test above.)
-  engine = _engine(dataclasses.replace(FULL, selection=selection), num_dense_blocks=14)
-  sparse_rows = _count_sparse_rows(engine)
+  engine = make_engine(dataclasses.replace(FULL, selection=selection), num_dense_blocks=14)
+  sparse_rows = count_sparse_rows(engine)
   add_all(engine, PROMPTS, GREEDY)
   outputs = run(engine)
   assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
@@ -180,154 +135,9 @@ def test_every_selection_at_full_top_k_gives_the_dense_tokens(reference, selecti
   assert_all_blocks_free(engine)
 
 
-def test_host_loads_move_the_misses_and_metrics_count_them(reference):
-  # Every step's in-step host loads move, per layer, exactly its misses on CPU (block
-  # copies; GPU's host gather: the smallest load size holding them, as the resolver
-  # tests check): nothing when every selected block is resident or hot. The h2d bytes
-  # metric is exactly the swap-ins' blocks plus what those loads moved.
-  engine = _engine(FULL)
-  results, collect = [], engine.runner.collect
-
-  def recording(handle):
-    result = collect(handle)
-    results.append(result)
-    return result
-
-  engine.runner.collect = recording
-  add_all(engine, PROMPTS, GREEDY)
-  outputs = run(engine)
-  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
-  no_miss = with_miss = 0
-  for result in results:
-    misses = result.counts[:, :, 2].sum(axis=1)  # [layers] (COUNT_FIELDS: host)
-    np.testing.assert_array_equal(result.loaded, misses)
-    no_miss += int((misses == 0).sum())
-    with_miss += int((misses > 0).sum())
-  assert no_miss > 0 and with_miss > 0
-  m = engine.metrics()
-  spec = engine.device_pool.spec
-  moved = sum(r.loaded_block_layers for r in results)
-  assert m['hisparse_transfer_bytes_total{direction="h2d"}'] == (
-      m['hisparse_transfer_blocks_total{direction="h2d"}'] * spec.bytes_per_block
-      + moved * spec.bytes_per_block // spec.num_layers)
-  assert m["hisparse_hot_buffer_loads_total"] == sum(int(r.counts[:, :, 2].sum())
-                                                     for r in results)
-  assert_all_blocks_free(engine)
-
-
-def _lowered_load(one_memory):
-  spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32",
-                     block_size=4)
-  device_pool, host_pool = KVPool(spec, 16, DEVICE), KVPool(spec, 24, PINNED_HOST)
-  load = jax.jit(functools.partial(resolver.load_blocks, device_sharding=device_pool.sharding,
-                                   host_sharding=host_pool.sharding, one_memory=one_memory))
-  ids = jnp.zeros(40, jnp.int32)
-  return load.lower(host_pool.arrays(), device_pool.arrays(), ids, ids).as_text()
-
-
-def test_a_step_without_a_miss_copies_no_block_on_cpu():
-  # The lowered load on CPU (one memory): the host pages are read only inside a loop
-  # whose trip count is the number of loads (0 without a miss), one block per iteration;
-  # no gather or scatter touches them.
-  text = _lowered_load(None)
-  pages = ("tensor<24x4x2x8xf32>", "tensor<16x4x2x8xf32>")  # host and device pages
-  for line in text.splitlines():
-    if '"stablehlo.gather"' in line or '"stablehlo.scatter"' in line:
-      assert not any(p in line for p in pages), line  # only the id lists are gathered
-  assert text.count("stablehlo.while") == 1
-  loop = text[text.index("stablehlo.while"):]
-  cond = loop[loop.index("cond {"):loop.index("} do {")]
-  assert re.search(r"stablehlo.compare\s+LT, %iterArg_\d+, %iterArg_\d+", cond)  # i < loads
-  body = loop[loop.index("} do {"):]
-  slices = re.findall(r"stablehlo.dynamic_slice .*tensor<1x4x2x8xf32>", body)
-  assert len(slices) == 2  # one block of K and one of V per iteration
-
-
-def test_a_step_without_a_miss_runs_no_host_gather():
-  # The lowered load on GPU (forced here): a while loop of 8-block trips whose trip
-  # count is ceil(loads / 8) (0 without a miss), the only host computation inside its
-  # body; no conditional (XLA's host offloader rejects a host computation in a branch:
-  # jax 0.11.2 on an H200).
-  text = _lowered_load(False)
-  assert '"stablehlo.case"' not in text and "stablehlo.if" not in text
-  assert text.count("stablehlo.while") == 1
-  loop = text[text.index("stablehlo.while"):]
-  cond = loop[loop.index("cond {"):loop.index("} do {")]
-  assert re.search(r"stablehlo.compare\s+LT, %iterArg_\d+, %iterArg_\d+", cond)  # i < trips
-  body = loop[loop.index("} do {"):]
-  body = body[:body.index("\n    }")]
-  assert text.count("func.call @gather") == body.count("func.call @gather") == 1
-
-  def function(name):
-    fn = text[text.index(f"func.func private @{name}("):]
-    return fn[:fn.index("\n  }")]
-
-  (callee,) = re.findall(r"func.call @(gather\w*)", body)
-  gather = function(callee)
-  # (the host computation is a function of its own: kv_cache/host_compute.on_host)
-  for inner in re.findall(r"call @(compute_on\w*)\(", gather):
-    gather += function(inner)
-  gathers = [ln for ln in gather.splitlines() if '"stablehlo.gather"' in ln]
-  assert len(gathers) == 2  # K and V
-  for line in gathers:
-    assert '_xla_compute_type = "host"' in line and "tensor<8x4x2x8xf32>" in line
-  host_lines = [ln for ln in text.splitlines() if 'compute_type = "host"' in ln]
-  assert host_lines and all(ln in gather for ln in host_lines)
-
-
-@pytest.mark.parametrize(("bounds_dtype", "itemsize", "storage", "num_device_blocks"),
-                         [("float32", 4, np.float32, 11), ("bfloat16", 2, np.uint16, 14)])
-def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, storage,
-                                                       num_device_blocks):
-  engine = _engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
-  spec = engine.device_pool.spec
-  spec_bytes = bounds_bytes_per_block(spec, bounds_dtype)
-  # layers x (min, max) x kv heads x head_dim x itemsize
-  assert spec_bytes == 2 * 2 * 2 * 8 * itemsize
-  # Half-size bounds leave room for more device blocks in the same budget.
-  assert engine.device_pool.num_blocks == num_device_blocks
-  num_blocks = engine.device_pool.num_blocks + engine.host_pool.num_blocks
-  assert engine.runner.indexer_bytes == num_blocks * spec_bytes
-  # state rows: layers x max_num_seqs x (2 x 8 slots + 8 max blocks) int32
-  assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 4 * (2 * 8 + 8) * 4
-  assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
-  for bounds in engine.runner.bounds:  # device blocks' rows, then host blocks'
-    assert bounds.shape == (num_device_blocks + engine.host_pool.num_blocks, 2, 2, 8)
-    assert bounds.dtype == storage  # bfloat16 as its uint16 bits on CPU
-    assert bounds.sharding.memory_kind == "device"
-  lines = engine.capacity.log_lines(MAX_MODEL_LEN)
-  assert (f"HiSparse: indexer key bounds ({bounds_dtype}) {num_blocks * spec_bytes:,} bytes "
-          f"+ hot-buffer state {2 * 4 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per "
-          "offloaded request") in lines[0]
-  # (what the scheduler admits: test_admission_offload.py)
-  running = engine.capacity.hisparse_concurrency(MAX_MODEL_LEN)
-  assert running >= 1 and f"HiSparse runs {running} at once" in lines[-1]
-  dense = _engine(None)
-  assert dense.runner.bounds == () and dense.capacity["device"].reserved_bytes == 0
-  assert dense.device_pool.num_blocks == 17
-  assert "HiSparse" not in " ".join(dense.capacity.log_lines(MAX_MODEL_LEN))
-
-
-@pytest.mark.parametrize("hisparse", [None, SMALL], ids=["dense", "top_k_2_blocks"])
-def test_blocks_selected_counts_what_attention_read(hisparse):
-  engine = _engine(hisparse, num_dense_blocks=50)
-  prompt = random_prompts((40,), seed=5)[0]
-  engine.add_request("a", prompt_token_ids=prompt, sampling_params=GREEDY)
-  out = run(engine)["a"]
-  assert len(out.outputs[0].token_ids) == NUM_TOKENS
-  # Prefill in chunks of 16, 16, 8 tokens: 2 + 4 + 5 blocks; then 19 decode steps over
-  # 41..59 tokens, each reading all its blocks (dense) or 2 (the sink and newest blocks).
-  dense_decode = sum(-(-(40 + i) // BLOCK_SIZE) for i in range(1, NUM_TOKENS))
-  expected = 11 + (dense_decode if hisparse is None else 2 * (NUM_TOKENS - 1))
-  assert (dense_decode, expected) == (128, 139 if hisparse is None else 49)
-  assert out.metrics.blocks_selected == {"device": expected, "hot": 0, "host": 0}
-  assert engine.metrics()[f"hisparse_blocks_selected_total{BLOCKS}"] == expected
-  assert_all_blocks_free(engine)
-
-
 def test_small_top_k_runs_every_request_to_completion(reference):
-  engine = _engine(SMALL)
-  sparse_rows = _count_sparse_rows(engine)
+  engine = make_engine(SMALL)
+  sparse_rows = count_sparse_rows(engine)
   add_all(engine, PROMPTS[2:], SamplingParams(temperature=0.0, max_tokens=12))
   outputs = run(engine)
   assert {o.outputs[0].finish_reason for o in outputs.values()} == {"length"}
@@ -353,8 +163,8 @@ def test_offloaded_decoding_gives_the_all_resident_tokens(selection):
                        resident_sparse_min_tokens=0)
   outputs = {}
   for name, num_dense_blocks in (("resident", 64), ("offloaded", 17)):
-    engine = _engine(mid, num_dense_blocks=num_dense_blocks)
-    sparse_rows = _count_sparse_rows(engine)
+    engine = make_engine(mid, num_dense_blocks=num_dense_blocks)
+    sparse_rows = count_sparse_rows(engine)
     add_all(engine, PROMPTS, GREEDY)
     outputs[name] = [o.outputs[0].token_ids for o in run(engine).values()]
     m = engine.metrics()
@@ -379,7 +189,7 @@ def test_resident_rows_decode_dense_below_resident_sparse_min_tokens(min_tokens)
   # default, 0, is always sparse). At 4,096 no step of this toy does; at 60, two or three
   # rows of 40-60 tokens do (4 and 3 blocks past top-k's 2) and a lone one not.
   config = dataclasses.replace(SMALL, resident_sparse_min_tokens=min_tokens)
-  engine = _engine(config, num_dense_blocks=64)
+  engine = make_engine(config, num_dense_blocks=64)
   prompts = random_prompts((40, 33, 26), seed=5)
   steps, build = [], engine.runner.build_batch
 
@@ -431,70 +241,9 @@ def test_resident_rows_decode_dense_below_resident_sparse_min_tokens(min_tokens)
   assert_all_blocks_free(engine)
 
 
-def test_engine_config_validates_hisparse():
-  with pytest.raises(ValueError, match="selection='per_query_head' is not available with "
-                                       "tensor_parallel_size=2"):
-    EngineConfig(tensor_parallel_size=2,
-                 hisparse=HiSparseConfig(top_k_tokens=64, sink_tokens=16, local_tokens=16,
-                                         selection="per_query_head"))
-  with pytest.raises(ValueError, match="round to 1 \\+ 1 blocks"):
-    EngineConfig(block_size=16, hisparse=HiSparseConfig(top_k_tokens=16, sink_tokens=8,
-                                                        local_tokens=8))
-  with pytest.raises(ValueError, match="must be a HiSparseConfig"):
-    EngineConfig(hisparse={"top_k_tokens": 64})
-  assert EngineConfig().hisparse is None  # off by default
-
-
-def test_cli_flags_build_the_hisparse_config():
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--sink_tokens=16",
-                 "--local_tokens=32", "--sparse_threshold_tokens=300"])
-    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] == HiSparseConfig(
-        top_k_tokens=256, hot_buffer_tokens=512, sink_tokens=16, local_tokens=32,
-        sparse_threshold_tokens=300)
-  # Not given: derived from --max_model_len (a quarter: requests past 1,024 tokens decode
-  # sparse at the default 2,048) and the block size; sink and local follow the top-k.
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--hisparse"])
-    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] == HiSparseConfig(
-        top_k_tokens=512, hot_buffer_tokens=1024, sink_tokens=64, local_tokens=128,
-        sparse_threshold_tokens=1024)
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--hisparse", "--max_model_len=8192", "--block_size=4"])
-    assert generate_cmd.hisparse_from_flags() == HiSparseConfig(
-        top_k_tokens=2048, sink_tokens=64, local_tokens=256)
-  with flagsaver.flagsaver():  # was refused: the sink and local defaults were 64 and 256
-    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256"])
-    assert generate_cmd.hisparse_from_flags() == HiSparseConfig(
-        top_k_tokens=256, hot_buffer_tokens=512, sink_tokens=32, local_tokens=64,
-        sparse_threshold_tokens=512)
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=64", "--hot_buffer_tokens=32"])
-    with pytest.raises(ValueError, match="^--hot_buffer_tokens \\(32\\) must be >= "):
-      generate_cmd.hisparse_from_flags()
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--bounds_dtype=float32"])
-    assert generate_cmd.hisparse_from_flags().bounds_dtype == "float32"
-    assert HiSparseConfig().bounds_dtype == "bfloat16"
-  with pytest.raises(ValueError, match="HiSparseConfig.bounds_dtype must be one of"):
-    HiSparseConfig(bounds_dtype="int8")
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--bounds_dtype=float32"])
-    with pytest.raises(ValueError, match="--bounds_dtype is a HiSparse setting"):
-      generate_cmd.hisparse_from_flags()
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog", "--top_k_tokens=64"])
-    with pytest.raises(ValueError, match="--top_k_tokens is a HiSparse setting; add --hisparse"):
-      generate_cmd.hisparse_from_flags()
-  with flagsaver.flagsaver():
-    flags.FLAGS(["prog"])
-    assert generate_cmd.engine_kwargs_from_flags()["hisparse"] is None
-
-
 def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
   from hisparse_jax.entrypoints.llm import LLM
   from hisparse_jax.kv_cache.capacity import hisparse_capacity
-  from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
   from models.loader import load_config
 
   if not os.path.isfile(os.path.join(models.DEFAULT_MODEL_DIR, "model.safetensors")):
@@ -524,7 +273,7 @@ def test_default_model_sparse_equals_dense_with_blocks_from_the_host():
             device_kv_gib=(device_blocks * spec.bytes_per_block + extra + 512) / gib,
             host_pool_gib=(host_blocks * spec.bytes_per_block + 512) / gib)
   assert llm.engine.device_pool.num_blocks == device_blocks
-  sparse_rows = _count_sparse_rows(llm.engine)
+  sparse_rows = count_sparse_rows(llm.engine)
   outputs = llm.generate([p.text for p in prompts], SamplingParams(temperature=0.0, max_tokens=16,
                                                                    ignore_eos=True))
   dense = reference_greedy(llm.engine.model, [p.token_ids for p in prompts], 16)
@@ -558,7 +307,7 @@ def test_mixed_batches_read_no_full_table_of_a_sparse_row(monkeypatch, reference
 
   counting = xla._replace(ragged_paged_attention=ragged, paged_attention=paged)
   monkeypatch.setattr(kernels_pallas, "ops", lambda backend=None, **kw: counting)
-  engine = _engine(SMALL)
+  engine = make_engine(SMALL)
   sparse_rows = []
   build = engine.runner.build_batch
 
@@ -594,7 +343,7 @@ def test_prefill_of_a_prompt_that_decodes_sparse_carries_the_sparse_path():
   # A step prefilling a prompt that will decode sparse runs the program with the sparse
   # path (8 rows) before any row is sparse, as the later steps holding its decode rows; a
   # short prompt's prefill (and a short decode) runs without it.
-  engine = _engine(SMALL)
+  engine = make_engine(SMALL)
   steps, build = [], engine.runner.build_batch
 
   def recording(chunks, tables, tiers=None):
