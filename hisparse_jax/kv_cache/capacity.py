@@ -426,10 +426,12 @@ class CapacityReport:
                + limited_by(self, running, tokens_per_request) + ")")
       device_tokens = self[DEVICE].num_tokens
       if self.hisparse.streamed_device_blocks is not None and tokens_per_request > device_tokens:
+        hs = self.hisparse
+        chunk = (hs.streamed_device_blocks - hs.hot_buffer_blocks - 2) * self[DEVICE].block_size
         line += (f"; one request may be up to {tokens_per_request:,} tokens, beyond the "
                  f"{device_tokens:,} of {DEVICE}: its prefill streams through "
-                 f"{self.hisparse.streamed_device_blocks:,} device blocks, its KV to "
-                 f"{PINNED_HOST}")
+                 f"{hs.streamed_device_blocks:,} device blocks (chunks of {chunk:,} tokens), "
+                 f"its KV to {PINNED_HOST}")
     elif (self.hisparse is not None and self.hisparse.admission != "offload"
           and tokens_per_request > self.hisparse.sparse_threshold_tokens):
       line += ("; HiSparse admission 'wait': a waiting request waits for free device "

@@ -237,8 +237,9 @@ def test_bad_input_names_the_field(checkpoint, tmp_path):
     _engine(model, max_model_len=8, hisparse=LIGHTNING)
   with one_line(match=r"--hot_buffer_tokens \(4\) must be >= the model's index_topk \(8\)"):
     _engine(model, hisparse=HiSparseConfig(indexer="lightning", hot_buffer_tokens=4))
+  # (the block indexer asked for by name; left to its default it is the learned one)
   with one_line(match="selects with its learned indexer; use indexer='lightning'"):
-    _engine(model, hisparse=HiSparseConfig(top_k_tokens=16))
+    _engine(model, hisparse=HiSparseConfig(top_k_tokens=16, indexer="block_bounds"))
   with one_line(match=r"--kv_cache_dtype=int8: 8-bit caches of DSA models"):
     _engine(model, kv_cache_dtype="int8")
   with one_line(match=r"--tensor_parallel_size=2: DSA models"):

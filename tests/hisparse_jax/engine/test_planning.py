@@ -61,6 +61,8 @@ def test_hisparse_chunk_is_what_the_device_budget_streams():
   assert engine.config.max_num_batched_tokens == 80
   assert engine.scheduler.max_num_batched_tokens == engine.runner.max_num_batched_tokens == 80
   assert engine.device_pool.num_blocks - 1 == 16
+  assert ("its prefill streams through 16 device blocks (chunks of 80 tokens)"
+          in engine.capacity.log_lines(MAX_MODEL_LEN)[-1])
   prompt = random_prompts([200], seed=3)[0]  # 25 blocks > 16: streams
   engine.add_request("long", prompt_token_ids=prompt,
                      sampling_params=SamplingParams(temperature=0.0, max_tokens=4))
