@@ -152,8 +152,11 @@ def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, s
   assert engine.device_pool.num_blocks == num_device_blocks
   num_blocks = engine.device_pool.num_blocks + engine.host_pool.num_blocks
   assert engine.runner.indexer_bytes == num_blocks * spec_bytes
-  # state rows: layers x max_num_seqs x (2 x 8 slots + 8 max blocks) int32
-  assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 4 * (2 * 8 + 8) * 4
+  # state: layers x rows x (2 x 8 slots + 8 max blocks) int32, a row per request the
+  # device can hold offloaded (capacity.num_hot_rows): 10 or 13 usable blocks hold one hot
+  # buffer of 8, so 1 row, not one per seat (max_num_seqs 4)
+  assert engine.runner.num_hot_rows == 1
+  assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 1 * (2 * 8 + 8) * 4
   assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
   for bounds in engine.runner.bounds:  # device blocks' rows, then host blocks'
     assert bounds.shape == (num_device_blocks + engine.host_pool.num_blocks, 2, 2, 8)
@@ -161,7 +164,7 @@ def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, s
     assert bounds.sharding.memory_kind == "device"
   lines = engine.capacity.log_lines(MAX_MODEL_LEN)
   assert (f"HiSparse: indexer key bounds ({bounds_dtype}) {num_blocks * spec_bytes:,} bytes "
-          f"+ hot-buffer state {2 * 4 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per "
+          f"+ hot-buffer state {2 * 1 * 24 * 4:,} bytes; hot buffer 8 blocks = 64 tokens per "
           "offloaded request") in lines[0]
   # (what the scheduler admits: test_admission_offload.py)
   running = engine.capacity.hisparse_concurrency(MAX_MODEL_LEN)
