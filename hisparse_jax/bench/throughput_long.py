@@ -80,6 +80,8 @@ class LongSize:
 SIZES = {
     "long": LongSize(model=evv.REAL_MODEL, lengths=(2048, 6144, None)),
     "long_6k": LongSize(model=evv.REAL_MODEL, lengths=(MUST_SHOW_LENGTH,)),  # the must-show
+    # long's other rows (~2 h on 2 shared cores), after long_6k: the ~2k and the longest.
+    "long_2k_8k": LongSize(model=evv.REAL_MODEL, lengths=(2048, None)),
     # The unit test's: a tiny random GGUF (its byte-level tokenizer; random answers: only
     # the fields are tested), 4 prompts of ~500 tokens over a device pool of 2.
     "long_smoke": LongSize(model=evv.SMOKE_GGUF, lengths=(512,), num_prompts=4,
