@@ -44,6 +44,10 @@ Nothing is asserted on speed. The suite fails if device-only's greedy tokens dif
 vLLM's (as engine_vs_vllm checks); HiSparse's are not compared (sparse attention may
 change a token: its accuracy is the passkey suite's).
 Smoke size: a tiny random GGUF through the same conversion, our two engines only.
+
+Long sizes (`--bench_size=long`, `long_6k`; throughput_long.py): HiSparse's admission by
+offload against device-only and against admission "wait", 8 passkey prompts at ~2k, ~6k
+and the model's longest context, one device budget of 3 requests (issue #53).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import tempfile
 
 import numpy as np
 
-from hisparse_jax.bench import common
+from hisparse_jax.bench import common, throughput_long
 from hisparse_jax.bench import engine_vs_vllm as evv
 
 KV_GIB = 1
@@ -98,6 +102,8 @@ SIZES = {
                   short_tokens=2, long_tokens=6, top_k_tokens=64, host_pool_gib=0.01,
                   max_model_len=512, sweep=(1, 2), sweep_prompt_len=300, with_vllm=False,
                   kv_gib=1 / 1024, sweep_rounds=2),
+    # Admission by offload at long prompts (throughput_long.py): long, long_6k, long_smoke.
+    **throughput_long.SIZES,
 }
 
 
@@ -166,6 +172,8 @@ def _sweep(workers: dict, size: Size, tokenizer, seed: int) -> dict[str, dict[in
 def run(size_name: str = "full", seed: int = 0) -> dict:
   from models import loader
 
+  if size_name in throughput_long.SIZES:
+    return throughput_long.run(size_name)
   size = SIZES[size_name]
   if size.with_vllm and not os.path.exists(evv.peer_python()):  # before an hour of rows
     raise ValueError(f"hisparse_throughput: no interpreter at {evv.peer_python()} for the "
@@ -251,6 +259,8 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
 
 
 def format_table(result: dict) -> str:
+  if "lengths" in result:  # a long size's rows
+    return throughput_long.format_table(result)
   rows = []
   for name, r in result["rows"].items():
     if "decode_tokens_per_s" not in r:  # --bench_size=sweep: the sweep only
@@ -286,7 +296,11 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
   """PNG: the concurrency sweep's decode tokens/s, device-only and HiSparse, and each
-  engine's decode tokens/s on the workload as a point at the requests it ran at once."""
+  engine's decode tokens/s on the workload as a point at the requests it ran at once
+  (a long size: decode tokens/s against length)."""
+  if "lengths" in result:
+    throughput_long.plot(result, path)
+    return
   import matplotlib  # optional dependency (the test extra): imported on use
 
   matplotlib.use("Agg")

@@ -20,6 +20,14 @@ Both engines are driven the same way: every request added at once, then `step()`
 none is unfinished, each new token timestamped when its step returns it (`output_kind=DELTA`
 in both, as their servers stream).
 
+This engine's answer also carries (hisparse_throughput's long rows read them):
+`max_running` and `max_decoding`, the most requests one step ran and the most of them past
+their prefill; `counters`, every counter of the engine's metrics (`*_total` series)
+counted over the call (so a warm-up call's host selections are not in the timed call's);
+`step_shapes`, the step shapes run so far; and the capacity line for requests of the
+call's longest prompt + max_tokens (`capacity_line`), with its "HiSparse runs N at once"
+as a number (`hisparse_runs_at_once`, None without HiSparse or with admission "wait").
+
 Decode-only steps (the answer's `decode_s`, `decode_tokens`, `decode_steps`): the
 `step()` calls whose engine step scheduled no prompt token, nor did the step before it
 (both engines overlap a step with the next: a call's wall time may hold either). Each
@@ -87,15 +95,19 @@ def _hisparse(args):
     kv["host_pool_gib"] = args.host_pool_gib
   if args.max_num_seqs is not None:
     kv["max_num_seqs"] = args.max_num_seqs
-  if args.top_k_tokens is not None:  # HiSparse: its other settings at their defaults
+  if args.block_size is not None:
+    kv["block_size"] = args.block_size
+  if args.top_k_tokens is not None:  # HiSparse: the settings not given at their defaults
     from hisparse_jax.sparse.config import HiSparseConfig
 
-    kv["hisparse"] = HiSparseConfig(top_k_tokens=args.top_k_tokens)
+    given = {"hot_buffer_tokens": args.hot_buffer_tokens, "admission": args.admission}
+    kv["hisparse"] = HiSparseConfig(top_k_tokens=args.top_k_tokens,
+                                    **{k: v for k, v in given.items() if v is not None})
   engine = Engine(EngineConfig(model=args.model, dtype="float32",
                                max_model_len=args.max_model_len, enable_prefix_caching=False,
                                **kv))
   ids: dict[str, int] = {}
-  running = [0]  # the most requests one step ran
+  running = [0, 0]  # the most requests one step ran, and the most past their prefill
 
   def add(i, prompt, max_tokens):
     rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
@@ -106,14 +118,25 @@ def _hisparse(args):
   def step():
     outs = engine.step()
     running[0] = max(running[0], len(engine.scheduler.running))
+    running[1] = max(running[1], sum(not r.is_prefilling for r in engine.scheduler.running))
     for out in outs:
       yield ids[out.request_id], list(out.outputs[0].token_ids)
 
+  def counters() -> dict[str, float]:
+    return {k: v for k, v in engine.metrics().items() if "_total" in k}
+
   def generate(prompts, n):
-    running[0] = 0
-    return {**_drive(add, step, engine.has_unfinished_requests, prompts, n,
-                     lambda: engine.last_step_prefill_tokens),
-            "max_running": running[0]}
+    running[:] = [0, 0]
+    before = counters()
+    answer = _drive(add, step, engine.has_unfinished_requests, prompts, n,
+                    lambda: engine.last_step_prefill_tokens)
+    after = counters()
+    tokens = max(len(p) for p in prompts) + n
+    return {**answer, "max_running": running[0], "max_decoding": running[1],
+            "counters": {k: v - before.get(k, 0.0) for k, v in after.items()},
+            "step_shapes": len(engine.runner.shapes_compiled),
+            "capacity_line": engine.capacity.log_lines(tokens)[-1],
+            "hisparse_runs_at_once": engine.capacity.hisparse_concurrency(tokens)}
 
   hisparse = engine.config.hisparse
   info = {"engine": "hisparse_jax", "max_num_seqs": engine.config.max_num_seqs,
@@ -124,7 +147,9 @@ def _hisparse(args):
           "block_size": engine.config.block_size,
           "hisparse": None if hisparse is None else {
               f: getattr(hisparse, f) for f in ("top_k_tokens", "hot_buffer_tokens",
-                                                "sparse_threshold_tokens", "selection")},
+                                                "sparse_threshold_tokens", "selection",
+                                                "sink_tokens", "local_tokens",
+                                                "admission")},
           "package": os.path.dirname(sys.modules["hisparse_jax"].__file__)}
   return info, generate
 
@@ -204,6 +229,9 @@ def main() -> None:
   parser.add_argument("--host_pool_gib", type=float, default=None)
   parser.add_argument("--max_num_seqs", type=int, default=None)
   parser.add_argument("--top_k_tokens", type=int, default=None)
+  parser.add_argument("--block_size", type=int, default=None)
+  parser.add_argument("--hot_buffer_tokens", type=int, default=None)  # with --top_k_tokens
+  parser.add_argument("--admission", choices=("offload", "wait"), default=None)  # the same
   args = parser.parse_args()
   # The protocol gets its own copy of stdout; fd 1 becomes stderr, so nothing the engine
   # or its child processes print reaches the protocol stream.

@@ -53,7 +53,18 @@ def summary_rows(result: dict) -> list[tuple[str, str, str, str]]:
       rows.append(("decode_sparse_vs_dense",
                    f"`dense_over_sparse` at {r['context']:,} (`bytes_bound` "
                    f"{_fmt(r['bytes_bound'])})", _fmt(r["dense_over_sparse"]), goal))
-  if "hisparse_throughput" in suites:
+  if "hisparse_throughput" in suites and "lengths" in suites["hisparse_throughput"]:
+    t = suites["hisparse_throughput"]  # a long size (throughput_long): its must-show goal
+    shown = t.get("must_show") or {}
+    for row in t["lengths"]:
+      r, length = row["ratios"], row["length"]
+      rows.append(("hisparse_throughput", f"long {length:,}: offload / device-only decode "
+                   "tok/s", _fmt(r["offload_vs_device_only_decode"]),
+                   f">= {shown['goal_decode_vs_device_only']}"
+                   if length == shown.get("length") else "-"))
+      rows.append(("hisparse_throughput", f"long {length:,}: offload / wait decode tok/s",
+                   _fmt(r["offload_vs_wait_decode"]), "-"))
+  elif "hisparse_throughput" in suites:
     r = suites["hisparse_throughput"]["ratios"]
     if "decode_vs_device_only" in r:  # (not in a sweep-only run, --bench_size=sweep)
       rows.append(("hisparse_throughput", "HiSparse decode tok/s / device-only",
@@ -233,7 +244,10 @@ def dsa_decode_lines(d: dict) -> list[str]:
 
 
 def throughput_lines(t: dict) -> list[str]:
-  """The hisparse_throughput suite: each engine on the workload, then the sweep."""
+  """The hisparse_throughput suite: each engine on the workload, then the sweep (a long
+  size: its rows by length)."""
+  if "lengths" in t:
+    return throughput_long_lines(t)
   size = t["size"]
   low, high = size["prompt_lens"]
   vllm = t["engines"].get("vLLM")
@@ -263,6 +277,28 @@ def throughput_lines(t: dict) -> list[str]:
                  f"{_fmt(r['ttft_p50_ms'])} / {_fmt(r['ttft_p99_ms'])} | "
                  f"{_fmt(r['itl_p50_ms'])} / {_fmt(r['itl_p99_ms'])} |")
   return lines + _sweep_lines(t)
+
+
+def throughput_long_lines(t: dict) -> list[str]:
+  """hisparse_throughput's long rows: per length, the three engines at one device budget
+  (decode and e2e tokens/s, decoding at once, answers, host selections, offloads)."""
+  size = t["size"]
+  lines = ["", f"HiSparse admission by offload (`hisparse_throughput --bench_size="
+           f"{size['name']}`): {size['model']}, {size['num_prompts']} passkey prompts at once "
+           f"per length, a device pool of {size['device_prompts']} requests for every engine, "
+           f"HiSparse top-k {size['top_k_tokens']:,} (hot buffer as large) with a host pool "
+           f"of every request, {size['new_tokens']} new tokens, greedy; decode tokens/s over "
+           "the steps that schedule no prompt token:", "",
+           "| length | engine | decode tok/s | e2e tok/s | decoding at once | capacity line "
+           "runs | right | host selections | offloads |", "|---|---|---|---|---|---|---|---|---|"]
+  for row in t["lengths"]:
+    for name, r in row["rows"].items():
+      runs = r["hisparse_runs_at_once"]
+      lines.append(f"| {row['length']:,} | {name} | {_fmt(r['decode_tokens_per_s'])} | "
+                   f"{_fmt(r['e2e_tokens_per_s'])} | {r['max_decoding']} | "
+                   f"{'-' if runs is None else runs} | {r['num_right']}/{len(r['answers'])} "
+                   f"| {r['host_blocks_selected']:,.0f} | {r['offloads']:,.0f} |")
+  return lines
 
 
 def _sweep_lines(t: dict) -> list[str]:

@@ -3,7 +3,8 @@
 Usage::
 
   hisparse-jax bench [--suite=NAME|all] [--out=FILE.json]
-      [--bench_size=full|smoke|streamed|8k_b32|sweep|workload] [--bench_plot=FILE.png]
+      [--bench_size=full|smoke|streamed|8k_b32|sweep|workload|long|long_6k|long_2k_8k]
+      [--bench_plot=FILE.png]
       [--block_size=16 (decode_sparse_vs_dense)]
 
 Suites (`hisparse_jax/bench/<module>.py`, each `run(size_name) -> dict` and
@@ -25,7 +26,11 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
   hisparse_throughput     decode and end-to-end tokens/s on smollm2-135m-instruct at one
                           device KV budget: device-only vs HiSparse vs vLLM, and a
                           concurrency sweep 1-32 (~1 h on 2 cores); --bench_plot: decode
-                          tokens/s against requests at once
+                          tokens/s against requests at once. --bench_size=long: admission
+                          by offload (#53), 8 passkey prompts at ~2k, ~6k and the model's
+                          longest context over a device pool of 3, device-only vs HiSparse
+                          admission "offload" vs "wait" (long_6k: the ~6k rows alone;
+                          long_2k_8k: the others)
   cold_start              fresh `hisparse-jax generate` processes on the real model, dense
                           vs HiSparse, compilation cache off and warm (~20 min)
   dsa_decode              a DSA model's decode step (learned indexer, sparse MLA, host tier
