@@ -384,6 +384,38 @@ class ModelRunner:
     """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
     return self.collect(self.dispatch(batch)).tokens
 
+  # --- Warm-up (engine/warmup.py): programs compiled, nothing run ---------------------
+
+  def warm_step(self, batch: StepBatch) -> bool:
+    """Compiles the step program of `batch`'s shape (loaded from the persistent
+    compilation cache when it holds it) without running it, so that a later step of that
+    shape runs at once. False when nothing was compiled: with compile_in_background, the
+    shape is kept already or the kept programs are at their cap."""
+    greedy_only = not np.any(batch.temperature > 0)
+    if self.compiler is not None:
+      return self.compiler.warm(batch, greedy_only,
+                                lambda b: self._step_args(b, self._no_tokens))
+    # jit's own cache: a later call with arguments of the same types finds this program.
+    self._step.lower(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
+                     num_token_rows=self.max_num_seqs).compile()
+    return True
+
+  def warm_block_programs(self, buckets: Sequence[int]) -> int:
+    """Compiles, at each padded id count of `buckets`, the runner's programs between
+    steps: the copy-on-write copy, and with key bounds their refresh after a swap-in
+    and their copy to the host index. Nothing runs (the arguments are the arrays'
+    types). Returns the programs compiled."""
+    count = 0
+    for n in buckets:
+      src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
+      self._copy.lower((*self.pool.arrays(), *self.bounds), src, dst).compile()
+      count += 1
+      if self.bounds:
+        self._copy.lower(self.bounds, src, dst).compile()
+        self._refresh.lower(self.bounds, self.pool.k, self.pool.k_scale, src).compile()
+        count += 2
+    return count
+
   def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
     """The bounds rows of `host_ids` := those of `device_ids`, every layer (blocks
     written to the host pool keep their key bounds on the device for the indexer)."""

@@ -32,7 +32,12 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVPool
-from hisparse_jax.kv_cache.transfer import bucket_size, gather_to_device, hop_free
+from hisparse_jax.kv_cache.transfer import (
+  bucket_size,
+  gather_to_device,
+  hop_free,
+  warm_buckets,
+)
 
 
 @functools.cache
@@ -115,6 +120,20 @@ class HostPoolIO:
     padded = np.full(bucket_size(n, self.min_bucket), self.pool.num_blocks, np.int32)
     padded[:n] = ids
     return padded, n
+
+  def warm(self, max_blocks: int) -> int:
+    """Compiles the read and write programs of every id bucket up to the one of
+    `max_blocks` ids (a server's warm-up: engine/warmup.py), without running them: no
+    block is read or written. Returns the programs compiled."""
+    count = 0
+    for n in warm_buckets(max_blocks, self.min_bucket):
+      ids = np.zeros(n, np.int32)
+      blocks = tuple(jax.ShapeDtypeStruct((n, *shape), dtype)
+                     for shape, dtype in zip(self._shapes, self._dtypes))
+      self._read.lower(self.pool.arrays(), ids).compile()
+      self._write.lower(self.pool.arrays(), blocks, ids).compile()
+      count += 2
+    return count
 
   def read(self, host_ids) -> np.ndarray:
     """uint8 [n, block_nbytes]: the payloads of host blocks `host_ids`."""
