@@ -395,26 +395,25 @@ class ModelRunner:
     if self.compiler is not None:
       return self.compiler.warm(batch, greedy_only,
                                 lambda b: self._step_args(b, self._no_tokens))
-    # jit's own cache: a later call with arguments of the same types finds this program.
+    # jit's own cache: a later call with arguments of these types finds this program.
     self._step.lower(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
                      num_token_rows=self.max_num_seqs).compile()
     return True
 
-  def warm_block_programs(self, buckets: Sequence[int]) -> int:
-    """Compiles, at each padded id count of `buckets`, the runner's programs between
-    steps: the copy-on-write copy, and with key bounds their refresh after a swap-in
-    and their copy to the host index. Nothing runs (the arguments are the arrays'
-    types). Returns the programs compiled."""
-    count = 0
-    for n in buckets:
-      src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
-      self._copy.lower((*self.pool.arrays(), *self.bounds), src, dst).compile()
-      count += 1
+  def lowered_block_programs(self, buckets: Sequence[int]) -> list[jax.stages.Lowered]:
+    """The runner's programs between steps at each padded id count of `buckets`, lowered
+    from the arrays' types (to compile: engine/warmup.py): with key bounds, their refresh
+    after a swap-in and their copy to the host index; the copy-on-write copy at the
+    first bucket only (a step copies one partial block per forked sequence)."""
+    out = []
+    for i, n in enumerate(buckets):
+      ids = np.zeros(n, np.int32)
+      if i == 0:
+        out.append(self._copy.lower((*self.pool.arrays(), *self.bounds), ids, ids))
       if self.bounds:
-        self._copy.lower(self.bounds, src, dst).compile()
-        self._refresh.lower(self.bounds, self.pool.k, self.pool.k_scale, src).compile()
-        count += 2
-    return count
+        out.append(self._copy.lower(self.bounds, ids, ids))
+        out.append(self._refresh.lower(self.bounds, self.pool.k, self.pool.k_scale, ids))
+    return out
 
   def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
     """The bounds rows of `host_ids` := those of `device_ids`, every layer (blocks

@@ -14,8 +14,9 @@ embedder may call it on a new `Engine`. Nothing runs: each program is lowered fr
 types of its arguments and compiled (`jax.stages.Lowered.compile`), which fills the
 caches a call looks in (jit's own, the `StepCompiler`'s kept programs) and goes through
 JAX's persistent compilation cache when it is on (loaded when the cache holds the
-program, written when it compiled long enough). So no token, block, prefix-cache entry,
-metric counter or tier entry changes (tests/hisparse_jax/engine/test_warmup.py).
+program, written when it compiled long enough: the block programs never are). So no
+token, block, prefix-cache entry, metric counter or tier entry changes
+(tests/hisparse_jax/engine/test_warmup.py).
 
 Which step shapes: those of a lone request, which a restarted server's first request is,
 for greedy and for sampling requests (two programs each), at every block-table width
@@ -149,7 +150,9 @@ def chunk_batch(runner, chunk: WarmChunk, temperature: float) -> StepBatch:
 def warm_up(engine, *, kinds: Sequence[str] = DEFAULT_KINDS,
             max_step_programs: int | None = None) -> WarmupReport:
   """Compiles (or loads from the persistent compilation cache) the programs a lone
-  request of `engine` runs (see the module docstring), running none of them.
+  request of `engine` runs (see the module docstring), running none of them, one after
+  the other (compiling on a second thread while the next is traced was slower on the
+  2-core CPU: 85 s against 69-79 s for the real model's 67 programs).
 
   `max_step_programs`: step programs compiled at most (None: half the StepCompiler's
   cap with compile_in_background, else all). The engine must have no request yet
@@ -170,20 +173,20 @@ def warm_up(engine, *, kinds: Sequence[str] = DEFAULT_KINDS,
       if shape in shapes:
         continue
       shapes.add(shape)
-      if max_step_programs is not None and step_programs >= max_step_programs:
-        skipped += 1
-        continue
-      if runner.warm_step(batch):
+      if ((max_step_programs is None or step_programs < max_step_programs)
+          and runner.warm_step(batch)):
         step_programs += 1
       else:
         skipped += 1
-  # Block programs: id lists up to one max_model_len request's blocks.
+  # The programs between steps: id lists up to one max_model_len request's blocks.
   max_blocks = -(-config.max_model_len // config.block_size)
-  block_programs = engine.transfer.warm(max_blocks)
-  block_programs += runner.warm_block_programs(warm_buckets(max_blocks, 4))
+  lowered = [*engine.transfer.lowered_programs(max_blocks),
+             *runner.lowered_block_programs(warm_buckets(max_blocks, 4))]
   if engine.tier is not None and engine.tier.tiers:
-    block_programs += HostPoolIO(engine.host_pool).warm(max_blocks)
-  return WarmupReport(step_programs, block_programs, skipped, time.perf_counter() - start)
+    lowered += HostPoolIO(engine.host_pool).lowered_programs(max_blocks)
+  for program in lowered:
+    program.compile()
+  return WarmupReport(step_programs, len(lowered), skipped, time.perf_counter() - start)
 
 
 __all__ = ["DEFAULT_KINDS", "KINDS", "WarmChunk", "WarmupReport", "chunk_batch",

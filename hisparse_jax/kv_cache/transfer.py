@@ -290,18 +290,18 @@ class TransferEngine:
     self._blocks.inc(num_blocks, direction=direction)
     self._bytes.inc(num_blocks * src_pool.spec.bytes_per_block, direction=direction)
 
-  def warm(self, max_blocks: int) -> int:
-    """Compiles the swap-out and swap-in programs of every id bucket up to the one of
-    `max_blocks` ids (a server's warm-up: engine/warmup.py), without running them:
-    nothing moves and no metric counts. Returns the programs compiled."""
-    count = 0
+  def lowered_programs(self, max_blocks: int) -> list[jax.stages.Lowered]:
+    """The swap-out and swap-in programs of every id bucket up to the one of `max_blocks`
+    ids, lowered from the pools' types: what a server's warm-up compiles
+    (engine/warmup.py). Nothing moves and no metric counts."""
+    out = []
     for n in warm_buckets(max_blocks, self.min_bucket):
       ids = np.zeros(n, np.int32)
-      for program, src, dst in ((self._swap_out, self.device_pool, self.host_pool),
-                                (self._swap_in, self.host_pool, self.device_pool)):
-        program.lower(src.arrays(), dst.arrays(), ids, ids).compile()
-        count += 1
-    return count
+      out.append(self._swap_out.lower(self.device_pool.arrays(), self.host_pool.arrays(),
+                                      ids, ids))
+      out.append(self._swap_in.lower(self.host_pool.arrays(), self.device_pool.arrays(),
+                                     ids, ids))
+    return out
 
   @property
   def num_pending(self) -> int:

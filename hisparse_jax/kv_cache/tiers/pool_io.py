@@ -121,19 +121,18 @@ class HostPoolIO:
     padded[:n] = ids
     return padded, n
 
-  def warm(self, max_blocks: int) -> int:
-    """Compiles the read and write programs of every id bucket up to the one of
-    `max_blocks` ids (a server's warm-up: engine/warmup.py), without running them: no
-    block is read or written. Returns the programs compiled."""
-    count = 0
+  def lowered_programs(self, max_blocks: int) -> list[jax.stages.Lowered]:
+    """The read and write programs of every id bucket up to the one of `max_blocks` ids,
+    lowered from the pool's types: what a server's warm-up compiles (engine/warmup.py).
+    No block is read or written."""
+    out = []
     for n in warm_buckets(max_blocks, self.min_bucket):
       ids = np.zeros(n, np.int32)
       blocks = tuple(jax.ShapeDtypeStruct((n, *shape), dtype)
                      for shape, dtype in zip(self._shapes, self._dtypes))
-      self._read.lower(self.pool.arrays(), ids).compile()
-      self._write.lower(self.pool.arrays(), blocks, ids).compile()
-      count += 2
-    return count
+      out.append(self._read.lower(self.pool.arrays(), ids))
+      out.append(self._write.lower(self.pool.arrays(), blocks, ids))
+    return out
 
   def read(self, host_ids) -> np.ndarray:
     """uint8 [n, block_nbytes]: the payloads of host blocks `host_ids`."""
