@@ -6,31 +6,36 @@ one --compilation_cache_dir:
 
     writer     serve --nowarmup: computes and stores `num_prompts` prompts of
                `prompt_tokens` random token ids (write-through), then SIGTERM
-    restarts   a new serve on the same directories, in turn:
-                 nowarmup       --nowarmup (the server before the warm-up: its first
-                                requests compile what they run)
-                 warmup         the warm-up on (engine/warmup.py), the compilation
-                                cache holding what the runs before compiled
-                 warmup_cached  the warm-up again, every program of it now in the cache
-                                (what each later restart costs)
+    restarts   a new serve on the same directories, each one of:
+                 nowarmup_first  --nowarmup, the compilation cache holding only what the
+                                 writer compiled (its first requests compile the rest)
+                 warmup_first    the warm-up on (engine/warmup.py), its programs not all
+                                 in the cache yet (the first start of the new server)
+                 nowarmup        --nowarmup, every program in the cache (the server
+                                 before the warm-up, restarted)
+                 warmup          the warm-up, every program in the cache (what each
+                                 later restart costs)
+               in the order of Size.restarts (the last two alternate, 3 times each)
 
 Each restart is timed to "serving on" (process start, model load, warm-up), then serves
 prompt 0 (its FIRST request: the disk-tier hit a restart's first user meets), then the
-prompts in rotation (1, 2, 0, 1, 2, 0): the pools hold about one prompt and a third, so
-each request evicts the prompt served two before it and every request is a disk-tier hit
-again (checked: the tier's loaded blocks grow by the prompt's full blocks each time; the
-block files are dropped from the page cache before each request, as third_tier does).
-Last, a fresh prompt nobody stored: the recompute time on the warmed server.
+prompts in rotation (1, 2, 0, 1, 2, 0, ...): the pools hold about one prompt and a
+third, so each request evicts the prompt served two before it and every request is a
+disk-tier hit again (checked: the tier's loaded blocks grow by the prompt's full blocks
+each time; the block files are dropped from the page cache before each request, as
+third_tier does). Last, two fresh prompts nobody stored: the second one's time is the
+recompute time on the warmed server (the first may compile a prefill shape).
 
 Each request streams `new_tokens` greedy tokens: TTFT and the whole request's seconds.
-Ratio = the first request / the median of prompt 0's repeats on the same server (goal
-<= 1.3 with the warm-up); the texts of every hit are compared with the writer's. After
-the warm-up, before any request, the server's /metrics must show no block owned, no
-request, no prefix-cache lookup, no transfer and no tier load (the warm-up changes none).
+Per condition, over its restarts: ratio = the median first request / the median of
+prompt 0's repeats on the same servers (goal <= 1.3 with the warm-up); the texts of
+every hit are compared with the writer's. After the warm-up, before any request, the
+server's /metrics must show no block owned, no request, no prefix-cache lookup, no
+transfer and no tier load (the warm-up changes none).
 
 `size`: full (smollm2-135m-instruct, ~4,000-token prompts, block 128), smoke
 (hisparse-tiny, 200-token prompts, block 16, the writer and one warm-up restart; for
-tests).
+tests/hisparse_jax/entrypoints/test_serve_warmup.py).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from hisparse_jax.bench.serve_load import ServerProcess
 from hisparse_jax.bench.third_tier import _drop_page_cache
 
 MODEL_NAME = "m"
-RESTARTS = ("nowarmup", "warmup", "warmup_cached")
+RESTARTS = ("nowarmup_first", "warmup_first", *(("nowarmup", "warmup") * 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,7 @@ class Size:
   restarts: tuple[str, ...] = RESTARTS
   num_prompts: int = 3
   new_tokens: int = 8
-  rounds: int = 2  # rotations after the first request (prompt 0 repeated `rounds` times)
+  rounds: int = 3  # rotations after the first request (prompt 0 repeated `rounds` times)
 
   def engine_flags(self) -> list[str]:
     # (+ the null block, + half a block: the flag's decimal rounding)
@@ -84,7 +89,7 @@ SIZES = {
                  46080 * 128, 40, 4608),
     # 1 KiB/token: 200 tokens = 12 full blocks + 8 tokens.
     "smoke": Size(None, "hisparse-tiny", 200, 256, 16, 1024 * 16, 16, 256,
-                  restarts=("warmup",), rounds=1),
+                  restarts=("warmup_first",), rounds=1),
 }
 
 
@@ -98,7 +103,7 @@ def run(size_name: str = "full", **_) -> dict:
   flags = [*size.engine_flags(), f"--disk_cache_dir={disk}", f"--compilation_cache_dir={xla}"]
   rng = np.random.default_rng(53)
   prompts = [rng.integers(100, size.vocab_size - 100, size.prompt_tokens).tolist()
-             for _ in range(size.num_prompts + len(size.restarts))]
+             for _ in range(size.num_prompts + 2 * len(size.restarts))]
   stored, fresh = prompts[:size.num_prompts], prompts[size.num_prompts:]
   try:
     start = time.perf_counter()
@@ -108,21 +113,43 @@ def run(size_name: str = "full", **_) -> dict:
       written = [_request(writer.url, p, size.new_tokens) for p in stored]
     finally:
       writer.stop()
-    restarts = {name: _restart(size, flags, name, stored, fresh[i], written, disk)
-                for i, name in enumerate(size.restarts)}
+    restarts = [_restart(size, flags, name, stored, fresh[2 * i:2 * i + 2], written, disk)
+                for i, name in enumerate(size.restarts)]
   finally:
     shutil.rmtree(work, ignore_errors=True)
   return {"size": size_name, "model": size.label, "prompt_tokens": size.prompt_tokens,
           "block_size": size.block_size, "pool_blocks": size.pool_blocks,
           "new_tokens": size.new_tokens, "server_flags": size.engine_flags(),
           "writer_start_s": writer_start_s,
-          "writer_ttft_s": [w["ttft_s"] for w in written], "restarts": restarts}
+          "writer_ttft_s": [w["ttft_s"] for w in written],
+          "summary": _summary(restarts), "restarts": restarts}
+
+
+def _summary(restarts: list[dict]) -> dict:
+  """Per condition, over its restarts: medians of the first request, of prompt 0's
+  repeats, their ratios; time to serving on, the warm-up, the recompute."""
+  out = {}
+  for name in dict.fromkeys(r["name"] for r in restarts):
+    rs = [r for r in restarts if r["name"] == name]
+    s = {"restarts": len(rs)}
+    for k in ("ttft_s", "total_s"):
+      first = common.median([r[f"first_{k}"] for r in rs])
+      repeat = common.median([x for r in rs for x in r[f"repeat_{k}"]])
+      s.update({f"first_{k}": first, f"repeat_{k}": repeat,
+                f"ratio_{k.split('_')[0]}": first / repeat})
+    for k in ("start_to_serving_s", "warmup_seconds", "recompute_ttft_s"):
+      values = [r[k] for r in rs if r[k] is not None]
+      s[k] = common.median(values) if values else None
+    s["all_disk_hits"] = all(r["all_disk_hits"] for r in rs)
+    s["same_text"] = all(r["same_text"] for r in rs)
+    out[name] = s
+  return out
 
 
 def _restart(size: Size, flags: list[str], name: str, stored, fresh, written, disk) -> dict:
   """One restart: time to "serving on", /metrics after the warm-up, the first hit, the
-  rotation's hits, a recompute."""
-  extra = ["--nowarmup"] if name == "nowarmup" else []
+  rotation's hits, two recomputes."""
+  extra = ["--nowarmup"] if name.startswith("nowarmup") else []
   start = time.perf_counter()
   server = ServerProcess(*flags, *extra, start_timeout_s=1800)
   start_s = time.perf_counter() - start
@@ -139,25 +166,20 @@ def _restart(size: Size, flags: list[str], name: str, stored, fresh, written, di
       out.update(prompt=i, loaded_blocks=_loaded(server) - loaded,
                  same_text=out["text"] == written[i]["text"])
       hits.append(out)
-    recompute = _request(server.url, fresh, size.new_tokens)
-    recompute["loaded_blocks"] = 0
+    recomputes = [_request(server.url, p, size.new_tokens) for p in fresh]
   finally:
     rc = server.stop()
   first, repeats = hits[0], [h for h in hits[1:] if h["prompt"] == 0]
-  others = hits[1:]
-  med = {k: common.median([h[k] for h in repeats]) for k in ("ttft_s", "total_s")}
   return {
-      "start_to_serving_s": start_s, "warmup_log": warm_line,
+      "name": name, "start_to_serving_s": start_s, "warmup_log": warm_line,
       "warmup_seconds": _warm_field(warm_line, r"in ([\d.]+) s"),
       "warmup_programs": _warm_field(warm_line, r"warm-up: (\d+) programs"),
       "metrics_after_warmup": before, "exit_code": rc,
       "first_ttft_s": first["ttft_s"], "first_total_s": first["total_s"],
       "repeat_ttft_s": [h["ttft_s"] for h in repeats],
-      "repeat_median_ttft_s": med["ttft_s"], "repeat_median_total_s": med["total_s"],
-      "warm_hits_median_ttft_s": common.median([h["ttft_s"] for h in others]),
-      "ratio_ttft": first["ttft_s"] / med["ttft_s"],
-      "ratio_total": first["total_s"] / med["total_s"],
-      "recompute_ttft_s": recompute["ttft_s"], "recompute_total_s": recompute["total_s"],
+      "repeat_total_s": [h["total_s"] for h in repeats],
+      "recompute_ttft_s": recomputes[-1]["ttft_s"],
+      "recompute_first_ttft_s": recomputes[0]["ttft_s"],
       "all_disk_hits": all(h["loaded_blocks"] == full_blocks for h in hits),
       "same_text": all(h["same_text"] for h in hits),
       "hits": hits,
@@ -207,15 +229,14 @@ def _request(url: str, prompt: list[int], max_tokens: int) -> dict:
 
 def format_table(result: dict) -> str:
   rows = []
-  for name, r in result["restarts"].items():
-    rows.append([name, r["start_to_serving_s"], r["warmup_seconds"] or "-",
-                 r["first_ttft_s"], r["repeat_median_ttft_s"], r["ratio_ttft"],
-                 r["first_total_s"], r["repeat_median_total_s"], r["ratio_total"],
-                 r["recompute_ttft_s"],
+  for name, r in result["summary"].items():
+    rows.append([name, r["restarts"], r["start_to_serving_s"], r["warmup_seconds"] or "-",
+                 r["first_ttft_s"], r["repeat_ttft_s"], r["ratio_ttft"], r["first_total_s"],
+                 r["repeat_total_s"], r["ratio_total"], r["recompute_ttft_s"],
                  "yes" if r["all_disk_hits"] and r["same_text"] else "NO"])
   return (f"{result['model']}, {result['prompt_tokens']}-token prompts from the disk tier "
-          f"after a serve restart (block {result['block_size']}, "
-          f"{result['new_tokens']} new tokens):\n" + common.format_table(
-              ["restart", "to serving s", "warm-up s", "1st TTFT s", "warm TTFT s", "x",
+          f"after a serve restart (block {result['block_size']}, {result['new_tokens']} new "
+          "tokens; medians over the restarts):\n" + common.format_table(
+              ["restart", "n", "to serving s", "warm-up s", "1st TTFT s", "warm TTFT s", "x",
                "1st total s", "warm total s", "x", "recompute s", "disk hits, same"],
               rows))
