@@ -116,6 +116,19 @@ class DsaModelRunner(ModelRunner):
     src[:len(copies)], dst[:len(copies)] = zip(*copies)
     self.pool.set_arrays(self._copy(self.pool.arrays(), src, dst))
 
+  def lowered_block_programs(self, buckets: Sequence[int]) -> list[jax.stages.Lowered]:
+    """ModelRunner's, over this runner's programs: the copy-on-write copy of both caches
+    (first bucket) and, with HiSparse, the indexer keys' copy to the host index (no
+    refresh)."""
+    out = []
+    for i, n in enumerate(buckets):
+      ids = np.zeros(n, np.int32)
+      if i == 0:
+        out.append(self._copy.lower(self.pool.arrays(), ids, ids))
+      if self.bounds:
+        out.append(_copy_index_keys.lower(tuple(self.pool.index_k), self.bounds, ids, ids))
+    return out
+
   def refresh_bounds(self, device_ids: np.ndarray) -> None:
     """Nothing to do: a swapped-in block's indexer keys come in with its latent entries
     (both are pool arrays)."""

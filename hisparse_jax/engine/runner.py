@@ -390,6 +390,37 @@ class ModelRunner:
     """Runs the step to the end; returns int32 [batch.num_seqs] sampled tokens."""
     return self.collect(self.dispatch(batch)).tokens
 
+  # --- Warm-up (engine/warmup.py): programs compiled, nothing run ---------------------
+
+  def warm_step(self, batch: StepBatch) -> bool:
+    """Compiles the step program of `batch`'s shape (loaded from the persistent
+    compilation cache when it holds it) without running it, so that a later step of that
+    shape runs at once. False when nothing was compiled: with compile_in_background, the
+    shape is kept already or the kept programs are at their cap."""
+    greedy_only = not np.any(batch.temperature > 0)
+    if self.compiler is not None:
+      return self.compiler.warm(batch, greedy_only,
+                                lambda b: self._step_args(b, self._no_tokens))
+    # jit's own cache: a later call with arguments of these types finds this program.
+    self._step.lower(*self._step_args(batch, self._no_tokens), greedy_only=greedy_only,
+                     num_token_rows=self.max_num_seqs).compile()
+    return True
+
+  def lowered_block_programs(self, buckets: Sequence[int]) -> list[jax.stages.Lowered]:
+    """The runner's programs between steps at each padded id count of `buckets`, lowered
+    from the arrays' types (to compile: engine/warmup.py): with key bounds, their refresh
+    after a swap-in and their copy to the host index; the copy-on-write copy at the
+    first bucket only (a step copies one partial block per forked sequence)."""
+    out = []
+    for i, n in enumerate(buckets):
+      ids = np.zeros(n, np.int32)
+      if i == 0:
+        out.append(self._copy.lower((*self.pool.arrays(), *self.bounds), ids, ids))
+      if self.bounds:
+        out.append(self._copy.lower(self.bounds, ids, ids))
+        out.append(self._refresh.lower(self.bounds, self.pool.k, self.pool.k_scale, ids))
+    return out
+
   def copy_bounds_to_host_index(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
     """The bounds rows of `host_ids` := those of `device_ids`, every layer (blocks
     written to the host pool keep their key bounds on the device for the indexer)."""

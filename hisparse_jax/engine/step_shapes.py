@@ -179,7 +179,7 @@ class StepCompiler:
   server's programs, and the memory they hold, stop growing at the cap.
   Counters: `foreground` compiles (stalls), `background` compiles, `covered` steps run
   padded to a covering shape (`capped` of them at the cap: no compile of their own),
-  `evicted` programs dropped.
+  `evicted` programs dropped, `warmed` programs compiled by `warm` before any request.
   """
 
   def __init__(self, step, static: dict[str, Any], hints_cover, num_hot_rows: int,
@@ -201,6 +201,7 @@ class StepCompiler:
     self.covered = 0
     self.capped = 0
     self.evicted = 0
+    self.warmed = 0
 
   def _compile(self, shape: StepShape, avals, greedy_only: bool):
     return self._step.lower(*avals, greedy_only=greedy_only, **self._static).compile()
@@ -254,6 +255,23 @@ class StepCompiler:
     self.ready.move_to_end(cover)
     self.covered += 1
     return self.ready[cover], pad_to(batch, cover, self._num_hot_rows)
+
+  def warm(self, batch: StepBatch, greedy_only: bool,
+           args_of: Callable[[StepBatch], tuple]) -> bool:
+    """Compiles `batch`'s own program now (loaded from the persistent compilation cache
+    when it holds it) and keeps it, so a later batch of that shape runs on it at once
+    (engine/warmup.py, before a server takes requests). False, compiling nothing, when
+    the shape is kept already or the kept programs are at the cap (a warm-up never
+    evicts). Counted in `warmed`, not `foreground`: no request waited for it."""
+    self._collect_done()
+    shape = shape_of(batch, greedy_only)
+    if shape in self.ready or shape in self._pending:
+      return False
+    if len(self.ready) + len(self._pending) >= self._max_programs:
+      return False
+    self._keep(shape, self._compile(shape, abstract(args_of(batch)), greedy_only))
+    self.warmed += 1
+    return True
 
   def wait(self) -> None:
     """Blocks until every background compile is done (tests, warm-up)."""

@@ -62,6 +62,12 @@ def bucket_size(n: int, min_bucket: int, max_bucket: int | None = None) -> int:
   return max(n, min(b, max_bucket)) if max_bucket is not None else b
 
 
+def warm_buckets(max_items: int, min_bucket: int, max_bucket: int | None = None) -> list[int]:
+  """The padded lengths `bucket_size` gives to lists of 1 to `max_items` items, ascending
+  (the programs a run over such lists compiles: what a warm-up compiles first)."""
+  return sorted({bucket_size(n, min_bucket, max_bucket) for n in range(1, max_items + 1)})
+
+
 def hop_free(sharding) -> bool:
   """Whether the device and pinned_host kinds of `sharding`'s device are one memory (CPU),
   so that moving an array between them inside a program needs no copy."""
@@ -283,6 +289,19 @@ class TransferEngine:
     self._transfers.inc(direction=direction)
     self._blocks.inc(num_blocks, direction=direction)
     self._bytes.inc(num_blocks * src_pool.spec.bytes_per_block, direction=direction)
+
+  def lowered_programs(self, max_blocks: int) -> list[jax.stages.Lowered]:
+    """The swap-out and swap-in programs of every id bucket up to the one of `max_blocks`
+    ids, lowered from the pools' types: what a server's warm-up compiles
+    (engine/warmup.py). Nothing moves and no metric counts."""
+    out = []
+    for n in warm_buckets(max_blocks, self.min_bucket):
+      ids = np.zeros(n, np.int32)
+      out.append(self._swap_out.lower(self.device_pool.arrays(), self.host_pool.arrays(),
+                                      ids, ids))
+      out.append(self._swap_in.lower(self.host_pool.arrays(), self.device_pool.arrays(),
+                                     ids, ids))
+    return out
 
   @property
   def num_pending(self) -> int:

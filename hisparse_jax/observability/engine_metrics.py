@@ -43,8 +43,10 @@ Prometheus via `serve(port)`). Series, with the labels they carry:
                                                         compile_in_background)
   hisparse_step_compiles{where}                 gauge   step programs compiled so far:
                                                         foreground (the step waited: a
-                                                        stall) or background
-                                                        (compile_in_background)
+                                                        stall), background
+                                                        (compile_in_background) or warmup
+                                                        (before any request: serve's
+                                                        warm-up, engine/warmup.py)
   hisparse_steps_on_covering_shape              gauge   steps run padded to a compiled
                                                         covering shape while their own
                                                         compiled (compile_in_background)
@@ -100,7 +102,8 @@ class EngineMetrics:
     self.step_shapes = r.gauge(STEP_SHAPES, "Distinct padded step shapes run so far (each "
                                "compiled a step program once).")
     self.step_compiles = r.gauge(STEP_COMPILES, "Step programs compiled so far, in the "
-                                 "foreground (the step waited) or the background.",
+                                 "foreground (the step waited), the background or the "
+                                 "warm-up before any request.",
                                  labelnames=("where",))
     self.steps_on_cover = r.gauge(STEPS_ON_COVERING_SHAPE, "Steps run padded to a compiled "
                                   "covering shape while their own program compiled.")
@@ -210,6 +213,7 @@ class EngineMetrics:
     if compiler is not None:
       self.step_compiles.set(compiler.foreground, where="foreground")
       self.step_compiles.set(compiler.background, where="background")
+      self.step_compiles.set(compiler.warmed, where="warmup")
       self.steps_on_cover.set(compiler.covered)
 
   def on_usage(self, block_manager, scheduler) -> None:

@@ -39,6 +39,10 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
   third_tier              TTFT of a repeated ~4k-token prompt from the disk tier after an
                           engine restart and from a shared Redis store by a second engine,
                           vs recomputing it; the load-vs-recompute gate on a throttled tier
+  warm_restart            real `serve` processes restarted on one disk tier and compilation
+                          cache: the first disk-tier hit after a restart (warm-up off, on,
+                          on with its programs cached) vs the same hit on the warmed
+                          server; time to "serving on"; recompute (~10 min)
 
 Every ratio is measured side by side in one run (the contenders interleaved); the JSON
 names the machine (CPU, cores, accelerator, jax version, load average at the start and
@@ -78,6 +82,7 @@ ACCURACY_SUITES = {
     "cold_start": "cold_start",
     "dsa_decode": "dsa_decode",
     "third_tier": "third_tier",
+    "warm_restart": "warm_restart",
 }
 # Suites whose module has plot(result, path), which --bench_plot draws.
 PLOTTED = ("decode_sparse_vs_dense", "passkey", "hisparse_throughput")

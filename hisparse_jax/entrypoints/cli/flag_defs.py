@@ -239,6 +239,11 @@ flags.DEFINE_string("served_model_name", None, "serve: the model name clients se
                     "(default: the --model directory's name, or hisparse-tiny).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM, seconds running requests "
                    "get to finish before they are aborted.")
+flags.DEFINE_bool("warmup", True, "serve: before serving, compile (or load from the compilation "
+                  "cache) the programs a lone request runs: decode and prompt-tail steps "
+                  "at every context length, block swaps, the third tier's reads and writes "
+                  "(engine/warmup.py); --nowarmup serves sooner and the first requests pay "
+                  "for them.")
 # serve's limits (openai_server.ServerLimits; the defaults are its fields').
 flags.DEFINE_integer("max_request_bytes", 8 << 20, "serve: largest request body (413 beyond).")
 flags.DEFINE_integer("max_prompts_per_request", 64, "serve: prompts in one /v1/completions "
@@ -292,7 +297,7 @@ COMMAND_FLAGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 ("HiSparse", _HISPARSE), ("third KV tier", _TIER),
                 ("parallel", ("tensor_parallel_size",))),
     "serve": (("server", ("host", "port", "api_key", "api_keys_file", "cache_salt_by_api_key",
-                          "served_model_name", "drain_timeout_s")),
+                          "served_model_name", "drain_timeout_s", "warmup")),
               ("limits", ("max_request_bytes", "max_prompts_per_request",
                           "max_request_prompt_tokens", "max_logprobs", "request_timeout_s",
                           "max_waiting_requests", "max_concurrent_streams",

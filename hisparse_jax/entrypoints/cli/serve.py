@@ -4,9 +4,10 @@ Usage::
 
   hisparse-jax serve [--host=127.0.0.1] [--port=8000] [--api_key=KEY[,KEY2...]]
       [--api_keys_file=FILE] [--cache_salt_by_api_key] [--served_model_name=NAME]
-      [--drain_timeout_s=S] [engine flags of generate]
+      [--drain_timeout_s=S] [--nowarmup] [engine flags of generate]
 
-Loads the model (logging the KV capacity of each memory kind), binds the port, logs
+Loads the model (logging the KV capacity of each memory kind), compiles the programs a
+lone request runs (--warmup, on by default: engine/warmup.py), binds the port, logs
 "serving on http://HOST:PORT" and serves until SIGTERM or SIGINT. Then it drains: no new
 connection is taken, new requests on open ones get 503, running requests have
 --drain_timeout_s to finish (their streams are cancelled after, which aborts them), the
@@ -100,6 +101,10 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.INFO)  # the capacity lines and "serving on"
   sock = bind(FLAGS.host, FLAGS.port)
   engine = LLM(**llm_kwargs).engine
+  if FLAGS.warmup:  # the first requests' programs, before "serving on" (engine/warmup.py)
+    from hisparse_jax.engine import warmup  # noqa: PLC0415 (imports jax)
+
+    logging.info("%s", warmup.warm_up(engine).log_line())
   async_engine = AsyncEngine(engine, max_stream_buffer=FLAGS.max_stream_buffer)
   app = build_app(async_engine, served_model_name(), api_keys=api_keys,
                   cache_salt_by_api_key=FLAGS.cache_salt_by_api_key,

@@ -32,7 +32,12 @@ from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVPool
-from hisparse_jax.kv_cache.transfer import bucket_size, gather_to_device, hop_free
+from hisparse_jax.kv_cache.transfer import (
+  bucket_size,
+  gather_to_device,
+  hop_free,
+  warm_buckets,
+)
 
 
 @functools.cache
@@ -115,6 +120,19 @@ class HostPoolIO:
     padded = np.full(bucket_size(n, self.min_bucket), self.pool.num_blocks, np.int32)
     padded[:n] = ids
     return padded, n
+
+  def lowered_programs(self, max_blocks: int) -> list[jax.stages.Lowered]:
+    """The read and write programs of every id bucket up to the one of `max_blocks` ids,
+    lowered from the pool's types: what a server's warm-up compiles (engine/warmup.py).
+    No block is read or written."""
+    out = []
+    for n in warm_buckets(max_blocks, self.min_bucket):
+      ids = np.zeros(n, np.int32)
+      blocks = tuple(jax.ShapeDtypeStruct((n, *shape), dtype)
+                     for shape, dtype in zip(self._shapes, self._dtypes))
+      out.append(self._read.lower(self.pool.arrays(), ids))
+      out.append(self._write.lower(self.pool.arrays(), blocks, ids))
+    return out
 
   def read(self, host_ids) -> np.ndarray:
     """uint8 [n, block_nbytes]: the payloads of host blocks `host_ids`."""
