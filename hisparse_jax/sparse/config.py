@@ -114,14 +114,14 @@ class HiSparseConfig:
   # The fields left to their defaults at construction (derived here, not given):
   # `for_index_topk` derives those from the model's index_topk instead. Not carried by
   # dataclasses.replace (its values count as given).
-  defaulted: frozenset = dataclasses.field(init=False, repr=False, compare=False,
-                                           default=frozenset())
+  # (a sorted tuple: dataclasses.asdict of a config stays JSON, as the benches write it)
+  defaulted: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
   def __post_init__(self):
-    object.__setattr__(self, "defaulted", frozenset(
+    object.__setattr__(self, "defaulted", tuple(sorted(
         name for name in ("hot_buffer_tokens", "sink_tokens", "local_tokens",
                           "sparse_threshold_tokens", "indexer")
-        if getattr(self, name) is None))
+        if getattr(self, name) is None)))
     if self.indexer is None:
       object.__setattr__(self, "indexer", "block_bounds")
     if self.hot_buffer_tokens is None:
