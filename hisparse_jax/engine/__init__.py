@@ -15,6 +15,8 @@
   step_batch.py        BatchBuilder: the scheduled chunks as padded step arrays (host)
   step_program.py      the jitted step (forward + sampling) and the copy / refresh programs
   step_shapes.py       StepCompiler: new step shapes compiled in the background (serve)
+  warmup.py            warm_up: a lone request's programs compiled before the first request
+                       (serve, before "serving on"; nothing runs, nothing changes)
 
 May import: sparse, kv_cache, distributed, observability, models, kernels_pallas.
 Never entrypoints or bench.

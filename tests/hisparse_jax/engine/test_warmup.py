@@ -163,3 +163,32 @@ def test_warm_up_keeps_within_its_share_of_max_step_programs(tmp_path):
   assert report.step_programs == 3 and len(engine.runner.compiler.ready) == 3
   assert report.skipped_shapes > 0
   assert f"{report.skipped_shapes} step shapes left out" in report.log_line()
+
+
+def test_a_dsa_engine_warms_up_unchanged_and_its_lone_requests_lower_nothing(tmp_path):
+  """A DeepSeek-V3.2 engine (its own runner: latent + indexer-key caches, the learned
+  indexer, HiSparse's token-granular hot buffer) warms up the same way."""
+  from models import deepseek_v32, testing  # noqa: PLC0415 (transformers: DSA only)
+
+  testing.save_random_dsa(tmp_path / "ckpt", "deepseek_v32")
+  model, _ = deepseek_v32.load_pretrained(tmp_path / "ckpt")
+  lightning = HiSparseConfig(indexer="lightning", hot_buffer_tokens=16,
+                             sparse_threshold_tokens=16)
+  config = EngineConfig(block_size=4, max_model_len=32, max_num_seqs=4,
+                        max_num_batched_tokens=32, device_kv_gib=0.001, host_pool_gib=0.0004,
+                        hisparse=lightning, compile_in_background=True)
+  prompts = [RNG.integers(2, 97, n).tolist() for n in (5, 13, 20)]
+  greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+  reference = Engine(config, model=model, model_config=model.config)
+  expected = [_serve(reference, p, greedy) for p in prompts]
+  engine = Engine(config, model=model, model_config=model.config)
+  runner = engine.runner
+  before = [np.asarray(jax.device_get(a)).tobytes()
+            for a in (*engine.device_pool.arrays(), *runner.bounds, *runner.hot_state)]
+  report = warmup.warm_up(engine)
+  assert report.step_programs > 0 and report.block_programs > 0
+  assert [np.asarray(jax.device_get(a)).tobytes()
+          for a in (*engine.device_pool.arrays(), *runner.bounds, *runner.hot_state)] == before
+  with _lowerings() as lowered:
+    got = [_serve(engine, p, greedy) for p in prompts]
+  assert got == expected and lowered == []

@@ -7,6 +7,8 @@ after it, and answers every disk-tier hit with the writer's text. No timing is a
 
 from __future__ import annotations
 
+import json
+
 from hisparse_jax.bench import warm_restart
 from hisparse_jax.entrypoints.cli import bench as bench_cmd
 from hisparse_jax.entrypoints.cli import main as cli
@@ -34,3 +36,17 @@ def test_restarted_serve_warms_up_and_serves_disk_hits_with_the_same_text():
   assert restart["all_disk_hits"] and restart["same_text"]
   assert all(h["text"] for h in hits) and restart["recompute_ttft_s"] > 0
   assert "warmup_first" in warm_restart.format_table(result)
+
+
+def test_readme_warm_restart_table_matches_committed_json():
+  with open("results/warm_restart_cpu.json") as f:
+    summary = json.load(f)["suites"]["warm_restart"]["summary"]
+  with open("README.md") as f:
+    readme = f.read()
+  for name, label in (("nowarmup", "| `--nowarmup` |"), ("warmup", "| warm-up (default) |")):
+    s = summary[name]
+    row = next(line for line in readme.splitlines() if line.startswith(label))
+    assert f"{s['ratio_ttft']:.2f}x" in row and f"{s['first_ttft_s']:.3g} s" in row, row
+    assert f"{s['start_to_serving_s']:.1f} s" in row, row
+    assert s["all_disk_hits"] and s["same_text"]
+  assert summary["warmup"]["ratio_ttft"] <= 1.3  # the goal, as recorded
