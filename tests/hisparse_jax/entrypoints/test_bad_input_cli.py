@@ -297,11 +297,11 @@ def test_capacity_refusals_name_the_flag(good_checkpoint, capsys):
   # come out of the device budget; the line names the host pool too. (A chunk given: left
   # to the engine, a smaller one streams the request through this budget instead.)
   assert _main_in_process("capacity", f"--model={good_checkpoint}", "--max_model_len=256",
-                          "--device_kv_gib=0.0005", "--host_pool_gib=0.002", "--block_size=4",
+                          "--device_kv_gib=0.0003", "--host_pool_gib=0.002", "--block_size=4",
                           "--hisparse", "--max_num_batched_tokens=2048") == 2
   _assert_one_line(capsys.readouterr().err, (
-      "hisparse-jax capacity: error: --device_kv_gib: the device KV budget of 536,870 bytes = "
-      "0.51 MiB (--device_kv_gib) holds 63 usable blocks after the null block and 470,311 "
+      "hisparse-jax capacity: error: --device_kv_gib: the device KV budget of 322,122 bytes = "
+      "0.31 MiB (--device_kv_gib) holds 63 usable blocks after the null block and 255,563 "
       "bytes reserved for the indexer and hot buffers, but one request of --max_model_len=256 "
       "tokens needs 64 blocks of 4 tokens (65,536 bytes); raise --device_kv_gib or lower "
       "--max_model_len (or lower --host_pool_gib or raise --block_size: the indexer keeps the "
