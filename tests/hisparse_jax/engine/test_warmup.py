@@ -168,10 +168,10 @@ def test_warm_up_keeps_within_its_share_of_max_step_programs(tmp_path):
 def test_a_dsa_engine_warms_up_unchanged_and_its_lone_requests_lower_nothing(tmp_path):
   """A DeepSeek-V3.2 engine (its own runner: latent + indexer-key caches, the learned
   indexer, HiSparse's token-granular hot buffer) warms up the same way."""
-  from models import deepseek_v32, testing  # noqa: PLC0415 (transformers: DSA only)
+  from models import deepseek_v32_checkpoint, testing  # noqa: PLC0415 (transformers: DSA only)
 
   testing.save_random_dsa(tmp_path / "ckpt", "deepseek_v32")
-  model, _ = deepseek_v32.load_pretrained(tmp_path / "ckpt")
+  model, _ = deepseek_v32_checkpoint.load_pretrained(tmp_path / "ckpt")
   lightning = HiSparseConfig(indexer="lightning", hot_buffer_tokens=16,
                              sparse_threshold_tokens=16)
   config = EngineConfig(block_size=4, max_model_len=32, max_num_seqs=4,

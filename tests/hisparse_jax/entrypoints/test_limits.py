@@ -85,12 +85,15 @@ def test_sampling_limits(server):
 
 
 def test_the_stream_cap_answers_429_with_retry_after(server):
-  # Two streams held open by clients that do not read (their responses cannot finish).
-  held = [_raw_stream(server.url, 490, read_every_s=None) for _ in range(2)]
+  # Two streams held open by clients that do not read: with 5 logprobs a token their
+  # responses (~0.5 MB) outgrow every socket buffer on the way, so they cannot finish.
+  held = [_raw_stream(server.url, 490, read_every_s=None, logprobs=5) for _ in range(2)]
   try:
-    time.sleep(1.0)
     body = {**OK, "max_tokens": 8, "stream": True}
-    r = _post(server, body)
+    deadline = time.monotonic() + 60
+    while (r := _post(server, body)).status_code == 200:  # until both have started
+      assert time.monotonic() < deadline, "the two held streams never counted as open"
+      time.sleep(0.2)
     assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
     assert r.json()["error"]["type"] == "RateLimitError"
     assert "--max_concurrent_streams=2" in r.json()["error"]["message"]
@@ -162,15 +165,17 @@ def _stream_itls(url: str, n_tokens: int, out: list[float]) -> None:
       last = now
 
 
-def _raw_stream(url: str, n_tokens: int, read_every_s: float | None) -> socket.socket:
+def _raw_stream(url: str, n_tokens: int, read_every_s: float | None,
+                logprobs: int | None = None) -> socket.socket:
   """A streaming request on a raw socket with a tiny receive buffer that reads
-  `read_every_s` (100 bytes at a time) or never (None)."""
+  `read_every_s` (100 bytes at a time) or never (None); `logprobs` per token if given."""
   host, port = url.split("//", 1)[1].rsplit(":", 1)
   sock = socket.socket()
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
   sock.connect((host, int(port)))
   body = json.dumps({**OK, "prompt": "lodu:", "max_tokens": n_tokens, "ignore_eos": True,
-                     "stream": True}).encode()
+                     "stream": True, **({"logprobs": logprobs} if logprobs else {})}
+                    ).encode()
   sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
   if read_every_s is not None:
