@@ -290,7 +290,8 @@ def format_table(result: dict) -> str:
       extra = f"{r['decode_steps']} decode steps, {r['max_decoding']} at once"
     rows.append((r["part"], r["name"], fig if isinstance(fig, (int, float)) else str(fig),
                  r["unit"], r["target"] or "-", "-" if r["met"] is None else r["met"], extra))
-  lines = [common.format_table(["part", "row", "figure", "unit", "target", "met", ""], rows)]
+  lines = [common.format_table(["part", "row", "figure", "unit", "target", "met", ""], rows)
+           if rows else "no rows"]
   lines += [f"skipped {s['part']}: {s['what']}: {s['reason']}" for s in result["skipped"]]
   lines += [f"ERROR {e['part']}: {e['error']}" for e in result["errors"]]
   s = result["summary"]

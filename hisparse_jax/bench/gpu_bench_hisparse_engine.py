@@ -196,6 +196,15 @@ def drive(engine, prompts: list[list[int]], max_tokens: int, deadline: float) ->
           "host_loads": diff.get("hisparse_hot_buffer_loads_total", 0.0)}
 
 
+def compare_tokens(have: list[int], want: list[int]) -> tuple[int, bool]:
+  """(leading tokens of `have` equal to `want`'s, whether the first one is: what (c)
+  requires). Outputs of different lengths count only their common part; an empty one
+  never passes."""
+  equal = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b),
+               min(len(have), len(want)))
+  return equal, bool(have) and bool(want) and have[0] == want[0]
+
+
 class _Part:
   """The engine part's rows, skips, and clock (shared with the CLI's)."""
 
@@ -296,8 +305,7 @@ def run(size_name: str, clock, add_row, skip) -> None:
     if got is not None:
       want = dense["token_ids"][0][:size.check_tokens]
       have = got["token_ids"][0]
-      equal = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), len(want))
-      first_ok = bool(have) and bool(want) and have[0] == want[0]
+      equal, first_ok = compare_tokens(have, want)
       part.correct = part.correct and first_ok
       x = engine("X")
       usable = x.device_pool.num_blocks - 1
