@@ -2,7 +2,7 @@
 
 The model (Llama-3.1-8B's shapes at full size, models/random_weights.py: weights drawn on
 the device, nothing downloaded) serves, greedy, `ignore_eos`, prefix caching off, blocks of
-16 tokens, one prompt chunk size for every engine (fewer chunk shapes: fewer 32-layer
+16 tokens, one prompt chunk size for D, H and W (few chunk shapes: few 32-layer
 compiles), from random token ids:
 
     D  device-only: a device KV budget of N requests of `request_tokens` (prompt + new
@@ -10,7 +10,8 @@ compiles), from random token ids:
     H  HiSparse, admission "offload", the same device blocks (+ what HiSparse reserves
        beside them), a host pool of every request; top-k = hot buffer
     W  the same, admission "wait": the host pool backs decoders, no admission by offload
-    X  HiSparse on a device pool of half a request, top-k as large as that pool allows
+    X  HiSparse on a device pool of half a request, chunks of its own; top-k = hot
+       buffer as large as that pool leaves beside a chunk (+ 2 blocks)
 
 Runs, in this order (each skipped, saying so, when the time left cannot hold it):
 
@@ -54,7 +55,8 @@ class EngineSize:
   new_tokens: int  # (a) and (b)
   check_tokens: int  # (c)
   top_k_tokens: int
-  chunk_tokens: int  # max_num_batched_tokens of every engine
+  chunk_tokens: int  # max_num_batched_tokens of D, H and W
+  x_chunk_tokens: int  # X's (its hot buffer is what its pool leaves beside a chunk)
   block_size: int = 16
 
   @property
@@ -64,12 +66,15 @@ class EngineSize:
 
 SIZES = {
     # N = 1: a 32k request holds 4 GiB of bf16 KV (128 KiB a token); 4 requests of 32k.
+    # Chunks of 16k tokens: a prompt prefills in 2 steps of 2 table widths (1,024 and
+    # 2,048 blocks), so D and H compile 2 prefill programs each, not 6 (chunks of 2k);
+    # an offloaded H request streams through 128 + 1,024 + 2 of its 2,049 device blocks.
     "full": EngineSize(model="8b", dtype="bfloat16", request_tokens=32768,
                        num_device_requests=1, new_tokens=64, check_tokens=4,
-                       top_k_tokens=2048, chunk_tokens=8192),
+                       top_k_tokens=2048, chunk_tokens=16384, x_chunk_tokens=4096),
     "smoke": EngineSize(model="tiny", dtype="float32", request_tokens=256,
                         num_device_requests=1, new_tokens=32, check_tokens=4,
-                        top_k_tokens=64, chunk_tokens=32),
+                        top_k_tokens=64, chunk_tokens=64, x_chunk_tokens=32),
 }
 
 
@@ -129,8 +134,9 @@ def engine_configs(size: EngineSize, spec) -> dict:
                  device_blocks)
   # X: half a request's blocks usable; top-k = hot buffer = what streaming leaves of them.
   usable = math.ceil(request_blocks / 2)
-  top_k = (usable - math.ceil(size.chunk_tokens / bs) - 2) * bs
-  config = EngineConfig(**{**base, "max_num_seqs": 2}, hisparse=_hisparse(size, top_k=top_k),
+  top_k = (usable - math.ceil(size.x_chunk_tokens / bs) - 2) * bs
+  config = EngineConfig(**{**base, "max_num_seqs": 2, "max_num_batched_tokens":
+                           size.x_chunk_tokens}, hisparse=_hisparse(size, top_k=top_k),
                         host_pool_gib=gib(2 * request_blocks + 2))
   reserved = hisparse_capacity_for(config, spec, usable + 1, 2 * request_blocks + 2
                                    ).reserved_bytes
