@@ -159,15 +159,17 @@ def run_transfer(size_name: str, clock: Clock, report: Report) -> None:
   if peak is None:
     report.skip("transfer", "share of the PCIe peak", "not a GPU with a known PCIe peak "
                 "(transfer.PCIE_PEAK_BYTES_PER_S): GB/s only")
-  last_s = 0.0
+  largest = (0.0, 1)  # (seconds, pools' bytes) of the largest case so far: its rate
   for block_size in size.block_sizes:
     spec = KVCacheSpec(num_layers=size.num_layers, num_kv_heads=size.num_kv_heads,
                        head_dim=size.head_dim, dtype=size.dtype, block_size=block_size)
     for n in size.num_blocks:
       what = f"block {block_size} x {n} blocks"
-      if clock.left() < 2 * last_s:
-        report.skip("transfer", what, f"budget: {clock.left():.0f} s left of the part, the "
-                    f"last case took {last_s:.0f} s")
+      pool_bytes = (2 * n + 1) * spec.bytes_per_block  # transfer.case's pools, each
+      need = largest[0] * pool_bytes / largest[1]
+      if clock.left() < need or clock.left() <= 0:
+        report.skip("transfer", what, f"budget: {clock.left():.0f} s left of the part, "
+                    f"~{need:.0f} s estimated from the largest case before")
         continue
       start = time.monotonic()
       for r in transfer.case(spec, n, size.reps, rng, with_numpy=False):
@@ -181,7 +183,8 @@ def run_transfer(size_name: str, clock: Clock, report: Report) -> None:
                        None if target is None else gbs >= target,
                        ms=r["engine_ms"], pcie_share=r["pcie_fraction"],
                        pcie_peak_bytes_per_s=peak)
-      last_s = time.monotonic() - start
+      if pool_bytes >= largest[1]:
+        largest = (time.monotonic() - start, pool_bytes)
 
 
 def state_with_misses(warm, fraction: float, top_k_blocks: int, rng):
