@@ -58,7 +58,9 @@ SIZES = {
 }
 
 
-def _pcie_peak() -> float | None:
+def pcie_peak() -> float | None:
+  """The host <-> device peak of one direction of this machine's first device (None: not a
+  GPU, or one not in PCIE_PEAK_BYTES_PER_S)."""
   device = jax.devices()[0]
   if device.platform != "gpu":
     return None
@@ -66,15 +68,19 @@ def _pcie_peak() -> float | None:
                if device.device_kind.startswith(prefix)), None)
 
 
-def _case(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Generator) -> list[dict]:
-  """Both directions for N = `num_moved` blocks: engine and numpy, interleaved."""
+def case(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Generator,
+         with_numpy: bool = True) -> list[dict]:
+  """Both directions for N = `num_moved` blocks: engine and numpy, interleaved (without
+  numpy: the engine alone, its ratio fields None; the pools hold zeros, which move as
+  fast as any bytes: what the GPU bench's 8B-class layout times)."""
   num_pool_blocks = 2 * num_moved + 1  # null block + room for distinct random ids
   device_pool = KVPool(spec, num_pool_blocks, DEVICE)
   host_pool = KVPool(spec, num_pool_blocks, PINNED_HOST)
   engine = TransferEngine(device_pool, host_pool)
   shape = spec.block_shape(num_pool_blocks)
-  np_device = [rng.standard_normal(shape).astype(spec.dtype) for _ in range(2 * spec.num_layers)]
-  np_host = [rng.standard_normal(shape).astype(spec.dtype) for _ in range(2 * spec.num_layers)]
+  arrays = 2 * spec.num_layers if with_numpy else 0
+  np_device = [rng.standard_normal(shape).astype(spec.dtype) for _ in range(arrays)]
+  np_host = [rng.standard_normal(shape).astype(spec.dtype) for _ in range(arrays)]
   device_ids = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False)
   host_ids = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False)
 
@@ -92,22 +98,24 @@ def _case(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Generator
     engine.wait()
     return host_pool.arrays()
 
-  times = common.interleaved({
-      "h2d": engine_h2d,
-      "h2d_numpy": lambda: numpy_copy(np_host, np_device, host_ids, device_ids),
-      "d2h": engine_d2h,
-      "d2h_numpy": lambda: numpy_copy(np_device, np_host, device_ids, host_ids),
-  }, reps)
+  thunks = {"h2d": engine_h2d, "d2h": engine_d2h}
+  if with_numpy:
+    thunks["h2d_numpy"] = lambda: numpy_copy(np_host, np_device, host_ids, device_ids)
+    thunks["d2h_numpy"] = lambda: numpy_copy(np_device, np_host, device_ids, host_ids)
+  times = common.interleaved(thunks, reps)
   nbytes = num_moved * spec.bytes_per_block
-  peak = _pcie_peak()
+  peak = pcie_peak()
   rows = []
   for direction in ("h2d", "d2h"):
-    engine_s, numpy_s = common.median(times[direction]), common.median(times[direction + "_numpy"])
+    engine_s = common.median(times[direction])
+    numpy_s = common.median(times[direction + "_numpy"]) if with_numpy else None
     rows.append({
         "direction": direction, "block_size": spec.block_size, "num_blocks": num_moved,
-        "bytes": nbytes, "engine_ms": engine_s * 1e3, "numpy_ms": numpy_s * 1e3,
-        "ratio_vs_memcpy": numpy_s / engine_s, "engine_gb_per_s": nbytes / engine_s / 1e9,
-        "numpy_gb_per_s": nbytes / numpy_s / 1e9,
+        "bytes": nbytes, "engine_ms": engine_s * 1e3,
+        "numpy_ms": None if numpy_s is None else numpy_s * 1e3,
+        "ratio_vs_memcpy": None if numpy_s is None else numpy_s / engine_s,
+        "engine_gb_per_s": nbytes / engine_s / 1e9,
+        "numpy_gb_per_s": None if numpy_s is None else nbytes / numpy_s / 1e9,
         "pcie_fraction": None if peak is None else nbytes / engine_s / peak})
   return rows
 
@@ -172,7 +180,7 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
     spec = KVCacheSpec(num_layers=size.num_layers, num_kv_heads=size.num_kv_heads,
                        head_dim=size.head_dim, dtype=size.dtype, block_size=block_size)
     for num_moved in size.num_blocks:
-      rows += _case(spec, num_moved, size.reps, rng)
+      rows += case(spec, num_moved, size.reps, rng)
   profile = _profile_h2d(spec, max(size.num_blocks), size.reps, rng)  # the largest case
   ratios = {d: [r["ratio_vs_memcpy"] for r in rows if r["direction"] == d]
             for d in ("h2d", "d2h")}
@@ -180,7 +188,7 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
       "h2d_vs_memcpy": common.geomean(ratios["h2d"]),
       "d2h_vs_memcpy": common.geomean(ratios["d2h"]),
       "h2d_vs_memcpy_min": min(ratios["h2d"]), "d2h_vs_memcpy_min": min(ratios["d2h"]),
-      "goal_cpu": 0.8, "pcie_peak_bytes_per_s": _pcie_peak(), "config": dataclasses.asdict(size),
+      "goal_cpu": 0.8, "pcie_peak_bytes_per_s": pcie_peak(), "config": dataclasses.asdict(size),
       "ratio": "numpy fancy-index copy time / TransferEngine time (medians, interleaved); "
                "the top-level figures are geometric means over the rows",
       "rows": rows, "profile_case": {"block_size": spec.block_size,
