@@ -258,26 +258,25 @@ def paged_8bit_cases(cfg: dict, env: Env, seed: int = 1):
   num_blocks = max(b * t for b, t in cfg["paged_8bit"]) // bs + 1
   kk, kv, kq = _keys(seed, 3)
   rng = np.random.default_rng(seed)
-  for kind in ("int8", "fp8_e4m3"):
-    pages = []
-    for key in (kk, kv):
-      values, scales = jax.jit(quantize, static_argnums=1)(
-          _randn(key, (num_blocks, bs, hkv, d), dtype), kind)
-      pages.append(QuantizedPages(values, scales, dtype=dtype))
-    k8, v8 = pages
+  pools = {}
+  for kind in ("int8", "fp8_e4m3"):  # the same K/V, quantized each way
+    k8, v8 = (QuantizedPages(*jax.jit(quantize, static_argnums=1)(
+        _randn(key, (num_blocks, bs, hkv, d), dtype), kind), dtype=dtype) for key in (kk, kv))
     # jax's paged attention: [Hkv, N, bs, D] values (fp8 as float8), [Hkv, N, bs] scales.
     by_head = functools.cache(lambda k8=k8, v8=v8, kind=kind: jax.block_until_ready(tuple(
         x for p in (k8, v8) for x in (
             (p.values if kind == "int8" else jax.lax.bitcast_convert_type(
                 p.values, jnp.float8_e4m3fn)).transpose(2, 0, 1, 3),
             p.scales[..., 0].transpose(2, 0, 1)))))
-    for i, (batch, ctx) in enumerate(cfg["paged_8bit"]):
-      tables = _tables(rng, num_blocks, batch, ctx // bs)
-      lens = jnp.full((batch,), ctx, jnp.int32)
-      q = _randn(jax.random.fold_in(kq, i), (batch, hq, d), dtype)
+    pools[kind] = (k8, v8, by_head)
+  for i, (batch, ctx) in enumerate(cfg["paged_8bit"]):
+    tables = _tables(rng, num_blocks, batch, ctx // bs)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    q = _randn(jax.random.fold_in(kq, i), (batch, hq, d), dtype)
+    nbytes, flops = decode_cost(batch, ctx, hq, hkv, d, 1, dtype.itemsize, scale_bytes=4)
+    for kind, (k8, v8, by_head) in pools.items():
       shape = dict(batch=batch, context=ctx, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                    block_size=bs, dtype=dtype.name, kv_dtype=kind)
-      nbytes, flops = decode_cost(batch, ctx, hq, hkv, d, 1, dtype.itemsize, scale_bytes=4)
       args = (q, k8, v8, tables, lens)
 
       def jax_args(q=q, t=tables, ln=lens, f=by_head):
@@ -296,7 +295,6 @@ def paged_8bit_cases(cfg: dict, env: Env, seed: int = 1):
       }
       yield Case("paged_8bit", shape, nbytes, flops, dtype.name, impls["xla-reference"],
                  impls, reference_impl="xla-reference")
-    del k8, v8, pages
 
 
 def ragged_cases(cfg: dict, env: Env, seed: int = 2):
@@ -380,9 +378,13 @@ def prefill_cases(cfg: dict, env: Env, seed: int = 3):
 
     config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                          causal=True)
-    impls["jax-mgpu-attention"] = Impl(functools.partial(attention_mgpu.attention,
-                                                         config=config), (q, k, v),
-                                       f"ops.gpu.attention_mgpu (Mosaic GPU); {CONTIGUOUS}")
+    # float16 copies: jax 0.11.2's attention_mgpu stages bf16 through float16 SMEM and
+    # refuses it ("Expected dtypes to match": lowered for an H200 here); same bytes.
+    impls["jax-mgpu-attention"] = Impl(
+        functools.partial(attention_mgpu.attention, config=config),
+        lambda: tuple(x.astype(jnp.float16) for x in (q, k, v)),
+        f"ops.gpu.attention_mgpu (Mosaic GPU) on float16 copies (it refuses bf16); "
+        f"{CONTIGUOUS}")
   else:
     skipped["jax-mgpu-attention"] = (f"Mosaic GPU kernel: {env.why_not_sm90}" if not env.sm90
                                      else f"needs seq a multiple of 128, got {seq}")
@@ -432,8 +434,8 @@ def planned_shapes(cfg: dict, kernel: str) -> list[dict]:
   if kernel == "paged":
     return [dict(batch=b, context=t) for b, t in cfg["paged"]]
   if kernel == "paged_8bit":
-    return [dict(batch=b, context=t, kv_dtype=k) for k in ("int8", "fp8_e4m3")
-            for b, t in cfg["paged_8bit"]]
+    return [dict(batch=b, context=t, kv_dtype=k) for b, t in cfg["paged_8bit"]
+            for k in ("int8", "fp8_e4m3")]
   return [dict(cfg[kernel])]
 
 

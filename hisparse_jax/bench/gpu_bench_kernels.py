@@ -133,7 +133,8 @@ class Bench:
         "max_abs_err": err, "ref_max_abs": ref_max, "ok": bool(ok), "timer": timer,
         "note": note})
     if not ok:
-      self.failures.append(f"{kernel} {impl} {shape}: max_abs_err {err} (ref max {ref_max})")
+      self.failures.append(f"{kernel} {impl} {shape}: " + (
+          note if err is None else f"max_abs_err {err} (ref max {ref_max})"))
 
   def _compare(self, case, out) -> tuple[float, float, bool, str]:
     jax, jnp = _jax(), _jax().numpy
@@ -175,8 +176,7 @@ class Bench:
         times, timer = self.measure(spec.fn, args)
       except Exception as e:  # noqa: BLE001 (one impl's failure never stops the run)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        if impl.startswith("ours"):
-          self.failures.append(f"{case.kernel} {impl} {case.shape}: {reason}")
+        if impl.startswith("ours"):  # (the row, not ok, counts as the failure)
           self.row(case.kernel, impl, case.shape, [], "-", case.bytes, case.flops, None, None,
                    False, f"FAILED: {reason}")
         else:
@@ -190,27 +190,36 @@ class Bench:
                scale, ok, note)
     self._ref = None
 
-  def run_kernel(self, kernel: str) -> None:
-    gen = self.builders[kernel](self.cfg, self.env)
-    planned = self.cases.planned_shapes(self.cfg, kernel)
-    for i, shape in enumerate(planned):
-      if self.left_s() < MARGIN_S:
-        for rest in planned[i:]:
-          self.skip(kernel, "all", rest, self.out_of_budget())
-        gen.close()
-        return
-      try:
-        case = next(gen)
-      except StopIteration:
-        return
-      except Exception as e:  # noqa: BLE001 (e.g. out of memory building the inputs)
-        for rest in planned[i:]:
-          self.skip(kernel, "all", rest, f"inputs failed: {type(e).__name__}: {e}"[:400])
-        self.failures.append(f"{kernel}: building {shape} failed: {type(e).__name__}")
-        return
-      print(f"-- {kernel} {case.shape} ({self.left_s():.0f} s left)", flush=True)
-      self.run_case(case)
-      del case
+  def run_kernels(self, kernels) -> None:
+    """Round robin: each kernel's first case, then each one's second, ...: a budget that
+    runs out cuts the long tails (more paged shapes), not whole kernels."""
+    gens = {k: self.builders[k](self.cfg, self.env) for k in kernels}
+    planned = {k: self.cases.planned_shapes(self.cfg, k) for k in kernels}
+    done = dict.fromkeys(kernels, 0)
+    while gens:
+      for kernel in list(gens):
+        i = done[kernel]
+        if i >= len(planned[kernel]) or self.left_s() < MARGIN_S:
+          for rest in planned[kernel][i:]:
+            self.skip(kernel, "all", rest, self.out_of_budget())
+          gens.pop(kernel).close()
+          continue
+        try:
+          case = next(gens[kernel])
+        except StopIteration:
+          gens.pop(kernel)
+          continue
+        except Exception as e:  # noqa: BLE001 (e.g. out of memory building the inputs)
+          reason = f"inputs failed: {type(e).__name__}: {e}"[:400]
+          for rest in planned[kernel][i:]:
+            self.skip(kernel, "all", rest, reason)
+          self.failures.append(f"{kernel}: building {planned[kernel][i]}: {reason}")
+          gens.pop(kernel)
+          continue
+        done[kernel] = i + 1
+        print(f"-- {kernel} {case.shape} ({self.left_s():.0f} s left)", flush=True)
+        self.run_case(case)
+        del case
 
   # -- torch -------------------------------------------------------------------------
   def run_torch(self, kernels, torch_python: str | None) -> None:
@@ -316,7 +325,9 @@ def format_table(result: dict) -> str:
 
   lines = [f"{'kernel':<11}{'impl':<20}{'shape':<34}{'med ms':>9}{'GB/s':>8}{'TF/s':>7}"
            f"{'roof%':>7}{'err':>9} ok"]
-  for r in result["rows"]:
+  order = {k: i for i, k in enumerate(result["kernels"])}
+  for r in sorted(result["rows"], key=lambda r: (order.get(r["kernel"], 99),
+                                                 json.dumps(r["shape"], sort_keys=True))):
     shape = ",".join(f"{v}" for k, v in r["shape"].items() if k in (
         "batch", "context", "kv_dtype", "seq", "q_lens", "heads", "topk"))
     lines.append(
@@ -341,8 +352,7 @@ def run(size: str, budget_s: float, only, torch_python: str | None = None) -> di
   print(f"gpu_bench_kernels: size={size}, budget {budget_s:.0f} s, kernels {kernels}, "
         f"device {_jax().devices()[0].device_kind}", flush=True)
   bench.run_torch(kernels, torch_python)  # first: before jax holds the GPU's memory
-  for kernel in kernels:
-    bench.run_kernel(kernel)
+  bench.run_kernels(kernels)
   seen = {(r["kernel"], r["impl"]) for r in bench.rows}
   seen |= {(s["kernel"], s["impl"]) for s in bench.skipped}
   for kernel in kernels:  # the safety net: every expected impl is accounted for
