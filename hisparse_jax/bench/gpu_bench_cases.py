@@ -59,7 +59,7 @@ FULL = {
 SMOKE = {
     "model": dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                   dtype="bfloat16"),
-    "paged": ((2, 256), (1, 512)),
+    "paged": ((2, 256),),
     "paged_8bit": ((2, 256),),
     "ragged": dict(q_lens=(32, 32, 1, 1), kv_lens=(64, 128, 128, 128)),
     "prefill": dict(seq=128),

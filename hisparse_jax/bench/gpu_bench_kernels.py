@@ -35,6 +35,7 @@ GPU-only peers are skipped with the reason: a check of this script, not of speed
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -152,7 +153,10 @@ class Bench:
     jax = _jax()
     ref = case.reference
     try:
-      self._ref = jax.block_until_ready(ref.fn(*(ref.args() if callable(ref.args) else
+      ref_fn = ref.fn if isinstance(ref.fn, jax.stages.Wrapped) else jax.jit(ref.fn)
+      if case.reference_impl:  # the same callable then times it: compiled once
+        case.impls[case.reference_impl].fn = ref_fn
+      self._ref = jax.block_until_ready(ref_fn(*(ref.args() if callable(ref.args) else
                                                  ref.args)))
     except Exception as e:  # noqa: BLE001
       self.failures.append(f"{case.kernel} reference {case.shape}: {type(e).__name__}: {e}")
@@ -167,13 +171,15 @@ class Bench:
       if self.left_s() < MARGIN_S:
         self.skip(case.kernel, impl, case.shape, self.out_of_budget())
         continue
+      # One jitted callable for the check and the timing (the profiler would jit a partial
+      # again, compiling it twice).
+      fn = spec.fn if isinstance(spec.fn, jax.stages.Wrapped) else jax.jit(spec.fn)
       try:
         args = spec.args() if callable(spec.args) else spec.args
-        out = self._ref if impl == case.reference_impl else jax.block_until_ready(
-            spec.fn(*args))
+        out = self._ref if impl == case.reference_impl else jax.block_until_ready(fn(*args))
         err, scale, ok, extra = self._compare(case, out)
         del out
-        times, timer = self.measure(spec.fn, args)
+        times, timer = self.measure(fn, args)
       except Exception as e:  # noqa: BLE001 (one impl's failure never stops the run)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         if impl.startswith("ours"):  # (the row, not ok, counts as the failure)
@@ -239,17 +245,27 @@ class Bench:
       return
     timeout = max(self.left_s() * (0.3 if self.env.on_gpu else 0.5), 1.0)
     payload = [{k: s[k] for k in ("kernel", "shape", "torch")} for s in specs]
+    argv = [python, str(TORCH_SCRIPT), "--shapes", json.dumps(payload), "--reps",
+            str(self.reps)]
     try:
-      out = subprocess.run([python, str(TORCH_SCRIPT), "--shapes", json.dumps(payload),
-                            "--reps", str(self.reps)], capture_output=True, text=True,
-                           timeout=timeout)
-      result = json.loads(out.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-      skip_all(f"the torch peer ran past its {timeout:.0f} s share of the budget")
+      out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+      text, code, late = out.stdout, out.returncode, ""
+    except subprocess.TimeoutExpired as e:
+      text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (
+          e.stdout or "")
+      code, late = None, f"the torch peer ran past its {timeout:.0f} s share of the budget"
+    lines = [ln for ln in text.strip().splitlines() if ln.startswith("{")]
+    if not lines:
+      skip_all(late or f"the torch peer failed (exit {code}): {out.stderr.strip()[-300:]}")
       return
-    except (ValueError, IndexError):
-      skip_all(f"the torch peer failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
-      return
+    result = json.loads(lines[-1])  # everything it finished
+    done = {(r["kernel"], r["impl"], json.dumps(r["shape"], sort_keys=True))
+            for r in result["rows"] + result["skipped"]}
+    if late:
+      for s in specs:
+        for impl in impls:
+          if (s["kernel"], impl, json.dumps(s["shape"], sort_keys=True)) not in done:
+            self.skip(s["kernel"], impl, s["shape"], late)
     cost = {(s["kernel"], json.dumps(s["shape"], sort_keys=True)): s["cost"] for s in specs}
     for r in result["rows"]:
       nbytes, flops = cost[(r["kernel"], json.dumps(r["shape"], sort_keys=True))]
@@ -262,15 +278,21 @@ class Bench:
 
 
 def find_torch_python(explicit: str | None) -> tuple[str | None, str]:
-  """A python that imports torch: this one, --torch_python, $HISPARSE_TORCH_PYTHON."""
+  """A python that imports torch: this one, --torch_python, $HISPARSE_TORCH_PYTHON, then
+  the pythons of /opt/*/bin, /opt/*/*/bin, ~/*/bin and /usr/bin (GPU images keep venvs
+  there); (None, why) if none does."""
   tried = []
-  for python in (sys.executable, explicit, os.environ.get("HISPARSE_TORCH_PYTHON")):
+  # then pythons of the usual venv places (a GPU image may keep torch in one of its own)
+  found = [p for pattern in ("/opt/*/bin/python3", "/opt/*/*/bin/python3",
+                             os.path.expanduser("~/*/bin/python3"), "/usr/bin/python3")
+           for p in sorted(glob.glob(pattern))][:8]
+  for python in (sys.executable, explicit, os.environ.get("HISPARSE_TORCH_PYTHON"), *found):
     if not python or python in tried:
       continue
     tried.append(python)
     try:
       code = subprocess.run([python, "-c", "import torch"], capture_output=True,
-                            timeout=120).returncode
+                            timeout=60).returncode
     except (OSError, subprocess.TimeoutExpired):
       continue
     if code == 0:
