@@ -151,6 +151,9 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
          S((sum(r["q_lens"]), hq, d), bf), pages, pages, S((rows, max(r["kv_lens"]) // bs), i32),
          S((rows,), i32), S((rows + 1,), i32))
   seq = cases.FULL["prefill"]["seq"]
+  _lower(functools.partial(ragged_paged_attention, interpret=False), S((seq, hq, d), bf),
+         S((seq // bs + 1, bs, hkv, d), bf), S((seq // bs + 1, bs, hkv, d), bf),
+         S((1, seq // bs), i32), S((1,), i32), S((2,), i32))
   qp, kp = S((1, seq, hq, d), bf), S((1, seq, hkv, d), bf)
   _lower(functools.partial(cases._sdpa, implementation="cudnn", causal=True), qp, kp, kp)
   config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
@@ -164,3 +167,21 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
          S((c["batch"], c["heads"], width), bf),
          S((c["batch"] * c["context"] // c["block_size"] + 1, c["block_size"], 1, width), bf),
          S((c["batch"], c["topk"]), i32))
+
+
+def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
+  """The GPU-only branches of the case builders (Mosaic GPU, cuDNN), built (not run) with a
+  Hopper's Env at the smoke sizes: only what cannot apply is skipped there."""
+  from hisparse_jax.bench import gpu_bench_select
+
+  env = cases.Env(on_gpu=True, sm90=True, why_not_gpu="", why_not_sm90="")
+  # (the kernels whose builders branch on the device; the others build the same anywhere)
+  builders = {"paged": cases.paged_cases, "prefill": cases.prefill_cases,
+              "select": gpu_bench_select.select_cases}
+  for kernel, build in builders.items():
+    for case in build(cases.SMOKE, env):
+      assert set(case.impls) | set(case.skipped) >= EXPECTED[kernel] - {
+          "torch-flash", "torch-cudnn"}, kernel
+      skipped = set(case.skipped)
+      assert skipped == {"paged": {"jax-mgpu-attention"}, "prefill": set(),
+                         "select": {"cpp-cpu"}}[kernel], (kernel, case.skipped)
