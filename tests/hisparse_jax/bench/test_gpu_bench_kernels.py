@@ -6,6 +6,7 @@ skip; and the GPU impls' calls at the full sizes lower for an H200 from this hos
 
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,27 @@ def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
       skipped = set(case.skipped)
       assert skipped == {"paged": {"jax-mgpu-attention"}, "prefill": set(),
                          "select": {"cpp-cpu"}}[kernel], (kernel, case.skipped)
+
+
+def test_a_torch_peer_past_its_time_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
+  """gpu_bench_torch prints everything so far after each shape: a run cut by its timeout
+  reports the finished shapes as rows and the rest as skipped, with the reason."""
+  spec = cases.torch_specs(cases.SMOKE, ["paged", "prefill"])
+  first = spec[0]
+  row = {"kernel": first["kernel"], "impl": "torch-flash", "shape": first["shape"],
+         "median_ms": 1.0, "min_ms": 0.9, "max_abs_err": 1e-3, "ref_max_abs": 1.0,
+         "timer": "cuda-events", "note": "stub"}
+  script = tmp_path / "slow_torch.py"
+  script.write_text("import json, sys, time\n"
+                    f"print(json.dumps({json.dumps({'rows': [row], 'skipped': []})}))\n"
+                    "sys.stdout.flush()\ntime.sleep(60)\n")
+  monkeypatch.setattr(gbk, "TORCH_SCRIPT", script)
+  monkeypatch.setattr(gbk, "find_torch_python", lambda explicit: (sys.executable, ""))
+  bench = gbk.Bench("smoke", 4.0, reps=1)  # the peer's share: half of what is left
+  bench.run_torch(["paged", "prefill"], None)
+  assert [(r["impl"], r["ok"], r["median_ms"]) for r in bench.rows] == [
+      ("torch-flash", True, 1.0)]
+  late = {(s["kernel"], s["impl"]) for s in bench.skipped}
+  assert late == {("paged", "torch-cudnn"), ("prefill", "torch-flash"),
+                  ("prefill", "torch-cudnn")}
+  assert all("ran past" in s["reason"] for s in bench.skipped)
