@@ -39,15 +39,19 @@ from kernels_pallas.ragged_paged_attention import (
 from kernels_pallas.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 from kernels_pallas.write_kv import write_kv, write_kv_reference
 
-# HBM peak (bytes/s) by jax device_kind prefix; vendor datasheet figures.
-HBM_PEAK_BYTES_PER_S = {
-    "NVIDIA H200": 4.8e12,
-    "NVIDIA H100 80GB HBM3": 3.35e12,
-    "NVIDIA H100": 3.35e12,
-    "NVIDIA A100-SXM4-80GB": 2.039e12,
-    "NVIDIA A100": 1.555e12,
-    "NVIDIA L4": 0.3e12,
+# The one table of peaks: (HBM bytes/s, dense bfloat16 tensor-core FLOP/s, no sparsity) by
+# jax device_kind prefix (the longest matching prefix wins); vendor datasheet figures.
+DEVICE_PEAKS = {
+    "NVIDIA H200": (4.8e12, 989e12),
+    "NVIDIA H100 80GB HBM3": (3.35e12, 989e12),  # SXM
+    "NVIDIA H100 NVL": (3.9e12, 835e12),
+    "NVIDIA H100 PCIe": (2.0e12, 756e12),
+    "NVIDIA H100": (3.35e12, 989e12),
+    "NVIDIA A100-SXM4-80GB": (2.039e12, 312e12),
+    "NVIDIA A100": (1.555e12, 312e12),
+    "NVIDIA L4": (0.3e12, 121e12),
 }
+HBM_PEAK_BYTES_PER_S = {kind: hbm for kind, (hbm, _) in DEVICE_PEAKS.items()}
 SCALE_BYTES = 4  # the float32 scale per token and KV head of an 8-bit cache
 
 
@@ -124,14 +128,18 @@ def _package_version(name: str) -> str | None:
     return None
 
 
+def device_peaks(device_kind: str) -> tuple[float, float] | None:
+  """(HBM bytes/s, dense bf16 FLOP/s) of a jax device_kind (DEVICE_PEAKS' longest matching
+  prefix), None for a device the table lacks."""
+  matches = [prefix for prefix in DEVICE_PEAKS if device_kind.startswith(prefix)]
+  return DEVICE_PEAKS[max(matches, key=len)] if matches else None
+
+
 def _hbm_peak() -> float | None:
   if backend.platform() != "gpu":
     return None
-  kind = jax.devices()[0].device_kind
-  for prefix, peak in HBM_PEAK_BYTES_PER_S.items():
-    if kind.startswith(prefix):
-      return peak
-  return None
+  peaks = device_peaks(jax.devices()[0].device_kind)
+  return None if peaks is None else peaks[0]
 
 
 def _cases(size: Size, rng: np.random.Generator):

@@ -1,0 +1,109 @@
+"""The `select` case of `gpu_bench_kernels`: HiSparse's block selection (the engine's
+"union" of each query head's best blocks, scored from the per-block key bounds) at a long
+context, checked against a plain reference: the elementwise bound (not the engine's single
+matmul) and the union rule written in numpy. Ok when the scores agree to float32 rounding
+and at least 99% of the selected blocks are the reference's (a near tie may swap a
+boundary block: the sums run in another order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.bench.gpu_bench_cases import Case, Env, Impl, _keys, _randn, _tables
+from hisparse_jax.sparse import indexer
+from hisparse_jax.sparse.config import HiSparseConfig
+from kernels_pallas import cpu_kernels
+
+
+def _union_reference(scores: np.ndarray, kv_lens: np.ndarray, blocks) -> list[set]:
+  """The "union" selection (indexer.union_priority's rule), written plainly in numpy:
+  sink and local blocks, then the others by (best rank in any head, highest score in any
+  head, lower block) until top-k."""
+  out = []
+  for b in range(scores.shape[0]):
+    n = -(-int(kv_lens[b]) // blocks.block_size)
+    k = min(blocks.top_k_blocks, scores.shape[-1])
+    if n <= k:
+      out.append(set(range(n)))
+      continue
+    s = scores[b, :, :n]
+    order = np.argsort(-s, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(n)[None].repeat(s.shape[0], 0), axis=1)
+    best, highest = rank.min(0), s.max(0)
+    forced = set(range(min(blocks.sink_blocks, n))) | set(range(n - blocks.local_blocks, n))
+    free = [i for i in np.lexsort((np.arange(n), -highest, best)) if i not in forced]
+    out.append(forced | set(int(i) for i in free[:k - len(forced)]))
+  return out
+
+
+@jax.jit
+def _naive_scores(q, bounds, rows):
+  """[B, Hq, M]: sum_d max(q_d min_d, q_d max_d) of each query head's own KV head, one
+  sequence at a time (the elementwise bound, not the engine's single matmul)."""
+  hq, hkv = q.shape[1], bounds.shape[2]
+
+  def one(args):
+    qb, r = args  # [Hq, D], [M]
+    lo = bounds[r, 0].astype(jnp.float32)[:, jnp.arange(hq) * hkv // hq]  # [M, Hq, D]
+    hi = bounds[r, 1].astype(jnp.float32)[:, jnp.arange(hq) * hkv // hq]
+    qf = qb.astype(jnp.float32)[None]
+    return jnp.maximum(qf * lo, qf * hi).sum(-1).T  # [Hq, M]
+
+  return jax.lax.map(one, (q, rows))
+
+
+def select_cases(cfg: dict, env: Env, seed: int = 5):
+  m, c = cfg["model"], cfg["select"]
+  hq, hkv, d, bs = m["num_q_heads"], m["num_kv_heads"], m["head_dim"], m["block_size"]
+  batch, ctx = c["batch"], c["context"]
+  blocks = HiSparseConfig(top_k_tokens=c["top_k_tokens"]).blocks(bs)
+  per_row = ctx // bs
+  kq, kb = _keys(seed, 2)
+  q = _randn(kq, (batch, hq, d), jnp.bfloat16)
+  raw = _randn(kb, (batch * per_row + 1, 2, hkv, d), jnp.float32)
+  bounds = jnp.stack([raw.min(1), raw.max(1)], axis=1).astype(jnp.bfloat16)  # min <= max
+  rows = _tables(np.random.default_rng(seed), batch * per_row + 1, batch, per_row)
+  lens = jnp.full((batch,), ctx, jnp.int32)
+  args = (q, bounds, rows, lens)
+
+  @jax.jit
+  def ours(q, bounds, rows, lens):
+    return indexer.select_rows(q, bounds, rows, lens, blocks, "union").logical_ids
+
+  @jax.jit
+  def ours_scores(q, bounds, rows):
+    return indexer.block_scores(q, bounds[rows], per_query_head=True)
+
+  def check(out, ref):
+    ref = np.asarray(ref)
+    err = float(np.abs(np.asarray(ours_scores(q, bounds, rows)) - ref).max())
+    want = _union_reference(ref, np.asarray(lens), blocks)
+    got = [set(int(i) for i in row if i >= 0) for row in np.asarray(out)]
+    agree = np.mean([len(g & w) / max(len(w), 1) for g, w in zip(got, want, strict=True)])
+    scale = float(np.abs(ref).max())
+    ok = err <= 1e-4 * scale and agree >= 0.99
+    return err, scale, ok, f"selection agreement {agree:.4f} (ok >= 0.99)"
+
+  impls = {"ours-jnp": Impl(ours, args, "indexer.select_rows 'union' (the engine's GPU path: "
+                                        "bounds gather, one matmul, lax.top_k), jit")}
+  skipped = {}
+  if not env.on_gpu and cpu_kernels.available():
+    def cpp(q, bounds, rows, lens):
+      return cpu_kernels.union_select_bounds(
+          q, bounds, rows, lens, k=blocks.top_k_blocks, block_size=bs,
+          sink_blocks=blocks.sink_blocks, local_blocks=blocks.local_blocks)[0]
+    impls["cpp-cpu"] = Impl(jax.jit(cpp), args, "cpu_select.cc (XLA:CPU FFI), bounds in place")
+  else:
+    skipped["cpp-cpu"] = ("the C++ select is an XLA:CPU custom call (the GPU runs the jnp "
+                          "path)" if env.on_gpu else "the C++ CPU kernels did not build")
+  nbounds = batch * per_row * 2 * hkv * d * 2
+  shape = dict(batch=batch, context=ctx, blocks=per_row, top_k_blocks=blocks.top_k_blocks,
+               num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+               bounds_dtype="bfloat16", selection="union")
+  yield Case("select", shape, nbounds + q.size * 2, 2 * batch * hq * per_row * 2 * d,
+             "float32", Impl(_naive_scores, (q, bounds, rows), "elementwise bound + numpy "
+                             "union"), impls, skipped, check=check)
