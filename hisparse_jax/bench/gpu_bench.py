@@ -138,21 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     parts[name] = _read_part(path)
     print(rec["output_tail"][-3000:], flush=True)  # the part's own table
 
-  failed = [s["name"] for s in runner.steps if s["status"] == "fail"]
-  result = {
+  shutil.rmtree(tmp, ignore_errors=True)
+  return runner.finish(out, {
       "command": "make gpu-bench", "started": started, "gpu": gpu,
       "gpu_absent_reason": gpu_reason or None, "device": device, "size": size,
       "budget_s": args.budget_s, "total_seconds": round(time.monotonic() - t_start, 2),
-      "passed": [s["name"] for s in runner.steps if s["status"] == "pass"],
-      "failed": failed, "skipped": [s["name"] for s in runner.steps if s["status"] == "skip"],
-      "parts": parts, "steps": runner.steps}
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2) + "\n")
-  shutil.rmtree(tmp, ignore_errors=True)
-  print(f"gpu-bench: {len(result['passed'])} passed, {len(failed)} failed, "
-        f"{len(result['skipped'])} skipped in {result['total_seconds']:.0f} s "
-        f"(device: {device.get('device_kind', '?')}); wrote {out}", flush=True)
-  return 1 if failed else 0
+      "parts": parts}, device, "gpu-bench")
 
 
 if __name__ == "__main__":

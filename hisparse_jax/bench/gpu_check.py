@@ -199,6 +199,21 @@ class Runner:
     reason = "timed out" if code is None else f"exit status {code}"
     return self.record(name, "fail", seconds, reason, argv, figures, text, skipped_parts)
 
+  def finish(self, out: Path, result: dict, device: dict, command: str) -> int:
+    """Writes `result` (the run's own fields) + the steps' outcome to `out` as JSON, prints
+    the one-line verdict; the exit status: 1 if any step failed, else 0."""
+    failed = [s["name"] for s in self.steps if s["status"] == "fail"]
+    result = {**result, "passed": [s["name"] for s in self.steps if s["status"] == "pass"],
+              "failed": failed,
+              "skipped": [s["name"] for s in self.steps if s["status"] == "skip"],
+              "steps": self.steps}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{command}: {len(result['passed'])} passed, {len(failed)} failed, "
+          f"{len(result['skipped'])} skipped in {result['total_seconds']:.0f} s "
+          f"(device: {device.get('device_kind', '?')}); wrote {out}", flush=True)
+    return 1 if failed else 0
+
 
 def _shown(argv: list[str]) -> str:
   """A command line as printed: an inline `-c` program as `-c <program>`."""
@@ -411,21 +426,11 @@ def main(argv: list[str] | None = None) -> int:
       continue
     step()
 
-  failed = [s["name"] for s in runner.steps if s["status"] == "fail"]
-  result = {
+  shutil.rmtree(tmp, ignore_errors=True)
+  return runner.finish(out, {
       "command": "make gpu-check", "started": started, "gpu": gpu,
       "gpu_absent_reason": gpu_reason or None, "device": device, "budget_s": args.budget_s,
-      "total_seconds": round(time.monotonic() - t_start, 2),
-      "passed": [s["name"] for s in runner.steps if s["status"] == "pass"],
-      "failed": failed, "skipped": [s["name"] for s in runner.steps if s["status"] == "skip"],
-      "steps": runner.steps}
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2) + "\n")
-  shutil.rmtree(tmp, ignore_errors=True)
-  print(f"gpu-check: {len(result['passed'])} passed, {len(failed)} failed, "
-        f"{len(result['skipped'])} skipped in {result['total_seconds']:.0f} s "
-        f"(device: {device.get('device_kind', '?')}); wrote {out}", flush=True)
-  return 1 if failed else 0
+      "total_seconds": round(time.monotonic() - t_start, 2)}, device, "gpu-check")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Makes bench_helpers (helpers beside these tests) importable by test_bench.py and
-test_bench_named_suites.py under any pytest import mode."""
+"""Makes bench_helpers (helpers beside these tests) importable by the tests beside it under
+any pytest import mode."""
 
 import pathlib
 import sys

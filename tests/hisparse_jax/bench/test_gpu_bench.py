@@ -15,28 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import GPU_BENCH_EXPECTED as EXPECTED
+from bench_helpers import GPU_BENCH_GPU_ONLY as GPU_ONLY
+from bench_helpers import GPU_BENCH_ROW_FIELDS as ROW_FIELDS
 
 from hisparse_jax.bench import gpu_bench
 from hisparse_jax.bench import gpu_bench_cases as cases
 
 ROOT = Path(__file__).resolve().parents[3]
-ROW_FIELDS = {"kernel", "impl", "shape", "median_ms", "min_ms", "bytes", "flops", "gb_per_s",
-              "tflop_per_s", "hbm_fraction", "flop_fraction", "roofline_fraction",
-              "max_abs_err", "ok", "note"}
-GPU_ONLY = {"ours-mgpu", "cudnn", "jax-mgpu-attention", "torch-flash", "torch-cudnn"}
-# What each kernel must report (as a row or a skip with a reason), written out here so the
-# module's own list cannot drift unnoticed.
-EXPECTED = {
-    "paged": {"ours-triton", "ours-mgpu", "xla-reference", "xla-sdpa", "jax-pallas-paged",
-              "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
-              "torch-cudnn"},
-    "paged_8bit": {"ours-triton", "xla-reference", "jax-pallas-paged"},
-    "ragged": {"ours-triton", "xla-reference"},
-    "prefill": {"ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
-                "torch-cudnn"},
-    "sparse_mla": {"ours-triton", "xla-reference"},
-    "select": {"ours-jnp", "cpp-cpu"},
-}
 
 
 @pytest.fixture(scope="module")

@@ -10,29 +10,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from bench_helpers import GPU_BENCH_EXPECTED as EXPECTED
 
 from hisparse_jax.bench import gpu_bench_cases as cases
 from hisparse_jax.bench import gpu_bench_kernels as gbk
 from kernels_pallas import backend
-
-ON_CPU = jax.default_backend() == "cpu"
-ROW_FIELDS = {"kernel", "impl", "shape", "median_ms", "min_ms", "bytes", "flops", "gb_per_s",
-              "tflop_per_s", "hbm_fraction", "flop_fraction", "roofline_fraction",
-              "max_abs_err", "ok", "note"}
-GPU_ONLY = {"ours-mgpu", "cudnn", "jax-mgpu-attention", "torch-flash", "torch-cudnn"}
-# What each kernel must report (as a row or a skip with a reason), written out here so the
-# module's own list cannot drift unnoticed.
-EXPECTED = {
-    "paged": {"ours-triton", "ours-mgpu", "xla-reference", "xla-sdpa", "jax-pallas-paged",
-              "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
-              "torch-cudnn"},
-    "paged_8bit": {"ours-triton", "xla-reference", "jax-pallas-paged"},
-    "ragged": {"ours-triton", "xla-reference"},
-    "prefill": {"ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
-                "torch-cudnn"},
-    "sparse_mla": {"ours-triton", "xla-reference"},
-    "select": {"ours-jnp", "cpp-cpu"},
-}
 
 
 def test_a_spent_budget_skips_what_is_left_and_exits_cleanly(tmp_path):
