@@ -189,10 +189,15 @@ def prefill_cost(seq: int, hq: int, hkv: int, d: int, item: int) -> tuple[int, i
   return (2 * seq * (hq + hkv) * d * item, 4 * hq * d * seq * (seq + 1) // 2)
 
 
-def paged_cases(cfg: dict, env: Env, seed: int = 0):
+def _dims(cfg: dict) -> tuple[int, int, int, int, jnp.dtype]:
+  """(query heads, KV heads, head_dim, block size, dtype) of a size's model."""
   m = cfg["model"]
-  hq, hkv, d, bs, dtype = (m["num_q_heads"], m["num_kv_heads"], m["head_dim"],
-                           m["block_size"], jnp.dtype(m["dtype"]))
+  return (m["num_q_heads"], m["num_kv_heads"], m["head_dim"], m["block_size"],
+          jnp.dtype(m["dtype"]))
+
+
+def paged_cases(cfg: dict, env: Env, seed: int = 0):
+  hq, hkv, d, bs, dtype = _dims(cfg)
   interp = not env.on_gpu
   num_blocks = max(b * t for b, t in cfg["paged"]) // bs + 1
   kk, kv, kq = _keys(seed, 3)
@@ -251,9 +256,7 @@ def paged_cases(cfg: dict, env: Env, seed: int = 0):
 
 
 def paged_8bit_cases(cfg: dict, env: Env, seed: int = 1):
-  m = cfg["model"]
-  hq, hkv, d, bs, dtype = (m["num_q_heads"], m["num_kv_heads"], m["head_dim"],
-                           m["block_size"], jnp.dtype(m["dtype"]))
+  hq, hkv, d, bs, dtype = _dims(cfg)
   interp = not env.on_gpu
   num_blocks = max(b * t for b, t in cfg["paged_8bit"]) // bs + 1
   kk, kv, kq = _keys(seed, 3)
@@ -298,9 +301,7 @@ def paged_8bit_cases(cfg: dict, env: Env, seed: int = 1):
 
 
 def ragged_cases(cfg: dict, env: Env, seed: int = 2):
-  m = cfg["model"]
-  hq, hkv, d, bs, dtype = (m["num_q_heads"], m["num_kv_heads"], m["head_dim"],
-                           m["block_size"], jnp.dtype(m["dtype"]))
+  hq, hkv, d, bs, dtype = _dims(cfg)
   q_lens = np.asarray(cfg["ragged"]["q_lens"], np.int32)
   kv_lens = np.asarray(cfg["ragged"]["kv_lens"], np.int32)
   per_row = int(-(-kv_lens.max() // bs))
@@ -344,9 +345,7 @@ def _f32_causal(q, k, v):
 
 
 def prefill_cases(cfg: dict, env: Env, seed: int = 3):
-  m = cfg["model"]
-  hq, hkv, d, bs, dtype = (m["num_q_heads"], m["num_kv_heads"], m["head_dim"],
-                           m["block_size"], jnp.dtype(m["dtype"]))
+  hq, hkv, d, bs, dtype = _dims(cfg)
   seq = cfg["prefill"]["seq"]
   kq, kk, kv = _keys(seed, 3)
   q = _randn(kq, (1, seq, hq, d), dtype)
@@ -442,9 +441,8 @@ def planned_shapes(cfg: dict, kernel: str) -> list[dict]:
 def torch_specs(cfg: dict, kernels) -> list[dict]:
   """The torch peer's shapes (gpu_bench_torch's --shapes): paged decode and prefill,
   with the case's own shape dict to file the rows under. (bytes, flops) beside them."""
-  m = cfg["model"]
-  hq, hkv, d, bs, dtype = (m["num_q_heads"], m["num_kv_heads"], m["head_dim"],
-                           m["block_size"], m["dtype"])
+  hq, hkv, d, bs, _ = _dims(cfg)
+  dtype = cfg["model"]["dtype"]  # (a name: it goes into the rows' shapes)
   item = jnp.dtype(dtype).itemsize
   base = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
   specs = []
