@@ -200,9 +200,10 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "pallas_mgpu":
-    # The decode kernel on Mosaic GPU (bf16/f16, block_size a multiple of 8; see its
-    # module), the other three on Triton. Compiled only: its CPU interpreter
-    # (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_paged_attention.py runs.
+    # The decode kernel on Mosaic GPU (bf16/f16 or 8-bit pages read as either, block_size
+    # a multiple of 8; see its module), the other three on Triton. Compiled only: its CPU
+    # interpreter (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_paged_attention.py
+    # runs.
     if target_platform(platform) != "gpu":
       raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
     pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")

@@ -6,7 +6,7 @@ different body: the pools stay in GMEM, and each program copies the blocks its r
 table lists into shared memory with asynchronous (TMA) copies, double-buffered, while
 the warpgroup runs the online softmax on the previous step's blocks.
 
-  grid (batch, num_kv_heads); one warpgroup per program; T = tokens_per_step
+  grid (batch, num_kv_heads[, num_splits]); one warpgroup per program; T = tokens_per_step
 
   GMEM  k_pages[block_tables[b, i], :, h, :] ──TMA──> k_smem[slot, j*bs:(j+1)*bs]
         (blocks_per_step copies per step into slot = step % 2, one barrier per slot)
@@ -15,9 +15,40 @@ the warpgroup runs the online softmax on the previous step's blocks.
         p_smem [64, T]             softmax weights, bf16/f16 (WGMMA's A operand)
   regs  s = q @ k^T [64, T] (WGMMA) -> mask, online softmax -> acc += p @ v (WGMMA)
 
+Split-K: with num_splits > 1 each program reads one contiguous run of steps_per_split
+steps of its row's table (a split past the row's length reads nothing) and writes its
+output normalized over its own keys (in q's dtype, through the same SMEM tile as the
+unsplit output) and its log-sum-exp (float32); ``combine_splits`` (XLA) merges them. So a
+decode of few rows over a long context fills the SMs (``default_num_splits``: a pure
+function of batch, KV heads and table steps); the partial outputs cost 64 * head_dim * 2 +
+256 bytes per program, beside at least MIN_STEPS_PER_SPLIT * T keys of K and V read.
+
+8-bit pages (``QuantizedPages``: int8, or fp8_e4m3 stored as its uint8 bits, with a
+float32 scale per token and KV head; what ``kv_cache_dtype`` int8 / fp8_e4m3 stores). The
+TMA copies move the 8-bit values into the slots (one byte per value from HBM: half the
+bytes of bf16, which is the point of a memory-bound decode) and each step's scales beside
+them, from a [batch, num_kv_heads, keys] copy XLA gathers first (``scales_by_row``: the
+pool interleaves the heads' scales 4 bytes apart, a stride TMA cannot copy). Before each
+WGMMA the warpgroup dequantizes the step's K (then V) tile into one bf16/f16 SMEM tile:
+
+  SMEM  k_smem, v_smem [2, T, head_dim] int8/uint8;  k_scales, v_scales [2, T] float32
+        k_tile, v_tile [T, head_dim] bf16/f16 = values (float32) * scale (per row), rounded
+        once: the references' QuantizedPages read, bit for bit in the inputs of each dot
+
+Why dequantize the tiles rather than fold the scales into the scores (s * k_scale per
+column after q @ k^T, p * v_scale before p @ v): Hopper's WGMMA multiplies 8-bit operands
+only by 8-bit operands of the same kind (s8 x s8, e4m3/e5m2 x e4m3/e5m2), never bf16 q by
+int8 K, and it reads K and V (its B operands) from SMEM only, so each 8-bit tile has to be
+converted and stored back to SMEM whichever way the scales go; the per-token scale rides
+on that conversion (one multiply per value, no extra SMEM traffic), and the products match
+the references' rounding. fp8_e4m3 converts with sm_89+ instructions (via f16), which
+every target of this kernel (sm_90a) has. SMEM per step is that of 16-bit pages: the
+8-bit slots and the two 16-bit tiles take the bytes of the 16-bit slots, plus 16 * T bytes
+of scales.
+
 Limits, refused with a ``ValueError`` naming the size (what WGMMA and the 128-byte
-swizzled SMEM tiles need): dtype bfloat16 or float16 (no float32: WGMMA would round it
-to tf32; no 8-bit pages, which the Triton kernel reads); query heads per KV head at most
+swizzled SMEM tiles need): dtype bfloat16 or float16, that of 8-bit pages' reads too (no
+float32: WGMMA would round it to tf32); query heads per KV head at most
 64 (the WGMMA row tile; rows past the group are padding); ``block_size`` a multiple of 8
 (one TMA copy per block lands on whole 8-row SMEM tiles) that divides
 ``tokens_per_step``; ``head_dim`` a multiple of 32; ``tokens_per_step`` a multiple of 64
@@ -51,46 +82,74 @@ WGMMA_ROWS = 64
 DEFAULT_TOKENS_PER_STEP = 64
 NUM_SLOTS = 2  # double buffering of the K/V blocks of one step
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+# Split-K (default_num_splits): one program per SM of an H100/H200, splits of at least
+# MIN_STEPS_PER_SPLIT steps, at most MAX_SPLITS of them.
+NUM_SMS = 132
+MIN_STEPS_PER_SPLIT = 4
+MAX_SPLITS = 32
 
 
 def _smem_transforms(minor_dim: int, dtype) -> tuple:
-  """Tiling + swizzle of a 2-D SMEM operand of WGMMA with `minor_dim` columns."""
-  bits = jnp.finfo(dtype).bits
+  """Tiling + swizzle of a 2-D SMEM operand of WGMMA with `minor_dim` columns (and of an
+  8-bit tile, loaded into registers with the same WGMMA layout)."""
+  bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(minor_dim * bits)
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _paged_attention_kernel(
-    q_gmem,  # [batch, num_kv_heads, 64, head_dim]
-    k_gmem,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_gmem,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    tables_gmem,  # int32 [batch, num_steps * blocks_per_step]
-    lens_gmem,  # int32 [batch]
-    o_gmem,  # [batch, num_kv_heads, 64, head_dim]
-    qo_smem,  # [64, head_dim]: the query, then the output
-    k_smem,  # [NUM_SLOTS, tokens_per_step, head_dim]
-    v_smem,  # [NUM_SLOTS, tokens_per_step, head_dim]
-    p_smem,  # [64, tokens_per_step]
-    q_barrier,
-    k_barriers,  # [NUM_SLOTS], blocks_per_step arrivals each
-    v_barriers,  # [NUM_SLOTS], blocks_per_step arrivals each
-    *,
-    sm_scale: float,
-    soft_cap: float | None,
-    blocks_per_step: int,
-):
+def _dequantize_into(dst_ref, src_ref, scales_ref):
+  """dst [T, head_dim] (bf16/f16, WGMMA's B operand) = src [T, head_dim] (int8 or fp8_e4m3
+  bits) * scales [T] (float32, one per token), computed in float32 and rounded to dst's
+  dtype once (the references' rounding), 64 rows (one WGMMA row tile) at a time."""
+  for r in range(0, dst_ref.shape[0], WGMMA_ROWS):
+    rows = pl.ds(r, WGMMA_ROWS)
+    x = plgpu.load(src_ref.at[rows], layout=plgpu.Layout.WGMMA)
+    if x.dtype == jnp.uint8:  # fp8_e4m3 stored as its bits
+      x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+    scale = plgpu.load(scales_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1))
+    x = x.astype(jnp.float32) * lax.broadcast_in_dim(scale, x.shape, [0])
+    dst_ref[rows] = x.astype(dst_ref.dtype)
+
+
+def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
+                            blocks_per_step: int, quantized: bool, num_splits: int,
+                            steps_per_split: int, **smem):
+  """One program: the query heads of KV head h of row b over the row's listed blocks (of
+  split `split`: its steps_per_split steps of the table).
+
+  refs: q [batch, num_kv_heads, 64, head_dim], k and v pages [num_blocks, block_size,
+  num_kv_heads, head_dim] (8-bit values when `quantized`), tables int32 [batch, num_splits *
+  steps_per_split * blocks_per_step], lens int32 [batch], (when `quantized`: k and v scales
+  float32 [batch, num_kv_heads, tables.shape[1] * block_size], each row's keys in attention
+  order), then the output: [batch, num_kv_heads, 64, head_dim] normalized, or with
+  num_splits > 1 each split's [num_splits, batch, num_kv_heads, 64, head_dim] normalized
+  over its own keys and its log-sum-exp [num_splits, batch, num_kv_heads, 64] float32
+  (MASK_VALUE for a split without keys). smem: the scratch of `_scratch_types`.
+  """
+  if quantized:
+    q_gmem, k_gmem, v_gmem, tables_gmem, lens_gmem, ks_gmem, vs_gmem, *out_gmem = refs
+  else:
+    q_gmem, k_gmem, v_gmem, tables_gmem, lens_gmem, *out_gmem = refs
+  qo_smem, k_smem, v_smem, p_smem = smem["qo"], smem["k"], smem["v"], smem["p"]
+  k_barriers, v_barriers = smem["k_barriers"], smem["v_barriers"]
   b = lax.axis_index("batch")
   h = lax.axis_index("kv_head")
+  split = lax.axis_index("split") if num_splits > 1 else 0
   block_size = k_gmem.shape[1]
   tokens_per_step = k_smem.shape[1]
   head_dim = qo_smem.shape[1]
   dtype = qo_smem.dtype
 
   length = lens_gmem[b]
-  num_steps = lax.div(length + (tokens_per_step - 1), jnp.int32(tokens_per_step))
+  first_step = split * steps_per_split  # this split's steps: first_step + [0, num_steps)
+  row_steps = lax.div(length + (tokens_per_step - 1), jnp.int32(tokens_per_step))
+  num_steps = lax.min(lax.max(row_steps - first_step, jnp.int32(0)),
+                      jnp.int32(steps_per_split))
 
-  def fetch(step, slot):
-    """Starts the copies of the blocks of `step` into `slot` (blocks_per_step each)."""
+  def fetch(local_step, slot):
+    """Starts the copies of the blocks of this split's `local_step` into `slot`
+    (blocks_per_step each, and the step's scales when quantized)."""
+    step = first_step + local_step
     for j in range(blocks_per_step):
       block_id = tables_gmem[b, step * blocks_per_step + j]
       rows = pl.ds(j * block_size, block_size)
@@ -98,20 +157,33 @@ def _paged_attention_kernel(
                               k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(v_gmem.at[block_id, :, h, :], v_smem.at[slot, rows],
                               v_barriers.at[slot])
+    if quantized:
+      keys = pl.ds(step * tokens_per_step, tokens_per_step)
+      plgpu.copy_gmem_to_smem(ks_gmem.at[b, h, keys], smem["k_scales"].at[slot],
+                              k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(vs_gmem.at[b, h, keys], smem["v_scales"].at[slot],
+                              v_barriers.at[slot])
 
-  plgpu.copy_gmem_to_smem(q_gmem.at[b, h], qo_smem, q_barrier)
+  plgpu.copy_gmem_to_smem(q_gmem.at[b, h], qo_smem, smem["q_barrier"])
   for slot in range(NUM_SLOTS):
     pl.when(slot < num_steps)(functools.partial(fetch, slot, slot))
-  plgpu.barrier_wait(q_barrier)
+  plgpu.barrier_wait(smem["q_barrier"])
 
-  def body(step, carry):
+  def body(local_step, carry):
     m_prev, l_prev, acc_prev = carry
-    slot = lax.rem(step, NUM_SLOTS)
+    slot = lax.rem(local_step, NUM_SLOTS)
+    step = first_step + local_step
 
     plgpu.barrier_wait(k_barriers.at[slot])
+    if quantized:  # WGMMA reads its B operand from SMEM: stage the dequantized tile there
+      k_operand = smem["k_tile"]
+      _dequantize_into(k_operand, k_smem.at[slot], smem["k_scales"].at[slot])
+      plgpu.commit_smem()
+    else:
+      k_operand = k_smem.at[slot]
 
     def qk(acc_ref):
-      plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+      plgpu.wgmma(acc_ref, qo_smem, k_operand.transpose((1, 0)))
       return acc_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((WGMMA_ROWS, tokens_per_step), jnp.float32))
@@ -129,18 +201,23 @@ def _paged_attention_kernel(
     p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
     l_next = alpha * l_prev + p.sum(axis=1)
     p_smem[...] = p.astype(dtype)
-    plgpu.commit_smem()  # make the register stores visible to WGMMA
 
     plgpu.barrier_wait(v_barriers.at[slot])
+    if quantized:
+      v_operand = smem["v_tile"]
+      _dequantize_into(v_operand, v_smem.at[slot], smem["v_scales"].at[slot])
+    else:
+      v_operand = v_smem.at[slot]
+    plgpu.commit_smem()  # make the register stores (p, the V tile) visible to WGMMA
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+      plgpu.wgmma(acc_ref, p_smem, v_operand)
       return acc_ref[...]  # waits for the WGMMA: the slot and p_smem are free after this
 
     pv_out = pl.run_scoped(pv, plgpu.ACC((WGMMA_ROWS, head_dim), jnp.float32))
     acc_next = lax.broadcast_in_dim(alpha, acc_prev.shape, [0]) * acc_prev + pv_out
-    pl.when(step + NUM_SLOTS < num_steps)(
-        functools.partial(fetch, step + NUM_SLOTS, slot))
+    pl.when(local_step + NUM_SLOTS < num_steps)(
+        functools.partial(fetch, local_step + NUM_SLOTS, slot))
     return m_next, l_next, acc_next
 
   m0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), common.MASK_VALUE, jnp.float32),
@@ -149,28 +226,69 @@ def _paged_attention_kernel(
                          plgpu.Layout.WGMMA.reduce(1))
   acc0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS, head_dim), 0.0, jnp.float32),
                            plgpu.Layout.WGMMA)
-  _, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
-  # Length 0: no step ran, acc = 0 and l = 0 -> zeros (l >= 1 once any key is valid).
+  m, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
+  # No keys (length 0, or a split past the length): no step ran, acc = 0 and l = 0 ->
+  # zeros (l >= 1 once any key is valid).
   l_safe = jnp.where(l > 0.0, l, 1.0)
   qo_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+  if num_splits > 1:
+    smem["lse"][...] = jnp.where(l > 0.0, m + jnp.log(l_safe), common.MASK_VALUE)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(qo_smem, o_gmem.at[b, h])
+  if num_splits > 1:
+    o_gmem, lse_gmem = out_gmem
+    plgpu.copy_smem_to_gmem(qo_smem, o_gmem.at[split, b, h])
+    plgpu.copy_smem_to_gmem(smem["lse"], lse_gmem.at[split, b, h])
+  else:
+    plgpu.copy_smem_to_gmem(qo_smem, out_gmem[0].at[b, h])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch_types(dtype, values_dtype, head_dim: int, tokens_per_step: int,
+                   blocks_per_step: int, quantized: bool, num_splits: int) -> dict:
+  """The kernel's SMEM buffers and barriers, by name."""
+  transforms = _smem_transforms(head_dim, dtype)
+  slots = (NUM_SLOTS, tokens_per_step, head_dim)
+  kv_slots = plgpu.SMEM(slots, values_dtype,
+                        transforms=_smem_transforms(head_dim, values_dtype))
+  # One TMA arrival per block copy, and one for the step's scales when quantized.
+  arrivals = plgpu.Barrier(num_arrivals=blocks_per_step + quantized, num_barriers=NUM_SLOTS)
+  scratch = dict(
+      qo=plgpu.SMEM((WGMMA_ROWS, head_dim), dtype, transforms=transforms),
+      k=kv_slots, v=kv_slots,
+      # WGMMA needs its two operands' swizzles equal: p's is v's.
+      p=plgpu.SMEM((WGMMA_ROWS, tokens_per_step), dtype, transforms=transforms),
+      q_barrier=plgpu.Barrier(), k_barriers=arrivals, v_barriers=arrivals)
+  if quantized:
+    tile = plgpu.SMEM((tokens_per_step, head_dim), dtype, transforms=transforms)
+    scales = plgpu.SMEM((NUM_SLOTS, tokens_per_step), jnp.float32)
+    scratch.update(k_tile=tile, v_tile=tile, k_scales=scales, v_scales=scales)
+  if num_splits > 1:
+    scratch.update(lse=plgpu.SMEM((WGMMA_ROWS,), jnp.float32))
+  return scratch
+
+
+def scales_by_row(scales: jax.Array, tables: jax.Array) -> jax.Array:
+  """Per-token scales [num_blocks, block_size, num_kv_heads] -> [batch, num_kv_heads,
+  tables.shape[1] * block_size]: each row's listed blocks' scales in attention order, one
+  contiguous run per KV head (one TMA copy per step). The pool interleaves the heads' scales
+  4 bytes apart, a stride TMA cannot copy, so XLA gathers them first: 4 bytes per listed
+  token and KV head, against head_dim bytes of 8-bit values for each of K and V."""
+  batch, width = tables.shape
+  _, block_size, num_kv_heads = scales.shape
+  gathered = scales[tables].reshape(batch, width * block_size, num_kv_heads)
+  return gathered.transpose(0, 2, 1)
 
 
 def _check_mgpu_sizes(q, k_pages, tokens_per_step: int) -> int:
   """Refuses what WGMMA/TMA cannot take, naming the size; returns blocks_per_step."""
   _, block_size, num_kv_heads, head_dim = k_pages.shape
   group = q.shape[1] // num_kv_heads
-  if isinstance(k_pages, QuantizedPages):
-    raise ValueError(
-        "the Mosaic GPU paged attention takes no 8-bit KV pages (kv_cache_dtype int8 or "
-        "fp8_e4m3: WGMMA would need them dequantized into shared memory first); use the "
-        "Triton kernel (backend 'pallas'), which dequantizes the blocks it loads")
   if k_pages.dtype not in SUPPORTED_DTYPES:
+    read_as = " (8-bit pages read as)" if isinstance(k_pages, QuantizedPages) else ""
     raise ValueError(
-        f"the Mosaic GPU paged attention takes bfloat16 or float16 KV, got {k_pages.dtype} "
-        "(WGMMA would round float32 to tf32); use the Triton kernel for float32")
+        f"the Mosaic GPU paged attention takes bfloat16 or float16 KV{read_as}, got "
+        f"{k_pages.dtype} (WGMMA would round float32 to tf32); use the Triton kernel for "
+        "float32")
   if group > WGMMA_ROWS:
     raise ValueError(
         f"query heads per KV head {group} (q shape {q.shape}) exceed the WGMMA row tile "
@@ -189,8 +307,32 @@ def _check_mgpu_sizes(q, k_pages, tokens_per_step: int) -> int:
   return tokens_per_step // block_size
 
 
+def default_num_splits(batch: int, num_kv_heads: int, num_steps: int,
+                       num_sms: int = NUM_SMS) -> int:
+  """Splits of each row's table (split-K) for a grid of batch * num_kv_heads programs over
+  tables of `num_steps` steps: enough for one program per SM (`num_sms`: 132 on an
+  H100/H200), each split at least MIN_STEPS_PER_SPLIT steps (its TMA pipeline gets going,
+  and its partial output stays small beside the keys it reads), at most MAX_SPLITS; 1 when
+  the batch alone fills the SMs. Then as few splits as cover the steps at that size.
+  A batch-1 32k-token decode with 8 KV heads at 64 keys per step: 512 steps -> 17 splits of
+  31 steps, 136 programs."""
+  programs = batch * num_kv_heads
+  splits = max(1, min(common.cdiv(num_sms, programs), num_steps // MIN_STEPS_PER_SPLIT,
+                      MAX_SPLITS))
+  return common.cdiv(num_steps, common.cdiv(num_steps, splits)) if num_steps else 1
+
+
+def combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+  """Each split's output o [num_splits, ..., head_dim] (normalized over its own keys) and
+  its log-sum-exp lse [num_splits, ...] -> the output over all keys, float32: weights
+  exp(lse - max lse). A split without keys has lse = MASK_VALUE (weight 0 beside any split
+  with keys) and o = 0, so a row without keys at all gets 0."""
+  w = jnp.exp(lse - lse.max(axis=0))
+  return (w[..., None] * o.astype(jnp.float32)).sum(axis=0) / w.sum(axis=0)[..., None]
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
-                                             "tokens_per_step"))
+                                             "tokens_per_step", "num_splits"))
 def paged_attention_mgpu(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -202,11 +344,13 @@ def paged_attention_mgpu(
     soft_cap: float | None = None,
     interpret: object = None,
     tokens_per_step: int = DEFAULT_TOKENS_PER_STEP,
+    num_splits: int | None = None,
 ) -> jax.Array:
   """Decode attention of one query token per sequence over its listed blocks.
 
   Arguments and result as :func:`kernels_pallas.paged_attention.paged_attention`, within
-  the limits of the module docstring (bf16/f16, block_size a multiple of 8, ...).
+  the limits of the module docstring (bf16/f16 or 8-bit pages read as either, block_size a
+  multiple of 8, ...).
 
   Args:
     interpret: None, False: the compiled Mosaic GPU kernel (runs only on a Hopper-class
@@ -215,6 +359,8 @@ def paged_attention_mgpu(
       kernel on CPU simulating SMEM, barriers and TMA copies. ``True`` is refused: the
       generic Pallas interpreter cannot run Mosaic GPU primitives.
     tokens_per_step: keys per pipeline step (per WGMMA), a multiple of 64 up to 256.
+    num_splits: programs per (row, KV head), each over one contiguous run of the table's
+      steps (split-K), merged by `combine_splits`; None: `default_num_splits`.
   """
   _check(q, k_pages, v_pages, block_tables, kv_lens)
   if interpret is True:
@@ -227,35 +373,48 @@ def paged_attention_mgpu(
   dtype = q.dtype
 
   max_blocks = block_tables.shape[1]
-  tables = jnp.pad(block_tables,
-                   ((0, 0), (0, common.round_up(max_blocks, blocks_per_step) - max_blocks)))
+  max_steps = common.cdiv(max_blocks, blocks_per_step)
+  if num_splits is None:
+    num_splits = default_num_splits(batch, num_kv_heads, max_steps)
+  if num_splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  steps_per_split = common.cdiv(max_steps, num_splits)
+  # (at least NUM_SLOTS steps: the prologue's fetches index them statically, under pl.when)
+  width = max(num_splits * steps_per_split, NUM_SLOTS) * blocks_per_step
+  tables = jnp.pad(block_tables, ((0, 0), (0, width - max_blocks)))
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
   # A length past the table would read past it: clamp (the reference clamps the same way).
   kv_lens = jnp.minimum(kv_lens, max_blocks * k_pages.shape[1])
 
-  kv_transforms = _smem_transforms(head_dim, dtype)
+  (k_values, k_scales), (v_values, v_scales) = map(common.page_arrays, (k_pages, v_pages))
+  quantized = k_scales is not None
+  scales = (scales_by_row(k_scales, tables), scales_by_row(v_scales, tables)) if quantized else ()
   kernel = functools.partial(
       _paged_attention_kernel,
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale),
-      soft_cap=soft_cap, blocks_per_step=blocks_per_step)
+      soft_cap=soft_cap, blocks_per_step=blocks_per_step, quantized=quantized,
+      num_splits=num_splits, steps_per_split=steps_per_split)
+  out_shape = (batch, num_kv_heads, WGMMA_ROWS)
+  if num_splits > 1:
+    out_type = [jax.ShapeDtypeStruct((num_splits, *out_shape, head_dim), dtype),
+                jax.ShapeDtypeStruct((num_splits, *out_shape), jnp.float32)]
+  else:
+    out_type = [jax.ShapeDtypeStruct((*out_shape, head_dim), dtype)]
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, WGMMA_ROWS, head_dim), dtype),
-      scratch_types=[
-          plgpu.SMEM((WGMMA_ROWS, head_dim), dtype, transforms=kv_transforms),
-          plgpu.SMEM((NUM_SLOTS, tokens_per_step, head_dim), dtype, transforms=kv_transforms),
-          plgpu.SMEM((NUM_SLOTS, tokens_per_step, head_dim), dtype, transforms=kv_transforms),
-          # WGMMA needs its two operands' swizzles equal: p's is v's.
-          plgpu.SMEM((WGMMA_ROWS, tokens_per_step), dtype, transforms=kv_transforms),
-          plgpu.Barrier(),
-          plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=NUM_SLOTS),
-          plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=NUM_SLOTS),
-      ],
-      grid=(batch, num_kv_heads),
-      grid_names=("batch", "kv_head"),
+      out_type=out_type,
+      scratch_types=_scratch_types(dtype, k_values.dtype, head_dim, tokens_per_step,
+                                   blocks_per_step, quantized, num_splits),
+      grid=(batch, num_kv_heads, num_splits) if num_splits > 1 else (batch, num_kv_heads),
+      grid_names=("batch", "kv_head", "split") if num_splits > 1 else ("batch", "kv_head"),
       compiler_params=plgpu.CompilerParams(),
       interpret=None if interpret is False else interpret,
       kernel_name="paged_attention_mgpu",
-  )(q4, k_pages, v_pages, tables, kv_lens)
-  return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+  )(q4, k_values, v_values, tables, kv_lens, *scales)
+  if num_splits > 1:
+    o, lse = out
+    out = combine_splits(o[:, :, :, :group], lse[:, :, :, :group]).astype(dtype)
+  else:
+    out = out[0][:, :, :group]
+  return out.reshape(batch, num_q_heads, head_dim)

@@ -26,7 +26,8 @@ it as their pages). The Pallas kernels (Triton) take it too: they load the 8-bit
 and their scales through the block table (one byte per value from HBM) and dequantize
 each loaded tile in registers, the same (values in float32 * scale) in the model dtype
 (kernels_pallas.common.load_kv_blocks); fp8 converts with sm_89+ instructions. The Mosaic
-GPU decode kernel refuses 8-bit pages.
+GPU decode kernel (Hopper) TMA-copies the 8-bit blocks into shared memory and dequantizes
+each step's tile there, the same way, before its WGMMA (kernels_pallas.paged_attention_mgpu).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ EXPECTED_IMPLS = {
     "paged": ("ours-triton", "ours-mgpu", "xla-reference", "xla-sdpa", "jax-pallas-paged",
               "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
               "torch-cudnn"),
-    "paged_8bit": ("ours-triton", "xla-reference", "jax-pallas-paged"),
+    "paged_8bit": ("ours-triton", "ours-mgpu", "xla-reference", "jax-pallas-paged"),
     "ragged": ("ours-triton", "xla-reference"),
     "prefill": ("ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
                 "torch-cudnn"),
@@ -296,8 +296,16 @@ def paged_8bit_cases(cfg: dict, env: Env, seed: int = 1):
                                    "ops.gpu.paged_attention with k/v scales"
                                    + (", interpret mode" if interp else "")),
       }
+      skipped = {}
+      if env.sm90:
+        from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu  # noqa: PLC0415
+        impls["ours-mgpu"] = Impl(paged_attention_mgpu, args,
+                                  "Pallas Mosaic GPU (sm_90), 8-bit blocks by TMA, "
+                                  "dequantized in SMEM")
+      else:
+        skipped["ours-mgpu"] = f"Mosaic GPU kernel: {env.why_not_sm90}"
       yield Case("paged_8bit", shape, nbytes, flops, dtype.name, impls["xla-reference"],
-                 impls, reference_impl="xla-reference")
+                 impls, skipped, reference_impl="xla-reference")
 
 
 def ragged_cases(cfg: dict, env: Env, seed: int = 2):

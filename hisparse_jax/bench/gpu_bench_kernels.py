@@ -14,7 +14,8 @@ Kernels (gpu_bench_cases: FULL sizes, SMOKE the same structure at tiny shapes):
               torch SDPA flash / cuDNN (gpu_bench_torch.py in a subprocess: the python
               that imports torch, this one or --torch_python)
   paged_8bit  the same over int8 and fp8_e4m3 pages (bytes as stored, scales included;
-              `speedup_vs_bf16` against ours at the same batch and context)
+              ours: Triton, Mosaic GPU on sm_90; `speedup_vs_bf16` against ours at the
+              same batch and context)
   ragged      a mixed step (prefill chunks of 1,024 beside decode rows)
   prefill     8k causal: ours (the ragged kernel over pages) vs cuDNN, attention_mgpu, XLA
   sparse_mla  DeepSeek-V3.2 sparse MLA decode (32 x 128 heads x 512+64, top-k 2,048)

@@ -104,11 +104,6 @@ class EngineConfig:
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     check_kv_cache_dtype(self.kv_cache_dtype)
-    if self.kv_cache_dtype != "auto" and self.kernel_backend == "pallas_mgpu":
-      raise ValueError(
-          f"kv_cache_dtype={self.kv_cache_dtype} is not read by the Mosaic GPU decode kernel "
-          "(kernel_backend='pallas_mgpu'); use kernel_backend='pallas' (Triton), xla or "
-          "reference")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:

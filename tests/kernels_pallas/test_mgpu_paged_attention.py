@@ -35,7 +35,15 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 import kernels_pallas
 from kernels_pallas.paged_attention import paged_attention_reference
-from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu
+from kernels_pallas.paged_attention_mgpu import (
+  MAX_SPLITS,
+  MIN_STEPS_PER_SPLIT,
+  combine_splits,
+  default_num_splits,
+  paged_attention_mgpu,
+  scales_by_row,
+)
+from kernels_pallas.quant import STORAGE_DTYPES, QuantizedPages, quantize
 
 MGPU_CALL = "mosaic_gpu_v2"
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -146,6 +154,14 @@ def custom_calls(text: str) -> set[str]:
   return set(re.findall(r"custom_call @([\w$.]+)\(", text))
 
 
+def mgpu_signature(text: str) -> tuple[str, str]:
+  """(operand types, result types) of the (first) Mosaic GPU call: the first signature
+  after it (its serialized module in between is bytes, newlines included)."""
+  tail = text[text.index(f"custom_call @{MGPU_CALL}("):]
+  sig = re.search(r"\} : \(((?:tensor<[^>]*>(?:, )?)+)\) -> ([^\n]*)", tail)
+  return sig[1], sig[2]
+
+
 # (group, block_size, head_dim, dtype, tokens_per_step): GQA 1 to 64, block sizes 8 to 64,
 # head_dim 32 to 256 (swizzles 64 and 128 bytes), both 16-bit dtypes.
 LOWERING_GRID = (
@@ -191,3 +207,157 @@ def test_lowering_refuses_a_step_that_overflows_shared_memory():
   args = (S((4, 8, 256), jnp.bfloat16), pages, pages, S((4, 8), I32), S((4,), I32))
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     lower_for_cuda(functools.partial(paged_attention_mgpu, tokens_per_step=128), *args)
+
+
+# 8-bit pages: (kind, group, block_size, head_dim, dtype, tokens_per_step, attention kwargs).
+QUANTIZED_GRID = (
+    ("int8", 4, 16, 64, jnp.bfloat16, 64, {}),
+    ("fp8_e4m3", 8, 32, 128, jnp.bfloat16, 128, {"soft_cap": 3.0}),
+    ("int8", 1, 8, 32, jnp.float16, 64, {"sm_scale": 0.2}),
+)
+
+
+def _quantized_case(rng, kind, group, block_size, head_dim, dtype, lengths, num_kv_heads=2):
+  """_case with 8-bit pages: per-token magnitudes spread over [1/4, 4], so each token's
+  scale differs (a scale read for the wrong token or head shows)."""
+  q, *_, tables, lens = _case(rng, group, block_size, head_dim, dtype, lengths, num_kv_heads)
+  shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+
+  def pages():
+    x = rng.standard_normal(shape) * 2.0 ** rng.uniform(-2, 2, shape[:3] + (1,))
+    return QuantizedPages(*quantize(jnp.asarray(x, jnp.float32), kind), dtype=dtype)
+
+  return q, pages(), pages(), tables, lens
+
+
+@pytest.mark.parametrize(("kind", "group", "block_size", "head_dim", "dtype",
+                          "tokens_per_step", "attn_kw"), QUANTIZED_GRID)
+def test_interpreted_kernel_reads_8bit_pages_as_the_reference(
+    gpu_interpreter, rng, kind, group, block_size, head_dim, dtype, tokens_per_step, attn_kw):
+  lengths = [*lib.grid_lengths(block_size)[:-1], 300, 0]
+  args = _quantized_case(rng, kind, group, block_size, head_dim, dtype, lengths)
+  assert args[1].values.dtype == STORAGE_DTYPES[kind]
+  out = paged_attention_mgpu(*args, interpret=gpu_interpreter,
+                             tokens_per_step=tokens_per_step, **attn_kw)
+  ref = paged_attention_reference(*args, **attn_kw)  # gathers and dequantizes the blocks
+  assert out.dtype == dtype
+  assert lib.max_abs_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= 2e-2
+  np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_scales_by_row_lists_each_rows_token_scales_per_kv_head(rng):
+  scales = jnp.asarray(rng.standard_normal((NUM_BLOCKS, 8, 3)), jnp.float32)
+  tables = jnp.asarray([[5, 2, 0], [7, 7, 9]], I32)
+  got = np.asarray(scales_by_row(scales, tables))
+  assert got.shape == (2, 3, 3 * 8)
+  for b, h, t in np.ndindex(got.shape):
+    assert got[b, h, t] == scales[tables[b, t // 8], t % 8, h]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("group", "block_size", "head_dim", "dtype", "tokens_per_step"),
+                         [(4, 16, 128, "bfloat16", 64), (8, 32, 64, "float16", 128),
+                          (1, 8, 32, "bfloat16", 64), (4, 64, 256, "bfloat16", 64)])
+def test_8bit_pages_lower_for_cuda_to_one_mosaic_gpu_call_reading_bytes(
+    kind, group, block_size, head_dim, dtype, tokens_per_step):
+  num_kv_heads, batch = 2, 4
+  shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+  values = S(shape, STORAGE_DTYPES[kind])
+  pages = QuantizedPages(values, S(shape[:3] + (1,), jnp.float32), dtype)
+  args = (S((batch, group * num_kv_heads, head_dim), dtype), pages, pages,
+          S((batch, 8), I32), S((batch,), I32))
+  text = lower_for_cuda(
+      functools.partial(paged_attention_mgpu, tokens_per_step=tokens_per_step,
+                        num_splits=1), *args)
+  assert custom_calls(text) == {MGPU_CALL}
+  assert text.count(f"custom_call @{MGPU_CALL}(") == 1
+  # The kernel's operands: the pools' 8-bit values as they are (1 byte per value), and
+  # each row's scales gathered per KV head [batch, num_kv_heads, keys] float32.
+  operands = mgpu_signature(text)[0]
+  values_type = "x".join(map(str, shape)) + ("xi8" if kind == "int8" else "xui8")
+  assert operands.count(f"tensor<{values_type}>") == 2, operands
+  blocks_per_step = tokens_per_step // block_size
+  # The table padded to whole steps, at least the 2 the prologue fetches.
+  keys = max(-(-8 // blocks_per_step), 2) * blocks_per_step * block_size
+  assert operands.count(f"tensor<{batch}x{num_kv_heads}x{keys}xf32>") == 2, operands
+
+
+def test_8bit_pages_read_as_float32_are_refused(rng):
+  q, k, v, tables, lengths = _quantized_case(rng, "int8", 4, 8, 64, jnp.float32, [3, 9])
+  with pytest.raises(ValueError, match=r"bfloat16 or float16 KV \(8-bit pages read as\), "
+                                       "got float32"):
+    paged_attention_mgpu(q, k, v, tables, lengths)
+
+
+# Split-K.
+
+
+def test_default_num_splits_fills_the_sms_of_small_batches_only():
+  # batch 1, 8 KV heads, 32k and 128k tokens at 64 keys per step: 17 splits, 136 programs.
+  assert default_num_splits(1, 8, 512) == 17
+  assert default_num_splits(1, 8, 2048) == 17
+  assert default_num_splits(1, 1, 2048) == MAX_SPLITS  # MQA: capped
+  assert default_num_splits(2, 8, 512) == 9  # 144 programs
+  assert default_num_splits(32, 8, 2048) == 1  # 256 programs fill the 132 SMs already
+  assert default_num_splits(1, 8, 7) == 1  # under 2 * MIN_STEPS_PER_SPLIT steps
+  assert default_num_splits(1, 8, 8) == 2
+  # As few splits as cover the steps at their size: 25 steps and room for 6 splits give
+  # 5 of 5 steps (6 splits of 5 would leave the last one empty).
+  assert default_num_splits(1, 1, 25, num_sms=6) == 5
+  for batch, heads, steps in [(1, 8, 100), (3, 2, 999), (1, 4, 33)]:
+    n = default_num_splits(batch, heads, steps)
+    per = -(-steps // n)
+    assert (n - 1) * per < steps <= n * per
+    assert n == 1 or per >= MIN_STEPS_PER_SPLIT
+
+
+def test_combine_splits_equals_softmax_over_all_keys(rng):
+  s = rng.standard_normal((3, 5))  # 3 splits of 5 keys, one query row
+  v = rng.standard_normal((3, 5, 4))
+  p = np.exp(s - s.max(axis=1, keepdims=True))
+  o = np.einsum("sk,skd->sd", p / p.sum(axis=1, keepdims=True), v)
+  lse = s.max(axis=1) + np.log(p.sum(axis=1))
+  flat = np.exp(s.ravel() - s.max())
+  want = flat / flat.sum() @ v.reshape(15, 4)  # softmax over the 15 keys at once
+  got = combine_splits(jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  # A split without keys (lse MASK_VALUE, o 0) weighs nothing; none with keys gives 0.
+  empty = jnp.asarray([kernels_pallas.common.MASK_VALUE], jnp.float32)
+  got = combine_splits(jnp.concatenate([jnp.asarray(o, jnp.float32), jnp.zeros((1, 4))]),
+                       jnp.concatenate([jnp.asarray(lse, jnp.float32), empty]))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  got = combine_splits(jnp.zeros((2, 4)), jnp.concatenate([empty, empty]))
+  np.testing.assert_array_equal(np.asarray(got), 0.0)
+
+
+@pytest.mark.parametrize(("quantized", "num_splits"), [(False, 3), (True, 2)])
+def test_interpreted_split_k_matches_reference(gpu_interpreter, rng, quantized, num_splits):
+  # 16-token blocks, 64 keys per step; lengths 0 to 10 steps over an 11-step table (41
+  # blocks): 3 splits of 4 steps or 2 of 6, the later ones empty for the short rows.
+  lengths = [1, 63, 64, 65, 300, 577, 640, 0]
+  if quantized:
+    args = _quantized_case(rng, "int8", 4, 16, 64, jnp.bfloat16, lengths)
+  else:
+    args = _case(rng, 4, 16, 64, jnp.bfloat16, lengths)
+  out = paged_attention_mgpu(*args, interpret=gpu_interpreter, num_splits=num_splits)
+  ref = paged_attention_reference(*args)
+  # Each split's output is rounded to bf16 before the combine, then the sum again: up to 2
+  # bf16 steps of the output (the 8-bit case's values reach 4x, outputs past 2).
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=2.0**-7)
+  np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_split_k_lowers_for_cuda_to_one_mosaic_gpu_call_and_a_combine():
+  # Batch 1 over a 32k-token table (8 KV heads, 64-token blocks): the default splits.
+  pages = S((NUM_BLOCKS, 64, 8, 128), jnp.bfloat16)
+  args = (S((1, 32, 128), jnp.bfloat16), pages, pages, S((1, 512), I32), S((1,), I32))
+  text = lower_for_cuda(paged_attention_mgpu, *args)
+  assert custom_calls(text) == {MGPU_CALL}
+  assert text.count(f"custom_call @{MGPU_CALL}(") == 1
+  results = mgpu_signature(text)[1]
+  assert "tensor<17x1x8x64x128xbf16>" in results and "tensor<17x1x8x64xf32>" in results
+  with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
+    lower_for_cuda(functools.partial(paged_attention_mgpu, num_splits=0), *args)

@@ -184,7 +184,8 @@ flags.DEFINE_string(
 flags.DEFINE_enum("kernel_backend", None, ["auto", "pallas", "pallas_mgpu", "xla",
                                            "reference"],
                   "compile: the attention kernels: auto (default) = pallas (Triton) on a "
-                  "GPU; pallas_mgpu = the Mosaic GPU decode kernel (Hopper, bfloat16 KV).")
+                  "GPU; pallas_mgpu = the Mosaic GPU decode kernel (Hopper; bfloat16 KV, or "
+                  "8-bit KV with a bfloat16 model).")
 flags.DEFINE_list("programs", [], "compile: only these programs (by the table's names; "
                   "default: all).")
 flags.DEFINE_enum("bench_size", "full",

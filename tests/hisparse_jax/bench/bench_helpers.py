@@ -26,7 +26,7 @@ GPU_BENCH_EXPECTED = {
     "paged": {"ours-triton", "ours-mgpu", "xla-reference", "xla-sdpa", "jax-pallas-paged",
               "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
               "torch-cudnn"},
-    "paged_8bit": {"ours-triton", "xla-reference", "jax-pallas-paged"},
+    "paged_8bit": {"ours-triton", "ours-mgpu", "xla-reference", "jax-pallas-paged"},
     "ragged": {"ours-triton", "xla-reference"},
     "prefill": {"ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
                 "torch-cudnn"},

@@ -101,6 +101,16 @@ def test_the_mosaic_gpu_decode_kernel_compiles_for_sm90a():
   assert "ragged_paged_attention" in kernels  # the dense rows stay on Triton
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_the_mosaic_gpu_decode_kernel_over_8bit_kv_compiles_for_sm90a(kv_cache_dtype):
+  config = EngineConfig(hisparse=HISPARSE, dtype="bfloat16", kernel_backend="pallas_mgpu",
+                        kv_cache_dtype=kv_cache_dtype, host_pool_gib=0.5, **SMALL)
+  _, progs = _compile(config, {"tiered_decode"})
+  kernels = progs["tiered_decode"].kernels
+  assert "paged_attention_mgpu (mosaic_gpu)" in kernels
+  assert "paged_attention" not in kernels  # no Triton decode beside it
+
+
 def test_a_dsa_model_with_offload_compiles_its_token_loads(tmp_path):
   transformers = pytest.importorskip("transformers")
   from models.testing import DSA_TINY_HF_CONFIG  # noqa: PLC0415

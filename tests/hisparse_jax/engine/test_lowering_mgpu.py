@@ -2,9 +2,10 @@
 (``kernel_backend="pallas_mgpu"``): the sparse rows' paged attention becomes one Mosaic GPU
 call per layer, the dense rows and the other kernels stay on Triton.
 
-The Mosaic GPU kernel takes bfloat16 KV with blocks of a multiple of 8 tokens and head_dim
-a multiple of 32, so this engine is a bfloat16 one at block size 8 and head_dim 32. What
-only a Hopper GPU can check (the compile, the numbers) is owed to one.
+The Mosaic GPU kernel takes bfloat16 KV (or 8-bit KV read as bfloat16) with blocks of a
+multiple of 8 tokens and head_dim a multiple of 32, so this engine is a bfloat16 one at
+block size 8 and head_dim 32. What only a Hopper GPU can check (the numbers, the speed) is
+owed to one; the compile for sm_90a is test_aot_h200's.
 """
 
 from __future__ import annotations
@@ -46,3 +47,23 @@ def test_the_hisparse_step_lowers_for_cuda_with_the_mosaic_gpu_decode_kernel(mod
   # The same batch on "pallas" has no Mosaic GPU call: the backend is what picks it.
   pallas = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas").as_text()
   assert MGPU_CALL not in pallas and "paged_attention" in re.findall(r'name = "(\w+)"', pallas)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_the_hisparse_step_over_8bit_kv_lowers_with_the_mosaic_gpu_decode_kernel(
+    model, kv_cache_dtype):
+  # The Mosaic GPU kernel reads 8-bit pages (values + per-token scales) itself: the sparse
+  # rows take it as with bfloat16 KV, no fallback to Triton's paged_attention.
+  engine = _engine(model, hisparse=SMALL, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+  batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
+  sparse = next(b for b in batches if b.metadata.sparse_rows.any())
+  text = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas_mgpu").as_text()
+  calls = Counter(re.findall(r"custom_call @([\w$.]+)\(", text))
+  assert calls[MGPU_CALL] == 1, calls
+  assert len(re.findall(r"= call @paged_attention_mgpu\(", text)) == NUM_LAYERS
+  assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == [
+      "block_key_bounds", "ragged_paged_attention", "write_kv"]
+  values = "i8" if kv_cache_dtype == "int8" else "ui8"
+  tail = text[text.index(f"custom_call @{MGPU_CALL}("):]  # its module bytes, then types
+  operands = re.search(r"\} : \(((?:tensor<[^>]*>(?:, )?)+)\) ->", tail)[1]
+  assert len(re.findall(rf"tensor<[\dx]+x{values}>", operands)) == 2, operands
