@@ -67,6 +67,18 @@ def target_platform(target: str | None = None) -> str:
   return name
 
 
+def context_platform() -> str:
+  """The platform kernels traced here lower for: "gpu" inside an abstract GPU context
+  (`abstract_gpu`, what a deviceless build for a GPU traces in), else this process's
+  platform. For kernels with no target of their own to be told (the block copies of
+  tier moves, built beside the engine's kernel ops)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and _PLATFORM_ALIASES.get(device.platform) == "gpu":
+    return "gpu"
+  return platform()
+
+
 def resolve_interpret(interpret: bool | None, target: str | None = None) -> bool:
   """`None` -> interpret mode exactly when the target platform is CPU."""
   if interpret is None:

@@ -315,10 +315,11 @@ class AotBuild:
     scalar = device_pool.placed
     ids = self._place(np.zeros(ID_BUCKET, np.int32), scalar)
     dev, host = device_pool.arrays(), host_pool.arrays()
+    mode = transfer.host_copy_mode()  # (HISPARSE_JAX_HOST_COPY, as the engine's)
     out = transfer._swap_out_program(n, device_pool.sharding, host_pool.sharding, False,
-                                     scalar)
+                                     scalar, mode)
     into = transfer._swap_in_program(n, device_pool.sharding, host_pool.sharding, False,
-                                     scalar)
+                                     scalar, mode)
     return [Program("swap_out", "swap", out, (dev, host, ids, ids),
                     detail=f"{ID_BUCKET} blocks device -> pinned_host"),
             Program("swap_in", "swap", into, (host, dev, ids, ids),

@@ -28,7 +28,7 @@ import kernels_pallas
 from hisparse_jax.engine.runner import ModelRunner
 from hisparse_jax.engine.step_program import dsa_step_program
 from hisparse_jax.kv_cache.kv_pool import device_full_fn
-from hisparse_jax.kv_cache.transfer import bucket_size
+from hisparse_jax.kv_cache.transfer import bucket_size, host_copy_mode
 from hisparse_jax.sparse.dsa_attention import DsaStatic
 
 
@@ -80,7 +80,7 @@ class DsaModelRunner(ModelRunner):
           hot_buffer_blocks=self.hisparse_blocks.hot_buffer_blocks,
           thrash_window_steps=hisparse.thrash_window_steps,
           device_sharding=self.pool.sharding, host_sharding=self.host_pool.sharding,
-          one_memory=one_memory)
+          one_memory=one_memory, host_copy=host_copy_mode())
     return dsa_step_program(self._graphdef, ops, self.spec.dtype, static,
                             self.spec.index_layers, params_def=self._params_def)
 

@@ -50,7 +50,7 @@ from hisparse_jax.kv_cache.capacity import (  # noqa: F401 (bounds_...: re-expor
   num_hot_rows,
 )
 from hisparse_jax.kv_cache.kv_pool import KVPool, device_full_fn, storage_dtype
-from hisparse_jax.kv_cache.transfer import bucket_size
+from hisparse_jax.kv_cache.transfer import bucket_size, host_copy_mode
 from hisparse_jax.sparse import resolver
 from hisparse_jax.sparse.attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.sparse.config import HiSparseConfig
@@ -256,7 +256,8 @@ class ModelRunner:
         self.pool.sharding, self.host_pool.sharding if self.host_pool is not None else None,
         one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
         mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat, params_def=self._params_def,
-        streamed_prefill=hisparse.streamed_prefill if hisparse is not None else "exact")
+        streamed_prefill=hisparse.streamed_prefill if hisparse is not None else "exact",
+        host_copy=host_copy_mode())
 
   @property
   def reserved_bytes(self) -> int:

@@ -36,11 +36,19 @@ too, and are not tier transfers). On GPU, XLA's host
 offloading has known bugs (openxla/xla#34565: scatter into pinned_host with computed
 indices); a fallback (per-block host arrays plus `jax.device_put`) can replace
 `_dispatch` without changing callers.
+
+`host_copy_mode` "kernel" (env HISPARSE_JAX_HOST_COPY=kernel) replaces the host gather,
+crossing and scatter with one zero-copy kernel launch per array in which the GPU reads
+(swap-in) or writes (swap-out, the pool donated and aliased in place) the pinned pool
+directly (kernels_pallas.block_copy): SGLang's HiCache I/O kernels' way. It compiles for
+an H200 deviceless with no copy and no host computation in the program; its speed on a
+GPU is unmeasured (make gpu-bench's transfer part times both), so "xla" stays the default.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import jax
@@ -52,6 +60,7 @@ from jax.sharding import SingleDeviceSharding
 from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, NULL_BLOCK_ID, PINNED_HOST, KVPool
 from hisparse_jax.observability import metrics as m
+from kernels_pallas import block_copy
 from kernels_pallas.common import next_power_of_2
 
 
@@ -84,6 +93,24 @@ def ids_sharding(host_sharding):
   return host_sharding
 
 
+HOST_COPY_ENV = "HISPARSE_JAX_HOST_COPY"
+HOST_COPIES = ("xla", "kernel")
+
+
+def host_copy_mode(mode: str | None = None) -> str:
+  """How blocks cross between the pinned_host and device pools where they are different
+  memories (a GPU): "xla" (default): XLA's host offloading, a gather on the host
+  (compute_on("device_host")), one crossing and a scatter; "kernel": the zero-copy block
+  copy (kernels_pallas.block_copy: the GPU reads / writes the pinned pool directly, one
+  launch, no host computation). `mode` None: the env var HISPARSE_JAX_HOST_COPY. Both
+  the tier moves (TransferEngine) and HiSparse's in-step loads follow it; where the two
+  kinds are one memory (CPU) neither applies (`copy_block_loop`)."""
+  mode = os.environ.get(HOST_COPY_ENV, "xla") if mode is None else mode
+  if mode not in HOST_COPIES:
+    raise ValueError(f"{HOST_COPY_ENV} must be 'xla' or 'kernel', got {mode!r}")
+  return mode
+
+
 def copy_block_loop(src_arrays, dst_arrays, src_ids, dst_ids, count):
   """dst_arrays[j][dst_ids[i]] := src_arrays[j][src_ids[i]] for i < `count` (traced), one
   block of every array per iteration, in place in the (donated) destination: a loop of
@@ -114,10 +141,13 @@ def _num_real(dst_ids, num_dst_blocks: int):
 
 @functools.cache  # one program per pool shape set, shared by engines of a process
 def _swap_out_program(num_arrays: int, device_sharding, host_sharding, one_memory: bool,
-                      scalar_sharding=None):
+                      scalar_sharding=None, host_copy: str = "xla"):
   """(device arrays, host arrays [donated], device_ids, host_ids) -> new host arrays."""
 
   def swap_out(device_arrays, host_arrays, device_ids, host_ids):
+    if host_copy == "kernel" and not one_memory:  # the GPU writes the pinned pool
+      out = block_copy.copy_blocks(device_arrays, host_arrays, device_ids, host_ids)
+      return out, device_ids[0]
     if one_memory:  # block copies, no hop (see the module doc)
       out = copy_block_loop(device_arrays,
                             [jax.device_put(h, device_sharding) for h in host_arrays],
@@ -166,10 +196,13 @@ def gather_program(num_arrays: int, device_sharding, host_sharding):
 
 @functools.cache
 def _swap_in_program(num_arrays: int, device_sharding, host_sharding, one_memory: bool,
-                     scalar_sharding=None):
+                     scalar_sharding=None, host_copy: str = "xla"):
   """(host arrays, device arrays [donated], host_ids, device_ids) -> new device arrays."""
 
   def swap_in(host_arrays, device_arrays, host_ids, device_ids):
+    if host_copy == "kernel" and not one_memory:  # the GPU reads the pinned pool
+      out = block_copy.copy_blocks(host_arrays, device_arrays, host_ids, device_ids)
+      return out, device_ids[0]
     if one_memory:  # block copies, no hop (see the module doc)
       out = copy_block_loop([jax.device_put(h, device_sharding) for h in host_arrays],
                             device_arrays, host_ids, device_ids,
@@ -209,7 +242,9 @@ class TransferEngine:
 
   def __init__(self, device_pool: KVPool, host_pool: KVPool,
                metrics: m.MetricsRegistry | None = None, min_bucket: int = 8,
-               one_memory: bool | None = None):
+               one_memory: bool | None = None, host_copy: str | None = None):
+    """one_memory: None: as the devices are (`hop_free`); host_copy: how blocks cross
+    where they are not one memory (`host_copy_mode`; None: the env var)."""
     if device_pool.memory_kind != DEVICE or host_pool.memory_kind != PINNED_HOST:
       raise ValueError("TransferEngine needs a device pool and a pinned_host pool, got "
                        f"{device_pool.memory_kind} and {host_pool.memory_kind}")
@@ -231,10 +266,11 @@ class TransferEngine:
     num_arrays = len(device_pool.arrays())
     # One memory (CPU): block-copy loops without a hop; else host gather + crossing.
     self.one_memory = hop_free(device_sharding) if one_memory is None else one_memory
+    self.host_copy = host_copy_mode(host_copy)
     self._swap_out = _swap_out_program(num_arrays, device_sharding, host_pool.sharding,
-                                       self.one_memory, scalar_sharding)
+                                       self.one_memory, scalar_sharding, self.host_copy)
     self._swap_in = _swap_in_program(num_arrays, device_sharding, host_pool.sharding,
-                                     self.one_memory, scalar_sharding)
+                                     self.one_memory, scalar_sharding, self.host_copy)
     self._pending: list[tuple[str, float, jax.Array]] = []
     self.buckets_used: set[tuple[str, int]] = set()  # (direction, padded length)
 

@@ -119,6 +119,7 @@ class SparseStatic:
   device_sharding: jax.sharding.Sharding
   host_sharding: jax.sharding.Sharding
   one_memory: bool | None = None  # resolver.load_blocks' (None: the devices say)
+  host_copy: str = "xla"  # resolver.load_blocks' (transfer.host_copy_mode)
   # Tensor parallel (under shard_map): the mesh axis of the KV heads, over which the
   # indexer gathers the block scores (one small collective per layer), and how many
   # copies of each KV head the devices hold (indexer.select).
@@ -369,7 +370,7 @@ def _exact_chunks(sparse: SparseStatic, kv_dtype, q, pages, cache, metadata: Ste
           cache["host"], pages, host_table[jnp.minimum(b, width - 1)],
           jnp.where(load, slots, num_device_blocks),
           device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
-          one_memory=sparse.one_memory)
+          one_memory=sparse.one_memory, host_copy=sparse.host_copy)
       k, v = _gather_blocks(pages, jnp.where(resident, device_ids, slots), kv_dtype)
       key_pos = j * group_blocks * block_size + key_in_group
       key_ok = jnp.repeat(resident | load, block_size) & (key_pos < kv_len)
@@ -491,7 +492,7 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   pages, loaded = resolver.load_blocks(
       cache["host"], pages, res.load_host_ids, res.load_device_ids,
       device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
-      one_memory=sparse.one_memory)
+      one_memory=sparse.one_memory, host_copy=sparse.host_copy)
   # attend: the newest, partly filled block is last (indexer order).
   k_view, v_view = page_views(pages, kv_dtype)
   decode = live & ~chunk

@@ -69,6 +69,7 @@ class DsaStatic:
   device_sharding: jax.sharding.Sharding | None = None
   host_sharding: jax.sharding.Sharding | None = None
   one_memory: bool | None = None
+  host_copy: str = "xla"  # resolver.load_tokens' (transfer.host_copy_mode)
   tiered: bool = False
   record_topk: bool = False  # the new cache holds each token's selection ("topk")
 
@@ -257,7 +258,7 @@ def _tiered_rows(ops: kernels_pallas.KernelOps, static: DsaStatic, latent, cache
   latent, loaded = resolver.load_tokens(
       cache["host"][0], latent, res.load_host_ids, res.load_device_ids,
       device_sharding=static.device_sharding, host_sharding=static.host_sharding,
-      one_memory=static.one_memory)
+      one_memory=static.one_memory, host_copy=static.host_copy)
   resolved = jnp.where(valid, res.block_tables, -1)
   addresses = addresses.at[jnp.where(live, token, addresses.shape[0])].set(resolved,
                                                                             mode="drop")

@@ -64,7 +64,7 @@ from jax import lax
 
 from hisparse_jax.kv_cache import transfer
 from hisparse_jax.kv_cache.host_compute import on_host
-from kernels_pallas import cpu_kernels
+from kernels_pallas import block_copy, cpu_kernels
 from kernels_pallas.common import packed_ids
 
 NEVER = -(2**30)  # step of "never used / never evicted"; far enough to never thrash
@@ -284,6 +284,7 @@ def load_blocks(
     device_sharding: jax.sharding.Sharding,
     host_sharding: jax.sharding.Sharding,
     one_memory: bool | None = None,  # None: transfer.hop_free(device_sharding)
+    host_copy: str = "xla",  # transfer.host_copy_mode: how the loads cross (not one memory)
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
   """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i with an
   in-range device id; returns (new device arrays, int32 blocks moved per array).
@@ -292,7 +293,10 @@ def load_blocks(
   in a while loop of `load_chunk`-block trips, ceil(loads / chunk) of them, so the bytes
   follow the misses (rounded up to a chunk); no load moves nothing. Each trip's gather
   is transfer.gather_to_device, the swap-ins' mechanism; its scatter into the pages
-  drops the padding. (`host_loads_mode` "fixed": one gather of the whole list.) Where
+  drops the padding. (`host_loads_mode` "fixed": one gather of the whole list.)
+  `host_copy` "kernel": one zero-copy kernel launch per array reads the loaded blocks
+  from the pinned pool (kernels_pallas.block_copy; entries with an out-of-range device id
+  copy nothing), no loop and no host computation. Where
   device and host are one memory (CPU, `transfer.hop_free`), the loads are a loop of
   exactly `loads` block copies (transfer.copy_block_loop, the swap-ins' mechanism
   there): the blocks moved equal the misses, with no bucket.
@@ -316,6 +320,8 @@ def load_blocks(
     new_arrays = transfer.copy_block_loop(host_view, device_arrays, host_packed,
                                           device_packed, count)
     return new_arrays, count
+  if host_copy == "kernel":  # the GPU reads the misses from the pinned pool
+    return block_copy.copy_blocks(host_arrays, device_arrays, host_ids, device_ids), count
   gather = transfer.gather_program(len(host_arrays), device_sharding, host_sharding)
 
   def scatter(arrays, blocks, ids):
@@ -356,6 +362,7 @@ def load_tokens(
     device_sharding: jax.sharding.Sharding | None,
     host_sharding: jax.sharding.Sharding | None,
     one_memory: bool | None = None,
+    host_copy: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
   """`load_blocks` at token granularity (a DSA layer's latent entries: its hot buffer
   holds tokens): device token t := host token h for each listed pair with an in-range
@@ -363,7 +370,9 @@ def load_tokens(
   (block, offset), never through a reshaped view of the donated device pages (XLA:CPU
   would copy them whole). One memory (CPU): a loop of exactly the loads' row copies; else
   host gathers of the packed tokens in `load_chunk`-token trips of a while loop (as many
-  as the loads need), each crossing to the device and scattered into the pages."""
+  as the loads need), each crossing to the device and scattered into the pages;
+  `host_copy` "kernel": the zero-copy block copy over token rows (a token is a block of
+  one row of the pages viewed [blocks * block_size, width])."""
   num_blocks, block_size = device_pages.shape[:2]
   width = device_pages.shape[-1]
   total = host_ids.shape[0]
@@ -384,6 +393,10 @@ def load_tokens(
       return lax.dynamic_update_slice(pages, row, (d // block_size, d % block_size, 0, 0))
 
     return lax.fori_loop(0, count, body, device_pages), count
+  if host_copy == "kernel":
+    (rows,) = block_copy.copy_blocks((host_pages.reshape(-1, width),),
+                                     (device_pages.reshape(-1, width),), host_ids, device_ids)
+    return rows.reshape(device_pages.shape), count
   gather = _token_gather_program(device_sharding, host_sharding)
 
   def scatter(pages, rows, ids):

@@ -80,6 +80,24 @@ def test_hisparse_with_int8_kv_compiles_its_in_step_host_loads():
   assert progs["refresh_bounds"].kernels == ("block_key_bounds",)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_zero_copy_kernel_moves_blocks_with_no_copy_and_no_host_computation(
+    kv_cache_dtype, monkeypatch):
+  # HISPARSE_JAX_HOST_COPY=kernel: the in-step loads and the swaps are kernels reading /
+  # writing the pinned pool in place (kernels_pallas.block_copy), no XLA host offloading.
+  monkeypatch.setenv(transfer.HOST_COPY_ENV, "kernel")
+  config = EngineConfig(hisparse=HISPARSE, kv_cache_dtype=kv_cache_dtype, host_pool_gib=0.5,
+                        **SMALL)
+  build, progs = _compile(config, {"tiered_decode", "swap_out", "swap_in"})
+  host_pool = build.plan.num_host_blocks * build.spec.bytes_per_block
+  for name, p in progs.items():
+    assert "block_copy" in p.kernels, name
+    assert p.host_copies == 0, name  # nothing crosses through XLA's copies ...
+    assert p.host_bytes >= host_pool, name  # ... the kernels take the host pool itself
+  # No device copy of the host pool either: the step's temporaries fit the reserve.
+  assert 0 < progs["tiered_decode"].temp_bytes < build.reserve_bytes
+
+
 def test_a_prompt_longer_than_the_device_pool_compiles_its_streamed_chunks():
   for mode in ("exact", "sparse"):
     hisparse = HiSparseConfig(top_k_tokens=64, hot_buffer_tokens=128, sink_tokens=16,
@@ -111,7 +129,9 @@ def test_the_mosaic_gpu_decode_kernel_over_8bit_kv_compiles_for_sm90a(kv_cache_d
   assert "paged_attention" not in kernels  # no Triton decode beside it
 
 
-def test_a_dsa_model_with_offload_compiles_its_token_loads(tmp_path):
+@pytest.mark.parametrize("host_copy", ["xla", "kernel"])
+def test_a_dsa_model_with_offload_compiles_its_token_loads(host_copy, tmp_path, monkeypatch):
+  monkeypatch.setenv(transfer.HOST_COPY_ENV, host_copy)
   transformers = pytest.importorskip("transformers")
   from models.testing import DSA_TINY_HF_CONFIG  # noqa: PLC0415
 
@@ -122,8 +142,13 @@ def test_a_dsa_model_with_offload_compiles_its_token_loads(tmp_path):
                         host_pool_gib=0.1)
   build, progs = _compile(config, {"decode", "tiered_decode", "index_keys_to_host"})
   assert build.is_dsa and build.config.hisparse.indexer == "lightning"
-  assert progs["tiered_decode"].kernels == ("sparse_mla_decode",)
-  assert progs["tiered_decode"].host_copies > 0  # the missed tokens cross from the host
+  tiered = progs["tiered_decode"]
+  if host_copy == "xla":
+    assert tiered.kernels == ("sparse_mla_decode",)
+    assert tiered.host_copies > 0  # the missed tokens cross from the host
+  else:  # the zero-copy kernel reads the missed tokens' rows from the pinned pool
+    assert set(tiered.kernels) == {"block_copy", "sparse_mla_decode"}
+    assert tiered.host_copies == 0 and tiered.host_bytes > 0
   assert progs["decode"].host_copies == 0  # resident rows attend their top-k in place
 
 

@@ -61,7 +61,12 @@ KINDS = {
     "int8": dict(dtype="float32", kv_cache_dtype="int8"),
     "fp8_e4m3": dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3"),
 }
-PATHS = pytest.mark.parametrize("one_memory", [None, False], ids=["platform", "host_gather"])
+# How blocks cross: as this platform does (CPU: one memory, block-copy loops); the GPU's
+# paths forced on CPU: XLA's host gather + crossing, and the zero-copy block-copy kernel
+# (interpret mode here; transfer.host_copy_mode).
+PATHS = pytest.mark.parametrize(("one_memory", "host_copy"),
+                                [(None, "xla"), (False, "xla"), (False, "kernel")],
+                                ids=["platform", "host_gather", "zero_copy_kernel"])
 # Bit patterns planted in every token of every array, by item size: NaNs
 # (signalling, quiet with a payload, negative), +-inf, subnormals, -0 (bf16: the float32
 # patterns' top halves; 1 byte: int8 extremes and fp8_e4m3fn's NaNs 0x7f / 0xff).
@@ -158,9 +163,9 @@ def _pools(spec, num_device=NUM_DEVICE_BLOCKS, num_host=NUM_HOST_BLOCKS_POOL):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @PATHS
-def test_swap_out_then_in_is_bit_exact(kind, one_memory, rng):
+def test_swap_out_then_in_is_bit_exact(kind, one_memory, host_copy, rng):
   device_pool, host_pool = _pools(_spec(kind))
-  engine = TransferEngine(device_pool, host_pool, one_memory=one_memory)
+  engine = TransferEngine(device_pool, host_pool, one_memory=one_memory, host_copy=host_copy)
   usable = np.arange(1, NUM_DEVICE_BLOCKS)
   _fill(device_pool, usable, rng)
   before = _raw(device_pool)
@@ -191,10 +196,11 @@ def test_swap_out_then_in_is_bit_exact(kind, one_memory, rng):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @PATHS
-def test_third_tier_store_load_then_swap_in_is_bit_exact(kind, one_memory, rng, tmp_path):
+def test_third_tier_store_load_then_swap_in_is_bit_exact(kind, one_memory, host_copy, rng,
+                                                          tmp_path):
   spec = _spec(kind)
   device_pool, host_pool = _pools(spec)
-  engine = TransferEngine(device_pool, host_pool, one_memory=one_memory)
+  engine = TransferEngine(device_pool, host_pool, one_memory=one_memory, host_copy=host_copy)
   usable = np.arange(1, NUM_DEVICE_BLOCKS)
   _fill(device_pool, usable, rng)
   before = _raw(device_pool)
@@ -257,18 +263,19 @@ def _filled_host_pool(spec, rng, num_host=NUM_HOST_BLOCKS_POOL):
 
 
 @functools.cache
-def _load_program(device_sharding, host_sharding, one_memory):
+def _load_program(device_sharding, host_sharding, one_memory, host_copy):
   return jax.jit(functools.partial(resolver.load_blocks, device_sharding=device_sharding,
-                                   host_sharding=host_sharding, one_memory=one_memory),
+                                   host_sharding=host_sharding, one_memory=one_memory,
+                                   host_copy=host_copy),
                  donate_argnums=(1,))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @PATHS
-def test_hisparse_load_blocks_is_bit_exact(kind, one_memory, rng):
+def test_hisparse_load_blocks_is_bit_exact(kind, one_memory, host_copy, rng):
   spec = _spec(kind)
   device_pool, host_pool, host, before = _filled_host_pool(spec, rng)
-  load = _load_program(device_pool.sharding, host_pool.sharding, one_memory)
+  load = _load_program(device_pool.sharding, host_pool.sharding, one_memory, host_copy)
   # As the step passes them: one layer's k, v (and scales), per layer.
   num_kinds = len(device_pool.arrays()) // spec.num_layers
   host_ids = np.array([23, 5, 17, 9, 0, 0], np.int32)
@@ -293,19 +300,21 @@ def test_hisparse_load_blocks_is_bit_exact(kind, one_memory, rng):
 
 
 @functools.cache
-def _token_load_program(device_sharding, host_sharding, one_memory):
+def _token_load_program(device_sharding, host_sharding, one_memory, host_copy):
   return jax.jit(functools.partial(resolver.load_tokens, device_sharding=device_sharding,
-                                   host_sharding=host_sharding, one_memory=one_memory),
+                                   host_sharding=host_sharding, one_memory=one_memory,
+                                   host_copy=host_copy),
                  donate_argnums=(1,))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # (DSA caches: no 8-bit)
 @PATHS
-def test_hisparse_load_tokens_of_dsa_pages_is_bit_exact(dtype, one_memory, rng):
+def test_hisparse_load_tokens_of_dsa_pages_is_bit_exact(dtype, one_memory, host_copy, rng):
   spec = MLACacheSpec(num_layers=1, kv_lora_rank=16, rope_dim=8, index_head_dim=8,
                       index_layers=(0,), dtype=dtype, block_size=4)
   device_pool, host_pool, host, before = _filled_host_pool(spec, rng, num_host=20)
-  load = _token_load_program(device_pool.sharding, host_pool.sharding, one_memory)
+  load = _token_load_program(device_pool.sharding, host_pool.sharding, one_memory,
+                             host_copy)
   bs = spec.block_size
   host_tokens = np.array([79, 4, 41, 42, 7, 60, 0, 0], np.int32)
   device_tokens = np.array([5, 63, 20, 33, 34, 4, 64, 1000], np.int32)  # last 2: padding

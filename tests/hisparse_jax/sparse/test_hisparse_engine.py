@@ -42,6 +42,7 @@ import kernels_pallas
 import models
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.sampling import SamplingParams
+from hisparse_jax.kv_cache import transfer
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, from_storage
 from models import data
 
@@ -117,6 +118,27 @@ def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, 
   spec = engine.device_pool.spec
   assert m['hisparse_transfer_bytes_total{direction="h2d"}'] >= (
       m["hisparse_hot_buffer_loads_total"] * spec.bytes_per_block // spec.num_layers)
+  assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("host_copy", ["xla", "kernel"])
+def test_the_gpu_host_paths_forced_on_cpu_give_the_dense_tokens(reference, host_copy,
+                                                                monkeypatch):
+  # The step and the swaps built as for a GPU (host and device kinds different memories):
+  # XLA's host gather + crossing, or the zero-copy block-copy kernel (interpret mode here;
+  # transfer.host_copy_mode). The loads and swaps must move the same bytes either way.
+  monkeypatch.setenv(transfer.HOST_COPY_ENV, host_copy)
+  engine = make_engine(FULL)
+  engine.runner._step = engine.runner._step_for(engine.runner.ops, one_memory=False)
+  engine.transfer = transfer.TransferEngine(engine.device_pool, engine.host_pool,
+                                            engine.metrics_registry, one_memory=False)
+  assert engine.transfer.host_copy == host_copy
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine)
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+  m = engine.metrics()
+  assert m["hisparse_hot_buffer_loads_total"] > 0  # blocks crossed inside the step ...
+  assert m['hisparse_transfer_blocks_total{direction="d2h"}'] > 0  # ... and by swaps
   assert_all_blocks_free(engine)
 
 
