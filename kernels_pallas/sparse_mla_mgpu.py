@@ -29,8 +29,9 @@ heads of a tile (128 heads: twice, the second time from L2 when the two head til
 together). Getting to FlashMLA's ~90% of HBM needs the in-kernel gather (cp.async rows
 into the swizzled tile, or TMA gather4 on Blackwell) and FlashMLA's split of the
 [64, 512] float32 accumulator over two warpgroups: here one warpgroup holds it (256
-registers per thread of accumulator alone: ptxas spills), so this kernel is the correct
-Mosaic GPU baseline, not yet the fast one.
+registers per thread for the accumulator alone, past a thread's 255: expect spills; the
+module's PTX compile happens only where a GPU loads it, so that is not seen from a CPU
+host), so this kernel is the correct Mosaic GPU baseline, not yet the fast one.
 
 SMEM per program (bytes, T = tokens_per_step, 2-byte dtype; ``smem_bytes``):
   2*64*(rank + rope) + 2*2*T*(rank + rope) + 2*4*T + 256 (split-K's lse)
