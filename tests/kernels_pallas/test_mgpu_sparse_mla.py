@@ -69,6 +69,7 @@ GRID = [  # (queries, heads, rank, block_size, topk, dtype, num_splits)
     (2, 80, 64, 4, 70, jnp.float16, None),  # two head tiles, the second padded
     (2, 1, 256, 16, 130, jnp.bfloat16, 3),  # one head; three splits of one step
     (2, 8, 320, 16, 64, jnp.bfloat16, 1),  # rank 320: PV in WGMMAs of 64 columns
+    (2, 72, 512, 64, 192, jnp.bfloat16, None),  # DeepSeek's 512 + 64: PV in two of 256
 ]
 
 
