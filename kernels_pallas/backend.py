@@ -170,8 +170,8 @@ def _no_hints_cover(hints: dict[str, int], q_lens: Sequence[int]) -> bool:
 
 class KernelOps(NamedTuple):
   """The kernels bound to one backend; every field has its kernel's signature (the four
-  of llama-family models, and DSA models' sparse_mla_decode: the Triton kernel for the
-  Pallas backends, its reference for xla and reference).
+  of llama-family models, and DSA models' sparse_mla_decode: the Triton kernel for
+  pallas, the Mosaic GPU one for pallas_mgpu, its reference for xla and reference).
 
   `ragged_hints(q_lens)` (host side) gives the static keyword arguments that size
   `ragged_paged_attention` for a batch whose rows have these query lengths (the xla
@@ -212,17 +212,18 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "pallas_mgpu":
-    # The decode kernel on Mosaic GPU (bf16/f16 or 8-bit pages read as either, block_size
-    # a multiple of 8; see its module), the other three on Triton. Compiled only: its CPU
-    # interpreter (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_paged_attention.py
-    # runs.
+    # The decode kernels on Mosaic GPU (paged: bf16/f16 or 8-bit pages read as either,
+    # block_size a multiple of 8; DSA's sparse MLA: bf16/f16, kv_lora_rank a multiple of 64,
+    # rope 64; see their modules), the other three on Triton. Compiled only: their CPU
+    # interpreter (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_*.py run.
     if target_platform(platform) != "gpu":
       raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
-    pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")
+    pam, smlam = (importlib.import_module(f"kernels_pallas.{m}")
+                  for m in ("paged_attention_mgpu", "sparse_mla_mgpu"))
     bind = functools.partial(functools.partial, interpret=False)
     return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
-                     sparse_mla_decode=bind(smla.sparse_mla_decode))
+                     sparse_mla_decode=bind(smlam.sparse_mla_decode_mgpu))
   if name == "xla":
     cpu_kernels = importlib.import_module("kernels_pallas.cpu_kernels")
     kernel = (pages_dtype == "float32" and target_platform(platform) == "cpu"

@@ -29,6 +29,7 @@ from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention_reference,
 )
 from kernels_pallas.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+from kernels_pallas.sparse_mla_mgpu import sparse_mla_decode_mgpu
 
 KERNELS = ("paged", "paged_8bit", "ragged", "prefill", "sparse_mla", "select")
 # Every impl each kernel reports, as a row or as a skipped entry with its reason.
@@ -40,7 +41,7 @@ EXPECTED_IMPLS = {
     "ragged": ("ours-triton", "xla-reference"),
     "prefill": ("ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
                 "torch-cudnn"),
-    "sparse_mla": ("ours-triton", "xla-reference"),
+    "sparse_mla": ("ours-triton", "ours-mgpu", "xla-reference"),
     "select": ("ours-jnp", "cpp-cpu"),
 }
 FULL = {
@@ -63,7 +64,7 @@ SMOKE = {
     "paged_8bit": ((2, 256),),
     "ragged": dict(q_lens=(32, 32, 1, 1), kv_lens=(64, 128, 128, 128)),
     "prefill": dict(seq=128),
-    "sparse_mla": dict(batch=2, heads=16, rank=64, rope=32, topk=64, block_size=16,
+    "sparse_mla": dict(batch=2, heads=16, rank=64, rope=64, topk=64, block_size=16,
                        context=256),
     "select": dict(batch=2, context=1024, top_k_tokens=256),
 }
@@ -423,12 +424,20 @@ def sparse_mla_cases(cfg: dict, env: Env, seed: int = 4):
                                  "our jnp reference (gather, float32 softmax), jit"),
            "ours-triton": Impl(functools.partial(sparse_mla_decode, interpret=interp, **kw),
                                args, "Pallas Triton" + (", interpret mode" if interp else ""))}
+  skipped = {}
+  if env.sm90:
+    impls["ours-mgpu"] = Impl(functools.partial(sparse_mla_decode_mgpu, **kw), args,
+                              "Pallas Mosaic GPU (sm_90), XLA gather of the listed rows, "
+                              "64-head WGMMA tiles")
+  else:
+    skipped["ours-mgpu"] = f"Mosaic GPU kernel: {env.why_not_sm90}"
   item = dtype.itemsize
   nbytes = batch * topk * width * item + q.size * item + batch * heads * rank * item
   shape = dict(batch=batch, heads=heads, latent=f"{rank}+{rope}", topk=topk, block_size=bs,
                dtype=dtype.name)
   yield Case("sparse_mla", shape, nbytes, 2 * batch * heads * topk * (width + rank),
-             dtype.name, impls["xla-reference"], impls, reference_impl="xla-reference")
+             dtype.name, impls["xla-reference"], impls, skipped,
+             reference_impl="xla-reference")
 
 
 # ("select": gpu_bench_select.select_cases, which builds on this module's helpers.)

@@ -43,9 +43,15 @@ def check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> Engine
   if config.kv_cache_dtype != "auto":
     raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype}: 8-bit caches of DSA models "
                      f"({kind}: MLA latent + indexer keys) are not supported; use auto")
-  if config.kernel_backend == "pallas_mgpu":
-    raise ValueError(f"kernel_backend=pallas_mgpu: DSA models ({kind}) run the Triton "
-                     "sparse MLA kernel; use auto or pallas")
+  if config.kernel_backend == "pallas_mgpu":  # the Mosaic GPU sparse MLA decode's limits
+    rank, rope = model_config.kv_lora_rank, model_config.qk_rope_head_dim
+    # (dtype "auto" is the checkpoint's: the kernel itself refuses a float32 one)
+    if config.dtype == "float32" or rank % 64 or rope != 64:
+      raise ValueError(
+          f"kernel_backend=pallas_mgpu: the Mosaic GPU sparse MLA decode of DSA models "
+          f"({kind}) needs dtype bfloat16, kv_lora_rank a multiple of 64 and "
+          f"qk_rope_head_dim 64, got dtype {config.dtype}, kv_lora_rank {rank}, "
+          f"qk_rope_head_dim {rope}; use auto or pallas (Triton)")
   if hisparse is not None:
     try:
       hisparse = hisparse.for_index_topk(model_config.index_topk, config.max_model_len)

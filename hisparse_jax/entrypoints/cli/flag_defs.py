@@ -184,8 +184,9 @@ flags.DEFINE_string(
 flags.DEFINE_enum("kernel_backend", None, ["auto", "pallas", "pallas_mgpu", "xla",
                                            "reference"],
                   "compile: the attention kernels: auto (default) = pallas (Triton) on a "
-                  "GPU; pallas_mgpu = the Mosaic GPU decode kernel (Hopper; bfloat16 KV, or "
-                  "8-bit KV with a bfloat16 model).")
+                  "GPU; pallas_mgpu = the Mosaic GPU decode kernels (Hopper; bfloat16 KV, or "
+                  "8-bit KV with a bfloat16 model; DSA models: bfloat16, kv_lora_rank a "
+                  "multiple of 64, rope 64).")
 flags.DEFINE_list("programs", [], "compile: only these programs (by the table's names; "
                   "default: all).")
 flags.DEFINE_enum("bench_size", "full",

@@ -30,6 +30,6 @@ GPU_BENCH_EXPECTED = {
     "ragged": {"ours-triton", "xla-reference"},
     "prefill": {"ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
                 "torch-cudnn"},
-    "sparse_mla": {"ours-triton", "xla-reference"},
+    "sparse_mla": {"ours-triton", "ours-mgpu", "xla-reference"},
     "select": {"ours-jnp", "cpp-cpu"},
 }

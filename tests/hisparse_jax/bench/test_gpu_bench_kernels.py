@@ -72,6 +72,7 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
   from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu
   from kernels_pallas.ragged_paged_attention import ragged_paged_attention
   from kernels_pallas.sparse_mla import sparse_mla_decode
+  from kernels_pallas.sparse_mla_mgpu import sparse_mla_decode_mgpu
 
   m = cases.FULL["model"]
   hq, hkv, d, bs, bf, i32 = (m["num_q_heads"], m["num_kv_heads"], m["head_dim"],
@@ -116,6 +117,11 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
          S((c["batch"], c["heads"], width), bf),
          S((c["batch"] * c["context"] // c["block_size"] + 1, c["block_size"], 1, width), bf),
          S((c["batch"], c["topk"]), i32))
+  _lower(functools.partial(sparse_mla_decode_mgpu, sm_scale=width**-0.5,
+                           kv_lora_rank=c["rank"]),
+         S((c["batch"], c["heads"], width), bf),
+         S((c["batch"] * c["context"] // c["block_size"] + 1, c["block_size"], 1, width), bf),
+         S((c["batch"], c["topk"]), i32))
 
 
 def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
@@ -126,14 +132,15 @@ def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
   env = cases.Env(on_gpu=True, sm90=True, why_not_gpu="", why_not_sm90="")
   # (the kernels whose builders branch on the device; the others build the same anywhere)
   builders = {"paged": cases.paged_cases, "prefill": cases.prefill_cases,
-              "select": gpu_bench_select.select_cases}
+              "sparse_mla": cases.sparse_mla_cases, "select": gpu_bench_select.select_cases}
   for kernel, build in builders.items():
     for case in build(cases.SMOKE, env):
       assert set(case.impls) | set(case.skipped) >= EXPECTED[kernel] - {
           "torch-flash", "torch-cudnn"}, kernel
       skipped = set(case.skipped)
       assert skipped == {"paged": {"jax-mgpu-attention"}, "prefill": set(),
-                         "select": {"cpp-cpu"}}[kernel], (kernel, case.skipped)
+                         "sparse_mla": set(), "select": {"cpp-cpu"}}[kernel], (
+                             kernel, case.skipped)
 
 
 def test_a_torch_peer_past_its_time_keeps_the_shapes_it_finished(tmp_path, monkeypatch):

@@ -152,6 +152,27 @@ def test_a_dsa_model_with_offload_compiles_its_token_loads(host_copy, tmp_path, 
   assert progs["decode"].host_copies == 0  # resident rows attend their top-k in place
 
 
+def test_a_dsa_model_on_pallas_mgpu_compiles_the_mosaic_gpu_sparse_mla_decode(tmp_path):
+  # The Mosaic GPU sparse MLA decode takes kv_lora_rank a multiple of 64 and rope 64
+  # (DeepSeek's 512 + 64): the tiny DSA model at 64 + 64, bfloat16.
+  transformers = pytest.importorskip("transformers")
+  from models.testing import DSA_TINY_HF_CONFIG  # noqa: PLC0415
+
+  hf = dict(DSA_TINY_HF_CONFIG, kv_lora_rank=64, qk_rope_head_dim=64, index_head_dim=64)
+  transformers.DeepseekV32Config(**hf).save_pretrained(tmp_path)
+  lightning = HiSparseConfig(indexer="lightning", hot_buffer_tokens=16)
+  config = EngineConfig(model=str(tmp_path), hisparse=lightning, dtype="bfloat16",
+                        kernel_backend="pallas_mgpu", max_model_len=256, max_num_seqs=4,
+                        max_num_batched_tokens=64, host_pool_gib=0.1)
+  _, progs = _compile(config, {"decode", "tiered_decode"})
+  for name in ("decode", "tiered_decode"):
+    assert progs[name].kernels == ("sparse_mla_decode_mgpu (mosaic_gpu)",), progs[name]
+  # The tiny model's own 32 + 16 is refused by name at planning, not deep in a trace.
+  transformers.DeepseekV32Config(**DSA_TINY_HF_CONFIG).save_pretrained(tmp_path)
+  with pytest.raises(ValueError, match="kv_lora_rank 32, qk_rope_head_dim 16"):
+    aot.AotBuild(config, load_target("h200"))
+
+
 def test_fp8_kv_is_refused_on_an_a100_and_compiles_on_an_h100():
   with pytest.raises(ValueError, match=r"kv_cache_dtype=fp8_e4m3 needs a GPU of compute "
                                        r"capability 8\.9.*A100.* has 8\.0"):
