@@ -104,7 +104,7 @@ def _ragged_kernel(q_gmem, pos_gmem, k_gmem, v_gmem, tables_gmem, meta_gmem, o_g
   for slot in range(NUM_SLOTS):
     pl.when(slot < num_steps)(functools.partial(fetch, slot, slot))
   plgpu.barrier_wait(smem["q_barrier"])
-  row_pos = plgpu.load(pos_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+  row_pos = plgpu.load(pos_smem, layout=plgpu.Layout.WGMMA.reduce(1))
   row_pos = lax.broadcast_in_dim(row_pos, (WGMMA_ROWS, tokens_per_step), [0])
 
   def body(local_step, carry):
