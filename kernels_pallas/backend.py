@@ -201,14 +201,16 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
                      sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "pallas_mgpu":
     # The decode kernel on Mosaic GPU (bf16/f16 or 8-bit pages read as either, block_size
-    # a multiple of 8; see its module), the other three on Triton. Compiled only: its CPU
+    # a multiple of 8; see its module), and the ragged one where its limits allow
+    # (`_ragged_mgpu_or_triton`); the other two on Triton. Compiled only: its CPU
     # interpreter (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_paged_attention.py
     # runs.
     if target_platform(platform) != "gpu":
       raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
     pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")
     bind = functools.partial(functools.partial, interpret=False)
-    return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
+    ragged = functools.partial(_ragged_mgpu_or_triton, bind(rpa.ragged_paged_attention))
+    return KernelOps(name, bind(pam.paged_attention_mgpu), ragged,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smla.sparse_mla_decode))
   if name == "xla":
@@ -222,3 +224,17 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   return KernelOps(name, pa.paged_attention_reference, rpa.ragged_paged_attention_reference,
                    wkv.write_kv_reference, bkb.block_key_bounds_reference,
                    sparse_mla_decode=smla.sparse_mla_decode_reference)
+
+
+def _ragged_mgpu_or_triton(triton_ragged: Callable[..., jax.Array], q, k_pages, v_pages,
+                           *args, **kwargs) -> jax.Array:
+  """The "pallas_mgpu" backend's ragged attention: the Mosaic GPU kernel
+  (:mod:`kernels_pallas.ragged_paged_attention_mgpu`) for 16-bit pages within its limits,
+  else `triton_ragged` (8-bit pages, float32, block sizes not a multiple of 8, ...).
+  Decided at trace time from the shapes, so one lowered program holds one of the two."""
+  ragm = importlib.import_module("kernels_pallas.ragged_paged_attention_mgpu")
+  if ragm.supports(q, k_pages) and not kwargs.keys() - {"sm_scale", "soft_cap",
+                                                        "sliding_window"}:
+    return ragm.ragged_paged_attention_mgpu(q, k_pages, v_pages, *args, interpret=False,
+                                            **kwargs)
+  return triton_ragged(q, k_pages, v_pages, *args, **kwargs)

@@ -173,6 +173,17 @@ def _scratch_types(dtype, head_dim: int, tokens_per_step: int, blocks_per_step: 
       q_barrier=plgpu.Barrier(num_arrivals=2), k_barriers=arrivals, v_barriers=arrivals)
 
 
+def supports(q, k_pages, tokens_per_step: int = DEFAULT_TOKENS_PER_STEP) -> bool:
+  """Whether the kernel takes these q and pages (the limits of the module docstring)."""
+  if isinstance(k_pages, QuantizedPages) or k_pages.ndim != 4 or q.ndim != 3:
+    return False
+  try:
+    _check_mgpu_sizes(q, k_pages, tokens_per_step)
+  except ValueError:
+    return False
+  return True
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
                                              "interpret", "tokens_per_step"))
 def ragged_paged_attention_mgpu(
