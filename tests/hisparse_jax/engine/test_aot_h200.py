@@ -98,7 +98,9 @@ def test_the_mosaic_gpu_decode_kernel_compiles_for_sm90a():
   _, progs = _compile(config, {"tiered_decode"})
   kernels = progs["tiered_decode"].kernels
   assert "paged_attention_mgpu (mosaic_gpu)" in kernels
-  assert "ragged_paged_attention" in kernels  # the dense rows stay on Triton
+  # The dense rows (bfloat16 KV, blocks of 8) take the Mosaic GPU ragged kernel too.
+  assert "ragged_paged_attention_mgpu (mosaic_gpu)" in kernels
+  assert "ragged_paged_attention" not in kernels
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -109,6 +111,7 @@ def test_the_mosaic_gpu_decode_kernel_over_8bit_kv_compiles_for_sm90a(kv_cache_d
   kernels = progs["tiered_decode"].kernels
   assert "paged_attention_mgpu (mosaic_gpu)" in kernels
   assert "paged_attention" not in kernels  # no Triton decode beside it
+  assert "ragged_paged_attention" in kernels  # 8-bit KV: the dense rows stay on Triton
 
 
 def test_a_dsa_model_with_offload_compiles_its_token_loads(tmp_path):
