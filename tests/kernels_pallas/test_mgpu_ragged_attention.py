@@ -6,6 +6,8 @@ only a Hopper GPU can check: the PTX compile, the numbers there and the speed.""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import types
 
 import chex
 import jax
@@ -135,3 +137,22 @@ def test_bench_size_lowers_for_cuda_to_one_mosaic_gpu_call(kw, head_dim):
   assert custom_calls(text) == {MGPU_CALL}
   assert text.count(f"custom_call @{MGPU_CALL}(") == 1
   assert TRITON_CALL not in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="XLA's GPU compiler is not installed (jax[cuda13])")
+def test_bench_size_compiles_for_an_h200_without_a_gpu():
+  """The bench's mixed step through XLA's GPU compiler for sm_90a (the H200 target's
+  compile-only client, as hisparse-jax compile does): the Mosaic GPU module included."""
+  from hisparse_jax.engine import aot_compile  # noqa: PLC0415
+  from hisparse_jax.engine.gpu_target import load_target  # noqa: PLC0415
+
+  target = load_target("h200")
+  assert target.sm == "sm_90"
+  with target.kernel_context():
+    lowered = jax.jit(ragged_paged_attention_mgpu).trace(*_bench_args()).lower(
+        lowering_platforms=("cuda",))
+  build = types.SimpleNamespace(target_devices=target.topology(1).devices)
+  executable = aot_compile._compile_for_target(build, lowered)
+  text = "\n".join(m.to_string() for m in executable.hlo_modules())
+  assert "mosaic_gpu" in text
