@@ -29,7 +29,9 @@ backend is deprecated in jax 0.11 (still shipped); moving to Mosaic GPU is a
 per-kernel swap behind :func:`compiler_params`. The first swap is opt-in:
 ``ops("pallas_mgpu", platform="gpu")`` binds the decode kernel of
 :mod:`kernels_pallas.paged_attention_mgpu` (Mosaic GPU: WGMMA, TMA copies of the listed
-blocks into shared memory) and the Triton kernels for the other three.
+blocks into shared memory), the ragged kernel of
+:mod:`kernels_pallas.ragged_paged_attention_mgpu` where its limits allow (16-bit pages,
+else the Triton one) and the Triton kernels for the other two.
 """
 
 from __future__ import annotations
