@@ -29,7 +29,7 @@ granularity, and with a sliding window so are the steps wholly before the window
 tile's first token. Within a step the mask is per row (causal, window).
 
 SMEM per program: 2 * (64 + 4 * T) * head_dim + 128 * T + 256 bytes (head_dim 128, T 64:
-80 KiB; within 227 KiB for head_dim <= 128 at T <= 128, head_dim 256 at T = 64).
+88 KiB; within 227 KiB for head_dim <= 128 at T <= 128, head_dim 256 at T = 64).
 
 Limits, refused with a ``ValueError`` naming the size (those of the decode kernel):
 dtype bfloat16 or float16 (no float32, no 8-bit pages yet: use the Triton kernel); query
