@@ -29,7 +29,9 @@ backend is deprecated in jax 0.11 (still shipped); moving to Mosaic GPU is a
 per-kernel swap behind :func:`compiler_params`. The first swap is opt-in:
 ``ops("pallas_mgpu", platform="gpu")`` binds the decode kernel of
 :mod:`kernels_pallas.paged_attention_mgpu` (Mosaic GPU: WGMMA, TMA copies of the listed
-blocks into shared memory) and the Triton kernels for the other three.
+blocks into shared memory), the ragged kernel of
+:mod:`kernels_pallas.ragged_paged_attention_mgpu` where its limits allow (16-bit pages,
+else the Triton one) and the Triton kernels for the other two.
 """
 
 from __future__ import annotations
@@ -214,14 +216,16 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   if name == "pallas_mgpu":
     # The decode kernels on Mosaic GPU (paged: bf16/f16 or 8-bit pages read as either,
     # block_size a multiple of 8; DSA's sparse MLA: bf16/f16, kv_lora_rank a multiple of 64,
-    # rope 64; see their modules), the other three on Triton. Compiled only: their CPU
+    # rope 64; see their modules), the ragged one where its limits allow
+    # (`_ragged_mgpu_or_triton`), the other two on Triton. Compiled only: their CPU
     # interpreter (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_*.py run.
     if target_platform(platform) != "gpu":
       raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
     pam, smlam = (importlib.import_module(f"kernels_pallas.{m}")
                   for m in ("paged_attention_mgpu", "sparse_mla_mgpu"))
     bind = functools.partial(functools.partial, interpret=False)
-    return KernelOps(name, bind(pam.paged_attention_mgpu), bind(rpa.ragged_paged_attention),
+    ragged = functools.partial(_ragged_mgpu_or_triton, bind(rpa.ragged_paged_attention))
+    return KernelOps(name, bind(pam.paged_attention_mgpu), ragged,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smlam.sparse_mla_decode_mgpu))
   if name == "xla":
@@ -235,3 +239,17 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   return KernelOps(name, pa.paged_attention_reference, rpa.ragged_paged_attention_reference,
                    wkv.write_kv_reference, bkb.block_key_bounds_reference,
                    sparse_mla_decode=smla.sparse_mla_decode_reference)
+
+
+def _ragged_mgpu_or_triton(triton_ragged: Callable[..., jax.Array], q, k_pages, v_pages,
+                           *args, **kwargs) -> jax.Array:
+  """The "pallas_mgpu" backend's ragged attention: the Mosaic GPU kernel
+  (:mod:`kernels_pallas.ragged_paged_attention_mgpu`) for 16-bit pages within its limits,
+  else `triton_ragged` (8-bit pages, float32, block sizes not a multiple of 8, ...).
+  Decided at trace time from the shapes, so one lowered program holds one of the two."""
+  ragm = importlib.import_module("kernels_pallas.ragged_paged_attention_mgpu")
+  if ragm.supports(q, k_pages) and not kwargs.keys() - {"sm_scale", "soft_cap",
+                                                        "sliding_window"}:
+    return ragm.ragged_paged_attention_mgpu(q, k_pages, v_pages, *args, interpret=False,
+                                            **kwargs)
+  return triton_ragged(q, k_pages, v_pages, *args, **kwargs)

@@ -38,7 +38,7 @@ EXPECTED_IMPLS = {
               "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
               "torch-cudnn"),
     "paged_8bit": ("ours-triton", "ours-mgpu", "xla-reference", "jax-pallas-paged"),
-    "ragged": ("ours-triton", "xla-reference"),
+    "ragged": ("ours-triton", "ours-mgpu", "xla-reference"),
     "prefill": ("ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
                 "torch-cudnn"),
     "sparse_mla": ("ours-triton", "ours-mgpu", "xla-reference"),
@@ -331,8 +331,17 @@ def ragged_cases(cfg: dict, env: Env, seed: int = 2):
                                  "our jnp reference (query tiles of 16), jit"),
            "ours-triton": Impl(functools.partial(ragged_paged_attention, interpret=interp),
                                args, "Pallas Triton" + (", interpret mode" if interp else ""))}
+  skipped = {}
+  if env.sm90:
+    from kernels_pallas.ragged_paged_attention_mgpu import (  # noqa: PLC0415
+      ragged_paged_attention_mgpu,
+    )
+    impls["ours-mgpu"] = Impl(ragged_paged_attention_mgpu, args,
+                              "Pallas Mosaic GPU (sm_90), 64-row q tiles")
+  else:
+    skipped["ours-mgpu"] = f"Mosaic GPU kernel: {env.why_not_sm90}"
   yield Case("ragged", shape, nbytes, 4 * hq * d * keys, dtype.name, impls["xla-reference"],
-             impls, reference_impl="xla-reference")
+             impls, skipped, reference_impl="xla-reference")
 
 
 def _runs(x: np.ndarray) -> str:

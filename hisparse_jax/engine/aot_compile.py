@@ -63,7 +63,9 @@ def _kernels(lowered_text: str) -> tuple[str, ...]:
   for line in lowered_text.splitlines():
     if "xla.gpu.triton" in line:
       names.update(re.findall(r'\bname = "(\w+)"', line))
-  names |= {f"{m} (mosaic_gpu)" for m in re.findall(r"= call @(\w+_mgpu)\(", lowered_text)}
+  # (`func.call` inside a conditional's branch)
+  calls = re.findall(r"= (?:func\.)?call @(\w+_mgpu)\(", lowered_text)
+  names |= {f"{m} (mosaic_gpu)" for m in calls}
   if "mosaic_gpu" in lowered_text and not any("mosaic" in n for n in names):
     names.add("(mosaic_gpu)")
   return tuple(sorted(names))

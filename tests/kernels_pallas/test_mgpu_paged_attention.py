@@ -190,7 +190,7 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call(group, block_size, head_d
   assert TRITON_CALL not in text
 
 
-def test_pallas_mgpu_backend_lowers_mosaic_gpu_decode_and_triton_others():
+def test_pallas_mgpu_backend_lowers_mosaic_gpu_decode_and_ragged_triton_others():
   ops = kernels_pallas.ops("pallas_mgpu", platform="cuda")
   pages = S((NUM_BLOCKS, 16, 2, 64), jnp.bfloat16)
   decode = lower_for_cuda(ops.paged_attention, S((4, 8, 64), jnp.bfloat16), pages, pages,
@@ -198,6 +198,11 @@ def test_pallas_mgpu_backend_lowers_mosaic_gpu_decode_and_triton_others():
   assert custom_calls(decode) == {MGPU_CALL}
   ragged = lower_for_cuda(ops.ragged_paged_attention, S((64, 8, 64), jnp.bfloat16), pages,
                           pages, S((4, 8), I32), S((4,), I32), S((5,), I32))
+  assert custom_calls(ragged) == {MGPU_CALL}  # kernels_pallas.ragged_paged_attention_mgpu
+  # Pages the Mosaic GPU kernels cannot take (block_size 4) keep the Triton ragged kernel.
+  small = S((NUM_BLOCKS, 4, 2, 64), jnp.bfloat16)
+  ragged = lower_for_cuda(ops.ragged_paged_attention, S((64, 8, 64), jnp.bfloat16), small,
+                          small, S((4, 8), I32), S((4,), I32), S((5,), I32))
   assert custom_calls(ragged) == {TRITON_CALL}
 
 

@@ -165,3 +165,14 @@ def test_a_torch_peer_past_its_time_keeps_the_shapes_it_finished(tmp_path, monke
   assert late == {("paged", "torch-cudnn"), ("prefill", "torch-flash"),
                   ("prefill", "torch-cudnn")}
   assert all("ran past" in s["reason"] for s in bench.skipped)
+
+
+def test_ragged_accounts_for_ours_mgpu_skipped_off_hopper(tmp_path):
+  out = tmp_path / "kernels.json"
+  assert gbk.main(["--size=smoke", "--only=ragged", f"--out={out}"]) == 0
+  result = json.loads(out.read_text())
+  ran = {r["impl"] for r in result["rows"]}
+  skipped = {s["impl"]: s["reason"] for s in result["skipped"]}
+  assert ran | set(skipped) == EXPECTED["ragged"] and all(r["ok"] for r in result["rows"])
+  assert "ours-mgpu" not in ran  # CPU: the Mosaic GPU kernel runs on sm_90 only
+  assert skipped["ours-mgpu"].startswith("Mosaic GPU kernel: "), skipped

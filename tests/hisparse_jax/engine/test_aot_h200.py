@@ -116,7 +116,9 @@ def test_the_mosaic_gpu_decode_kernel_compiles_for_sm90a():
   _, progs = _compile(config, {"tiered_decode"})
   kernels = progs["tiered_decode"].kernels
   assert "paged_attention_mgpu (mosaic_gpu)" in kernels
-  assert "ragged_paged_attention" in kernels  # the dense rows stay on Triton
+  # The dense rows (bfloat16 KV, blocks of 8) take the Mosaic GPU ragged kernel too.
+  assert "ragged_paged_attention_mgpu (mosaic_gpu)" in kernels
+  assert "ragged_paged_attention" not in kernels
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -127,6 +129,7 @@ def test_the_mosaic_gpu_decode_kernel_over_8bit_kv_compiles_for_sm90a(kv_cache_d
   kernels = progs["tiered_decode"].kernels
   assert "paged_attention_mgpu (mosaic_gpu)" in kernels
   assert "paged_attention" not in kernels  # no Triton decode beside it
+  assert "ragged_paged_attention" in kernels  # 8-bit KV: the dense rows stay on Triton
 
 
 @pytest.mark.parametrize("host_copy", ["xla", "kernel"])

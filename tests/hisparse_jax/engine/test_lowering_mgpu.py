@@ -1,6 +1,7 @@
 """The HiSparse step lowered for `cuda` with the Mosaic GPU decode kernel
-(``kernel_backend="pallas_mgpu"``): the sparse rows' paged attention becomes one Mosaic GPU
-call per layer, the dense rows and the other kernels stay on Triton.
+(``kernel_backend="pallas_mgpu"``): the sparse rows' paged attention and (over 16-bit KV)
+the dense rows' ragged attention become Mosaic GPU calls per layer, the other kernels stay
+on Triton.
 
 The Mosaic GPU kernel takes bfloat16 KV (or 8-bit KV read as bfloat16) with blocks of a
 multiple of 8 tokens and head_dim a multiple of 32, so this engine is a bfloat16 one at
@@ -37,12 +38,15 @@ def test_the_hisparse_step_lowers_for_cuda_with_the_mosaic_gpu_decode_kernel(mod
   sparse = next(b for b in batches if b.metadata.sparse_rows.any())
   text = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas_mgpu").as_text()
   calls = Counter(re.findall(r"custom_call @([\w$.]+)\(", text))
-  # The jitted kernel is one function holding the one Mosaic GPU call, called per layer.
-  assert calls[MGPU_CALL] == 1, calls
+  # Each jitted kernel is one function holding its one Mosaic GPU call, called per layer:
+  # the decode kernel (sparse rows) and the ragged one (dense rows).
+  assert calls[MGPU_CALL] == 2, calls
   assert len(re.findall(r"= call @paged_attention_mgpu\(", text)) == NUM_LAYERS
+  # (the dense rows' attention sits in a branch of a conditional: a func.call there)
+  assert len(re.findall(r"= func.call @ragged_paged_attention_mgpu\(", text)) == NUM_LAYERS
   # The other kernels are the Triton ones, named as on "pallas".
   assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == [
-      "block_key_bounds", "ragged_paged_attention", "write_kv"]
+      "block_key_bounds", "write_kv"]
   assert TRITON_CALL in calls
   # The same batch on "pallas" has no Mosaic GPU call: the backend is what picks it.
   pallas = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas").as_text()
@@ -61,6 +65,8 @@ def test_the_hisparse_step_over_8bit_kv_lowers_with_the_mosaic_gpu_decode_kernel
   calls = Counter(re.findall(r"custom_call @([\w$.]+)\(", text))
   assert calls[MGPU_CALL] == 1, calls
   assert len(re.findall(r"= call @paged_attention_mgpu\(", text)) == NUM_LAYERS
+  # The dense rows' ragged attention stays on Triton: the Mosaic GPU ragged kernel takes
+  # 16-bit pages only.
   assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == [
       "block_key_bounds", "ragged_paged_attention", "write_kv"]
   values = "i8" if kv_cache_dtype == "int8" else "ui8"
