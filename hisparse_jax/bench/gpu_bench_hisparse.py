@@ -4,12 +4,12 @@ fraction, and an 8B-class random model served by the engine. Prints a table, wri
 Usage::
 
   python -m hisparse_jax.bench.gpu_bench_hisparse [--size=smoke|full] --out FILE.json
-      [--budget_s N] [--only transfer,miss_step,engine]
+      [--budget_s N] [--only transfer,miss_step,engine,transfer_kernel]
 
 `--size` defaults to full on a GPU, smoke elsewhere; `--budget_s` to 150 s (full) or 600 s
 (smoke). Parts, in order, each within its share of the budget (transfer 15%, miss_step
-20%, engine the rest); what does not fit is skipped and listed (`skipped`: part, what,
-reason), never left half-recorded:
+20%, engine 90%, transfer_kernel the rest); what does not fit is skipped and listed
+(`skipped`: part, what, reason), never left half-recorded:
 
   transfer   TransferEngine swap_in / swap_out (bench/transfer.py's `case`, the engine
              alone) at the 8B-class layout (32 layers x 8 KV heads x 128, bfloat16, K and
@@ -27,6 +27,13 @@ reason), never left half-recorded:
   engine     gpu_bench_hisparse_engine.py: (b) batch 1 HiSparse / dense, (c) a request of
              twice the device pool against a dense engine's tokens, (a) 4N requests at N
              requests' device budget, HiSparse / device-only decode tokens/s
+  transfer_kernel  the zero-copy block copy (HISPARSE_JAX_HOST_COPY=kernel: a Pallas
+             kernel reading / writing the pinned_host pool in place, #55) beside XLA's
+             host gather: first both paths against numpy bit for bit (random bytes, 16
+             blocks each way; a differing block is a correctness failure), then the
+             transfer part's 16-token-block rows through the kernel, each with its ratio
+             to the XLA row (`vs_xla`). Last, so a kernel that faults on a GPU whose
+             pinned_host is not device-mapped costs no other part.
 
 Rows: part, name, config, figure, unit, target, met (None where there is no target, and
 on a CPU, whose figures say nothing of a GPU's). JSON top level: machine, size, budget,
@@ -47,8 +54,9 @@ import sys
 import time
 import traceback
 
-PARTS = ("transfer", "miss_step", "engine")
-SHARES = {"transfer": 0.15, "miss_step": 0.2, "engine": 1.0}  # of the time left at its start
+PARTS = ("transfer", "miss_step", "engine", "transfer_kernel")
+SHARES = {"transfer": 0.15, "miss_step": 0.2, "engine": 0.9,  # of the time left at its start
+          "transfer_kernel": 1.0}
 DEFAULT_BUDGET_S = {"full": 150.0, "smoke": 600.0}
 TRANSFER_TARGETS = {256: 32.0, 16: 16.0}  # GB/s at 16-token blocks, by blocks per call
 MISS_TARGET = 1.3  # the 30% step over the 0% step
@@ -185,6 +193,50 @@ def run_transfer(size_name: str, clock: Clock, report: Report) -> None:
                        pcie_peak_bytes_per_s=peak)
       if pool_bytes >= largest[1]:
         largest = (time.monotonic() - start, pool_bytes)
+
+
+def run_transfer_kernel(size_name: str, clock: Clock, report: Report) -> None:
+  import numpy as np  # noqa: PLC0415
+
+  from hisparse_jax.bench import transfer  # noqa: PLC0415
+  from hisparse_jax.kv_cache.kv_pool import KVCacheSpec  # noqa: PLC0415
+
+  size = TRANSFER_SIZES[size_name]
+  rng = np.random.default_rng(1)
+  block_size = size.block_sizes[0]
+  spec = KVCacheSpec(num_layers=size.num_layers, num_kv_heads=size.num_kv_heads,
+                     head_dim=size.head_dim, dtype=size.dtype, block_size=block_size)
+  checked = 16
+  differing = transfer.kernel_check(spec, checked, rng)
+  config = {"block_size": block_size, "num_blocks": checked, "layers": spec.num_layers,
+            "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtype}
+  for host_copy, n in differing.items():
+    if n:
+      report.correct = False
+    report.add_row("transfer_kernel", f"bit-exact vs numpy ({host_copy})", config, n,
+                   "blocks differing", "0", n == 0)
+  if differing["kernel"]:
+    report.skip("transfer_kernel", "timing", "the kernel moved wrong bytes")
+    return
+  xla = {r["name"]: r["figure"] for r in report.rows if r["part"] == "transfer"}
+  for n in size.num_blocks:
+    what = f"block {block_size} x {n} blocks"
+    if clock.left() <= 0:
+      report.skip("transfer_kernel", what, "budget: no time left")
+      continue
+    # (one_memory False: the GPU's mechanism; on a CPU the kernel runs in interpret mode)
+    for r in transfer.case(spec, n, size.reps, rng, with_numpy=False, one_memory=False,
+                           host_copy="kernel"):
+      name = f"{r['direction']} block {block_size} x {n}"
+      target = TRANSFER_TARGETS.get(n)
+      gbs = r["engine_gb_per_s"]
+      report.add_row("transfer_kernel", f"{name} (kernel)",
+                     {**config, "num_blocks": n, "bytes": r["bytes"], "reps": size.reps,
+                      "host_copy": "kernel"},
+                     gbs, "GB/s", None if target is None else f">= {target:g} GB/s",
+                     None if target is None else gbs >= target,
+                     ms=r["engine_ms"], pcie_share=r["pcie_fraction"],
+                     vs_xla=gbs / xla[name] if xla.get(name) else None)
 
 
 def state_with_misses(warm, fraction: float, top_k_blocks: int, rng):
@@ -341,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     report.skip("all", "targets (met)", f"not a GPU ({jax.devices()[0].platform}): "
                 "figures recorded, met None")
   runners = {"transfer": run_transfer, "miss_step": run_miss_step,
+             "transfer_kernel": run_transfer_kernel,
              "engine": lambda s, c, r: _engine(engine_part, s, c, r)}
   for part in PARTS:
     if part not in only:

@@ -26,7 +26,7 @@ import numpy as np
 from hisparse_jax.bench import common
 from hisparse_jax.kv_cache import host_compute
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVCacheSpec, KVPool
-from hisparse_jax.kv_cache.transfer import TransferEngine, copy_block_loop
+from hisparse_jax.kv_cache.transfer import HOST_COPIES, TransferEngine, copy_block_loop
 
 # Host <-> device peak of one direction (bytes/s) by device_kind prefix: PCIe 5.0 x16
 # for Hopper, 4.0 x16 for A100 / L4 (vendor datasheets).
@@ -69,14 +69,16 @@ def pcie_peak() -> float | None:
 
 
 def case(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Generator,
-         with_numpy: bool = True) -> list[dict]:
+         with_numpy: bool = True, one_memory: bool | None = None,
+         host_copy: str | None = None) -> list[dict]:
   """Both directions for N = `num_moved` blocks: engine and numpy, interleaved (without
   numpy: the engine alone, its ratio fields None; the pools hold zeros, which move as
-  fast as any bytes: what the GPU bench's 8B-class layout times)."""
+  fast as any bytes: what the GPU bench's 8B-class layout times). one_memory, host_copy:
+  the TransferEngine's (None: as this machine's devices are; the env var)."""
   num_pool_blocks = 2 * num_moved + 1  # null block + room for distinct random ids
   device_pool = KVPool(spec, num_pool_blocks, DEVICE)
   host_pool = KVPool(spec, num_pool_blocks, PINNED_HOST)
-  engine = TransferEngine(device_pool, host_pool)
+  engine = TransferEngine(device_pool, host_pool, one_memory=one_memory, host_copy=host_copy)
   shape = spec.block_shape(num_pool_blocks)
   arrays = 2 * spec.num_layers if with_numpy else 0
   np_device = [rng.standard_normal(shape).astype(spec.dtype) for _ in range(arrays)]
@@ -118,6 +120,44 @@ def case(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Generator,
         "numpy_gb_per_s": None if numpy_s is None else nbytes / numpy_s / 1e9,
         "pcie_fraction": None if peak is None else nbytes / engine_s / peak})
   return rows
+
+
+def kernel_check(spec: KVCacheSpec, num_moved: int, rng: np.random.Generator) -> dict:
+  """The host <-> device paths against numpy, bit for bit: pools of random bytes (NaN
+  patterns included), `num_moved` random blocks swapped in, then other blocks swapped
+  out, by the XLA path and by the zero-copy kernel (`one_memory=False`: the GPU's
+  mechanisms, forced on a CPU); returns, for each host_copy, the number of blocks (of
+  every array, both pools) that differ from numpy's fancy-index copies."""
+  num_pool_blocks = 2 * num_moved + 1
+  probe = KVPool(spec, num_pool_blocks, DEVICE)
+  start = [[np.frombuffer(rng.bytes(a.size * a.dtype.itemsize), a.dtype).reshape(a.shape)
+            for a in probe.arrays()] for _ in range(2)]  # device's, host's
+  del probe
+  in_host = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False)
+  in_device = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False)
+  out_device = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False)
+  out_host = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False)
+  want_device = [a.copy() for a in start[0]]
+  want_host = [a.copy() for a in start[1]]
+  for d, h in zip(want_device, want_host):
+    d[in_device] = h[in_host]
+    h[out_host] = d[out_device]
+  differing = {}
+  for host_copy in HOST_COPIES:
+    pools = [KVPool(spec, num_pool_blocks, kind) for kind in (DEVICE, PINNED_HOST)]
+    for pool, arrays in zip(pools, start):
+      pool.set_arrays(tuple(jax.device_put(x, a.sharding)
+                            for x, a in zip(arrays, pool.arrays())))
+    engine = TransferEngine(*pools, one_memory=False, host_copy=host_copy)
+    engine.swap_in(in_host, in_device)
+    engine.swap_out(out_device, out_host)
+    engine.wait()
+    got = [np.asarray(a) for pool in pools for a in pool.arrays()]
+    differing[host_copy] = sum(
+        int((g.reshape(len(g), -1).view(np.uint8) != w.reshape(len(w), -1).view(np.uint8))
+            .any(axis=1).sum())
+        for g, w in zip(got, want_device + want_host))
+  return differing
 
 
 def _profile_h2d(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Generator

@@ -99,7 +99,7 @@ def test_the_hisparse_part_runs_every_part_and_writes_its_fields(run):
   assert result["size"] == "smoke" and result["errors"] == []
   assert result["machine"]["platform"] == "cpu"
   assert 0 < result["budget"]["spent_s"] < result["budget"]["budget_s"]
-  assert result["summary"]["parts"] == ["engine", "miss_step", "transfer"]
+  assert result["summary"]["parts"] == ["engine", "miss_step", "transfer", "transfer_kernel"]
   assert result["summary"]["tokens_equal_where_required"] is True
   for row in result["rows"]:
     assert set(row) >= {"part", "name", "config", "figure", "unit", "target", "met"}
@@ -118,6 +118,21 @@ def test_the_hisparse_transfers_cover_both_directions_sizes_and_counts(run):
     assert r["figure"] > 0 and r["unit"] == "GB/s" and r["pcie_share"] is None
     want = {256: ">= 32 GB/s", 16: ">= 16 GB/s"}[r["config"]["num_blocks"]]
     assert r["target"] == (want if r["config"]["block_size"] == 16 else None)
+
+
+def test_the_zero_copy_kernel_rows_check_both_paths_and_time_the_kernel(run):
+  rows = _rows(run[2]["parts"]["hisparse"], "transfer_kernel")
+  checks = {r["name"]: r for r in rows if r["unit"] == "blocks differing"}
+  assert set(checks) == {"bit-exact vs numpy (xla)", "bit-exact vs numpy (kernel)"}
+  assert all(r["figure"] == 0 and r["target"] == "0" for r in checks.values())
+  timed = [r for r in rows if r["unit"] == "GB/s"]
+  assert {(r["name"].split()[0], r["config"]["num_blocks"]) for r in timed} == {
+      (d, n) for d in ("h2d", "d2h") for n in (16, 256)}
+  xla = {r["name"]: r["figure"] for r in _rows(run[2]["parts"]["hisparse"], "transfer")}
+  for r in timed:
+    assert r["name"].endswith(" (kernel)") and r["config"]["host_copy"] == "kernel"
+    assert r["figure"] > 0 and r["config"]["block_size"] == 16
+    assert r["vs_xla"] == pytest.approx(r["figure"] / xla[r["name"][:-len(" (kernel)")]])
 
 
 def test_the_miss_steps_miss_the_fraction_asked(run):
