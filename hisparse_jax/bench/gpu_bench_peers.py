@@ -146,8 +146,10 @@ def sparse_mla_skips(batch: int, heads: int, rank: int, rope: int, topk: int,
   same_t = dsa.supported_attention(s((batch, topk, heads, width), dtype),
                                    s((batch, topk, 1, width), dtype),
                                    s((batch, topk, 1, width), jnp.dtype(dtype)))
+  same_t = (f"even as self-attention with v = k: {same_t}" if same_t else
+            "as self-attention with v = k it takes these head dims, but over T queries, "
+            "not one")
   return {"jla-dsa": (
       "jla.ops.mosaic_gpu.dsa.dsa_attention (masked-dense DSA over one T x T sequence, "
       f"a training kernel) refuses MLA's absorbed decode (q/k {rank}+{rope}, v {rank}, "
-      f"{heads} heads, top-k {topk}): {decode}; even as self-attention with v = k: "
-      f"{same_t}")}
+      f"{heads} heads, top-k {topk}): {decode}; {same_t}")}
