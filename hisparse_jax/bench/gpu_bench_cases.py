@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hisparse_jax.bench import gpu_bench_peers as peers
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from kernels_pallas.quant import QuantizedPages, quantize
 from kernels_pallas.ragged_paged_attention import (
@@ -36,12 +37,14 @@ KERNELS = ("paged", "paged_8bit", "ragged", "prefill", "sparse_mla", "select")
 EXPECTED_IMPLS = {
     "paged": ("ours-triton", "ours-mgpu", "xla-reference", "xla-sdpa", "jax-pallas-paged",
               "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
-              "torch-cudnn"),
+              "torch-cudnn", "tokamax-mosaic", "tokamax-triton", "tokamax-xla",
+              "jla-mgpu-attention"),
     "paged_8bit": ("ours-triton", "ours-mgpu", "xla-reference", "jax-pallas-paged"),
     "ragged": ("ours-triton", "ours-mgpu", "xla-reference"),
     "prefill": ("ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
-                "torch-cudnn"),
-    "sparse_mla": ("ours-triton", "ours-mgpu", "xla-reference"),
+                "torch-cudnn", "tokamax-mosaic", "tokamax-triton", "tokamax-xla",
+                "jla-mgpu-attention"),
+    "sparse_mla": ("ours-triton", "ours-mgpu", "xla-reference", "jla-dsa"),
     "select": ("ours-jnp", "cpp-cpu"),
 }
 FULL = {
@@ -252,6 +255,9 @@ def paged_cases(cfg: dict, env: Env, seed: int = 0):
                             f"jax.nn.dot_product_attention cudnn; {CONTIGUOUS}")
     else:
       skipped["cudnn"] = f"cuDNN: {env.why_not_gpu}"
+    lib_impls, lib_skipped = peers.decode_peers(env, q, btkd, hkv, ctx, CONTIGUOUS)
+    impls.update(lib_impls)
+    skipped.update(lib_skipped)
     yield Case("paged", shape, nbytes, flops, dtype.name, impls["xla-reference"], impls,
                skipped, reference_impl="xla-reference")
 
@@ -405,6 +411,9 @@ def prefill_cases(cfg: dict, env: Env, seed: int = 3):
   else:
     skipped["jax-mgpu-attention"] = (f"Mosaic GPU kernel: {env.why_not_sm90}" if not env.sm90
                                      else f"needs seq a multiple of 128, got {seq}")
+  lib_impls, lib_skipped = peers.prefill_peers(env, q, k, v, CONTIGUOUS)
+  impls.update(lib_impls)
+  skipped.update(lib_skipped)
   nbytes, flops = prefill_cost(seq, hq, hkv, d, dtype.itemsize)
   shape = dict(batch=1, seq=seq, causal=True, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                block_size=bs, dtype=dtype.name)
@@ -440,6 +449,7 @@ def sparse_mla_cases(cfg: dict, env: Env, seed: int = 4):
                               "64-head WGMMA tiles")
   else:
     skipped["ours-mgpu"] = f"Mosaic GPU kernel: {env.why_not_sm90}"
+  skipped.update(peers.sparse_mla_skips(batch, heads, rank, rope, topk, dtype))
   item = dtype.itemsize
   nbytes = batch * topk * width * item + q.size * item + batch * heads * rank * item
   shape = dict(batch=batch, heads=heads, latent=f"{rank}+{rope}", topk=topk, block_size=bs,

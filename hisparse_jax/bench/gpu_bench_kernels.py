@@ -12,13 +12,16 @@ Kernels (gpu_bench_cases: FULL sizes, SMOKE the same structure at tiny shapes):
               ours (Triton; Mosaic GPU on sm_90), our jnp reference, jax's Pallas
               paged_attention and decode_attention, XLA and cuDNN dot_product_attention,
               torch SDPA flash / cuDNN (gpu_bench_torch.py in a subprocess: the python
-              that imports torch, this one or --torch_python)
+              that imports torch, this one or --torch_python), tokamax's
+              dot_product_attention (Mosaic GPU, Triton, xla) on a 1-token query
   paged_8bit  the same over int8 and fp8_e4m3 pages (bytes as stored, scales included;
               ours: Triton, Mosaic GPU on sm_90; `speedup_vs_bf16` against ours at the
               same batch and context)
   ragged      a mixed step (prefill chunks of 1,024 beside decode rows)
-  prefill     8k causal: ours (the ragged kernel over pages) vs cuDNN, attention_mgpu, XLA
-  sparse_mla  DeepSeek-V3.2 sparse MLA decode (32 x 128 heads x 512+64, top-k 2,048)
+  prefill     8k causal: ours (the ragged kernel over pages) vs cuDNN, attention_mgpu, XLA,
+              tokamax (Mosaic GPU, Triton, xla) and jax-linear-attention (gpu_bench_peers.py)
+  sparse_mla  DeepSeek-V3.2 sparse MLA decode (32 x 128 heads x 512+64, top-k 2,048);
+              jax-linear-attention's DSA kernel refuses these shapes (a skip, its words)
   select      HiSparse's block selection at 64k context (bounds scoring + top-k)
 
 Each row: median and min ms, bytes, FLOPs, GB/s, TFLOP/s, their shares of the device's

@@ -10,7 +10,9 @@ fails or runs out of time:
 
   environment     installs `.[cuda,test]` into .venv-gpu (a venv that also sees the
                   machine's own packages, so a machine without network but with jax[cuda]
-                  installed works); says jax's version, platform, device and memory kinds;
+                  installed works), and make gpu-bench's library peers from wheelhouse/
+                  (make gpu-wheels) into .gpu-peers/ if they do not import; says jax's
+                  version, platform, device and memory kinds;
                   on a GPU writes the device's XLA GpuTargetConfig beside the JSON
                   (gpu_target_<device>.textproto: `hisparse-jax compile --target=FILE`)
   matrix          the compile matrix's engines (tests/hisparse_jax/engine/test_gpu_matrix.py:
@@ -53,6 +55,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 GPU_VENV = ROOT / ".venv-gpu"
 CPU_VENV = ROOT / ".venv"  # `make setup`'s
+# make gpu-bench's library peers (tokamax, jax-linear-attention): requirements-gpu-peers.txt,
+# installed with --no-deps; on a machine without network from WHEELHOUSE (`make gpu-wheels`,
+# carried there) into PEERS_SITE, which the steps then have on PYTHONPATH.
+PEERS_REQ = ROOT / "requirements-gpu-peers.txt"
+WHEELHOUSE = ROOT / "wheelhouse"
+PEERS_SITE = ROOT / ".gpu-peers"
+_PEERS_IMPORT = "import tokamax, jla.ops.mosaic_gpu.attention"
 BUDGET_S = 480  # on one H200: the whole check in under 8 minutes
 CPU_BUDGET_S = 1800  # the CPU fallback's steps (interpret mode) are slower
 TAIL_CHARS = 12000  # (3,000 lost the failing tests' names on the first GPU runs)
@@ -139,7 +148,8 @@ class Runner:
     # cuda,cpu: a jax.debug.callback inside a jitted step needs a local CPU device to
     # place its operands (jax 0.11.2 on the H200: "failed to find a local CPU device").
     env["JAX_PLATFORMS"] = "cuda,cpu" if self.gpu else "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    paths = [str(ROOT)] + ([str(PEERS_SITE)] if PEERS_SITE.is_dir() else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     return env
 
@@ -267,6 +277,42 @@ def write_target_config(device: dict, out_dir: Path, command: str, started: str)
   print(f"{command}: wrote the device's target config to {path}", flush=True)
 
 
+def _library_peers(runner: Runner, python: str, log: list[str], skipped: list[str]) -> None:
+  """make gpu-bench's library peers: if they do not import in `python`, installs them from
+  wheelhouse/ (no network needed) into .gpu-peers/ (the steps' PYTHONPATH, so neither the
+  machine's packages nor a venv change). Never fails the step: a peer that does not
+  import is a skipped row in the bench, with the reason."""
+  name = "environment"
+  try:
+    code, text, _ = runner.call(name, [python, "-c", _PEERS_IMPORT], 120)
+  except TimeoutError as e:
+    skipped.append(f"the library peers' check (tokamax, jax-linear-attention): {e}")
+    return
+  if code == 0:
+    log.append("the library peers (tokamax, jax-linear-attention) import")
+    return
+  if not WHEELHOUSE.is_dir():
+    skipped.append("the library peers (tokamax, jax-linear-attention) do not import and "
+                   f"there is no {WHEELHOUSE.name}/ to install them from (make gpu-wheels): "
+                   f"{text.strip().splitlines()[-1:]}")
+    return
+  argv = [python, "-m", "pip", "install", "-q", "--no-index", "--find-links",
+          str(WHEELHOUSE), "--no-deps", "--upgrade", "--target", str(PEERS_SITE), "-r",
+          str(PEERS_REQ)]
+  try:
+    code, text, _ = runner.call(name, argv, 120)
+    if code == 0:
+      code, text, _ = runner.call(name, [python, "-c", _PEERS_IMPORT], 120)
+  except TimeoutError as e:
+    code, text = None, str(e)
+  log.append(text)
+  if code == 0:
+    log.append(f"the library peers installed from {WHEELHOUSE.name}/ into {PEERS_SITE.name}/")
+  else:
+    skipped.append(f"the library peers from {WHEELHOUSE.name}/ (exit {code}): "
+                   f"{text.strip().splitlines()[-1:]}")
+
+
 def _environment(runner: Runner, gpu_reason: str) -> tuple[str | None, dict]:
   """Sets up the interpreter the other steps use; returns (python or None, device)."""
   name = "environment"
@@ -310,6 +356,7 @@ def _environment(runner: Runner, gpu_reason: str) -> tuple[str | None, dict]:
         else sys.executable
     skipped.append(f"the CUDA install (.[cuda] into .venv-gpu): {gpu_reason}; the steps run "
                    f"on the CPU with {python} (make setup's venv)")
+  _library_peers(runner, python, log, skipped)
   try:
     code, text, _ = runner.call(name, [python, "-c", _PROBE], 120)
   except TimeoutError as e:

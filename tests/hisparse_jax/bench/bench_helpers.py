@@ -19,17 +19,20 @@ def positive(*xs) -> bool:
 GPU_BENCH_ROW_FIELDS = {"kernel", "impl", "shape", "median_ms", "min_ms", "bytes", "flops",
                         "gb_per_s", "tflop_per_s", "hbm_fraction", "flop_fraction",
                         "roofline_fraction", "max_abs_err", "ok", "note"}
-GPU_BENCH_GPU_ONLY = {"ours-mgpu", "cudnn", "jax-mgpu-attention", "torch-flash", "torch-cudnn"}
+GPU_BENCH_GPU_ONLY = {"ours-mgpu", "cudnn", "jax-mgpu-attention", "torch-flash", "torch-cudnn",
+                      "tokamax-mosaic", "tokamax-triton", "jla-mgpu-attention"}
 # What each kernel must report (as a row or a skip with a reason), written out here so the
 # module's own list cannot drift unnoticed.
 GPU_BENCH_EXPECTED = {
     "paged": {"ours-triton", "ours-mgpu", "xla-reference", "xla-sdpa", "jax-pallas-paged",
               "jax-pallas-decode", "jax-mgpu-attention", "cudnn", "torch-flash",
-              "torch-cudnn"},
+              "torch-cudnn", "tokamax-mosaic", "tokamax-triton", "tokamax-xla",
+              "jla-mgpu-attention"},
     "paged_8bit": {"ours-triton", "ours-mgpu", "xla-reference", "jax-pallas-paged"},
     "ragged": {"ours-triton", "ours-mgpu", "xla-reference"},
     "prefill": {"ours-triton", "xla-sdpa", "cudnn", "jax-mgpu-attention", "torch-flash",
-                "torch-cudnn"},
-    "sparse_mla": {"ours-triton", "ours-mgpu", "xla-reference"},
+                "torch-cudnn", "tokamax-mosaic", "tokamax-triton", "tokamax-xla",
+                "jla-mgpu-attention"},
+    "sparse_mla": {"ours-triton", "ours-mgpu", "xla-reference", "jla-dsa"},
     "select": {"ours-jnp", "cpp-cpu"},
 }

@@ -1,11 +1,18 @@
 """`make gpu-bench`'s kernel part (hisparse_jax/bench/gpu_bench_kernels.py) on a CPU (its smoke
 size end to end is checked in test_gpu_bench.py, from the whole command's run): a spent
 budget skips cleanly; a failing impl of ours fails the run, a failing peer is a
-skip; and the GPU impls' calls at the full sizes lower for an H200 from this host."""
+skip; and the GPU impls' calls at the full sizes lower for an H200 from this host. The
+library peers (gpu_bench_peers.py: tokamax, jax-linear-attention) lower and compile for an
+H200 at the full sizes, tokamax's xla implementation matches the references on the CPU,
+and a library that does not import or refuses a shape is a skip with its reason."""
 
+import dataclasses
 import functools
+import importlib.util
 import json
+import re
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +21,7 @@ from bench_helpers import GPU_BENCH_EXPECTED as EXPECTED
 
 from hisparse_jax.bench import gpu_bench_cases as cases
 from hisparse_jax.bench import gpu_bench_kernels as gbk
+from hisparse_jax.bench import gpu_bench_peers as peers
 from kernels_pallas import backend
 
 
@@ -56,6 +64,8 @@ def test_a_failing_kernel_of_ours_fails_the_run_and_a_failing_peer_is_a_skip():
 
 
 S = jax.ShapeDtypeStruct
+LIBRARY_IMPLS = {"tokamax": set(peers.TOKAMAX_IMPLS),
+                 "jla": {"jla-mgpu-attention", "jla-dsa"}}
 
 
 def _lower(fn, *args):
@@ -138,9 +148,14 @@ def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
       assert set(case.impls) | set(case.skipped) >= EXPECTED[kernel] - {
           "torch-flash", "torch-cudnn"}, kernel
       skipped = set(case.skipped)
-      assert skipped == {"paged": {"jax-mgpu-attention"}, "prefill": set(),
-                         "sparse_mla": set(), "select": {"cpp-cpu"}}[kernel], (
-                             kernel, case.skipped)
+      # (the library peers' impls skip, naming the import error, where not installed)
+      absent = {impl for lib, impls in LIBRARY_IMPLS.items() if peers.library(lib)[0] is None
+                for impl in impls} & EXPECTED[kernel]
+      assert all("does not import" in case.skipped[i] for i in absent), case.skipped
+      assert skipped - absent == {
+          "paged": {"jax-mgpu-attention", "jla-mgpu-attention"}, "prefill": set(),
+          "sparse_mla": {"jla-dsa"}, "select": {"cpp-cpu"}}[kernel] - absent, (
+              kernel, case.skipped)
 
 
 def test_a_torch_peer_past_its_time_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
@@ -176,3 +191,136 @@ def test_ragged_accounts_for_ours_mgpu_skipped_off_hopper(tmp_path):
   assert ran | set(skipped) == EXPECTED["ragged"] and all(r["ok"] for r in result["rows"])
   assert "ours-mgpu" not in ran  # CPU: the Mosaic GPU kernel runs on sm_90 only
   assert skipped["ours-mgpu"].startswith("Mosaic GPU kernel: "), skipped
+
+
+# -- the library peers (#54): tokamax and jax-linear-attention ---------------------------
+MGPU_CALL, TRITON_CALL = "mosaic_gpu_v2", "__gpu$xla.gpu.triton"
+needs_gpu_compiler = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+    reason="XLA's GPU compiler is not installed (jax[cuda13])")
+
+
+@dataclasses.dataclass(frozen=True)
+class _H200:
+  """What tokamax reads of jax's default device to pick and size its kernels (compute
+  capability: the sm90 kernels; SM count: the persistent grid), as an H200 has them."""
+  platform: str = "gpu"
+  compute_capability: str = "9.0"
+  core_count: int = 132
+  device_kind: str = "NVIDIA H200"
+
+
+def _compile_for_h200(fn, *args) -> list[str]:
+  """The custom calls of fn lowered for the H200 target, after XLA's GPU compiler compiled
+  it deviceless (as tests/kernels_pallas/test_mgpu_sparse_mla.py does)."""
+  import numpy as np
+  from jax._src import compiler
+  from jax._src.lib import xla_client as xc
+
+  from hisparse_jax.engine.gpu_target import load_target
+
+  target = load_target("h200")
+  with target.kernel_context():
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  device = target.topology(1).devices[0]
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
+                                         device_assignment=np.zeros((1, 1), int))
+  assert device.client.compile(lowered.compiler_ir("stablehlo"),
+                               executable_devices=xc.DeviceList((device,)),
+                               compile_options=options) is not None
+  return re.findall(r"custom_call @([\w$.]+)\(", lowered.as_text())
+
+
+def _full_shapes():
+  m = cases.FULL["model"]
+  hq, hkv, d, bf = m["num_q_heads"], m["num_kv_heads"], m["head_dim"], jnp.bfloat16
+  seq = cases.FULL["prefill"]["seq"]
+  batch, ctx = cases.FULL["paged"][1]
+  return ((S((1, seq, hq, d), bf), S((1, seq, hkv, d), bf)),
+          (S((batch, hq, d), bf), S((batch, ctx, hkv, d), bf)))
+
+
+@needs_gpu_compiler
+def test_tokamax_peers_lower_and_compile_for_an_h200_at_the_full_sizes():
+  """tokamax's Mosaic GPU and Triton attention as the bench calls them (8k causal prefill;
+  decode at batch 32 x 32k over contiguous K/V), each one kernel call of its kind, built by
+  tokamax's own heuristics for an sm_90 device with 132 SMs and compiled deviceless."""
+  tokamax = pytest.importorskip("tokamax")
+  from tokamax._src import gpu_utils
+
+  (qp, kp), (qd, kd) = _full_shapes()
+  with tokamax.config.cross_compile(True), mock.patch(
+      "jax.extend.backend.get_default_device", lambda: _H200()):
+    assert gpu_utils.is_sm90()  # (the kernel module tokamax picks: sm90's)
+    for impl, call in (("mosaic_gpu", MGPU_CALL), ("triton", TRITON_CALL)):
+      prefill = _compile_for_h200(functools.partial(peers.tokamax_sdpa, implementation=impl,
+                                                    causal=True), qp, kp, kp)
+      decode = _compile_for_h200(functools.partial(peers.tokamax_decode, implementation=impl),
+                                 qd, kd, kd)
+      other = TRITON_CALL if call == MGPU_CALL else MGPU_CALL
+      for calls in (prefill, decode):
+        assert call in calls and other not in calls, (impl, calls)
+
+
+@needs_gpu_compiler
+def test_jla_attention_lowers_and_compiles_for_an_h200_at_the_prefill_size():
+  """jax-linear-attention's flash_attention takes the 8k GQA prefill (here it refuses only
+  for want of a GPU) and, on an H200's 132 SMs, runs its persistent forward: one Mosaic GPU
+  call, compiled deviceless."""
+  attention = pytest.importorskip("jla.ops.mosaic_gpu.attention")
+  from jla.ops.mosaic_gpu import attention_persistent
+
+  (qp, kp), _ = _full_shapes()
+  assert attention.supported(qp, kp, kp) == "the Mosaic GPU attention kernel needs a CUDA GPU"
+  with mock.patch.object(attention, "supported", lambda q, k, v: None), \
+      mock.patch.object(attention_persistent, "sm_count", lambda: 132), \
+      mock.patch.object(attention_persistent, "forward",
+                        wraps=attention_persistent.forward) as persistent:
+    calls = _compile_for_h200(peers.jla_flash, qp, kp, kp)
+  assert persistent.called and calls.count(MGPU_CALL) == 1, calls
+
+
+def test_what_jla_cannot_take_is_a_skip_in_its_own_words():
+  """No decode form (q as long as k) and no MLA sparse decode (head dims 64 / 128, v = k):
+  the reasons are jla's `supported` answers at the engine's shapes."""
+  pytest.importorskip("jla.ops.mosaic_gpu.dsa")
+  c = cases.FULL["sparse_mla"]
+  why = peers.sparse_mla_skips(c["batch"], c["heads"], c["rank"], c["rope"], c["topk"],
+                               jnp.dtype(jnp.bfloat16))["jla-dsa"]
+  assert "incompatible q (32, 1, 128, 576)" in why, why
+  assert "head_dim must be 64 or 128; got 576" in why, why
+  env = cases.Env(on_gpu=True, sm90=True, why_not_gpu="", why_not_sm90="")
+  case = next(cases.paged_cases(cases.SMOKE, env))
+  assert "must be [B, T, Hkv, D] matching q (2, 1, 8, 64)" in case.skipped["jla-mgpu-attention"]
+
+
+def test_tokamax_xla_matches_the_references_on_a_cpu_and_its_gpu_kernels_skip():
+  """The one library impl with a CPU path, run as the bench runs it at the smoke sizes
+  (paged decode and causal prefill over the gathered K/V), checked against each case's
+  reference; the GPU-only ones are skipped with the reason."""
+  pytest.importorskip("tokamax")
+  bench = gbk.Bench("smoke", 60.0, reps=1)
+  for build in (cases.paged_cases, cases.prefill_cases):
+    case = next(build(cases.SMOKE, bench.env))
+    for impl in peers.TOKAMAX_GPU_ONLY:
+      assert case.skipped[impl].endswith("GPU-only, and jax's platform is cpu"), case.skipped
+    case.impls = {k: v for k, v in case.impls.items()
+                  if k in ("tokamax-xla", case.reference_impl)}
+    bench.run_case(case)
+  rows = {(r["kernel"], r["impl"]): r for r in bench.rows}
+  assert bench.failures == [] and "tokamax-xla" not in {s["impl"] for s in bench.skipped}
+  for kernel in ("paged", "prefill"):
+    row = rows[(kernel, "tokamax-xla")]
+    assert row["ok"] and row["ref_max_abs"] > 0 and "implementation='xla'" in row["note"], row
+
+
+def test_a_library_that_does_not_import_is_a_skip_naming_the_error(monkeypatch):
+  monkeypatch.setattr(peers, "library", lambda name: (
+      None, f"{name} does not import (ModuleNotFoundError: No module named {name!r})"))
+  env = cases.Env(on_gpu=True, sm90=True, why_not_gpu="", why_not_sm90="")
+  prefill = next(cases.prefill_cases(cases.SMOKE, env))
+  mla = next(cases.sparse_mla_cases(cases.SMOKE, env))
+  for case, impls in ((prefill, {*peers.TOKAMAX_IMPLS, "jla-mgpu-attention"}),
+                      (mla, {"jla-dsa"})):
+    assert impls <= set(case.skipped) and not impls & set(case.impls), case.kernel
+    assert all("does not import (ModuleNotFoundError" in case.skipped[i] for i in impls)

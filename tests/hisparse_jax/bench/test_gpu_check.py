@@ -62,3 +62,47 @@ def test_unknown_steps_are_refused_naming_the_flag(capsys):
     gpu_check.main(["--only=selfcheck,warp_drive"])
   assert e.value.code == 2
   assert "--only: unknown step(s) warp_drive" in capsys.readouterr().err
+
+
+def _wheel(folder, name: str) -> None:
+  """A one-module wheel `name`-1.0 (`import name` gives VALUE = 42) in folder."""
+  import zipfile
+
+  folder.mkdir(parents=True, exist_ok=True)
+  info = f"{name}-1.0.dist-info"
+  files = {f"{name}.py": "VALUE = 42\n",
+           f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+           f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                            "Tag: py3-none-any\n"}
+  files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+  with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+    for path, text in files.items():
+      z.writestr(path, text)
+
+
+def test_the_library_peers_install_from_the_wheelhouse_into_the_steps_path(tmp_path,
+                                                                         monkeypatch):
+  """make gpu-bench's library peers on a machine without network: what does not import is
+  installed from wheelhouse/ (--no-index, --no-deps) into .gpu-peers/, which every step
+  then has on PYTHONPATH; with no wheelhouse it is a skipped part naming make gpu-wheels."""
+  site, house, req = tmp_path / ".gpu-peers", tmp_path / "wheelhouse", tmp_path / "req.txt"
+  _wheel(house, "hjpeerprobe")
+  req.write_text("hjpeerprobe==1.0\n")
+  for attr, value in (("PEERS_SITE", site), ("WHEELHOUSE", house), ("PEERS_REQ", req),
+                      ("_PEERS_IMPORT", "import hjpeerprobe; assert hjpeerprobe.VALUE == 42")):
+    monkeypatch.setattr(gpu_check, attr, value)
+  runner = gpu_check.Runner(gpu=False, budget_s=120)
+  assert str(site) not in runner.env()["PYTHONPATH"]
+  log, skipped = [], []
+  gpu_check._library_peers(runner, sys.executable, log, skipped)
+  assert skipped == [] and "installed from wheelhouse/ into .gpu-peers/" in log[-1], log
+  assert (site / "hjpeerprobe.py").exists()
+  assert runner.env()["PYTHONPATH"].split(":")[:2] == [str(gpu_check.ROOT), str(site)]
+  gpu_check._library_peers(runner, sys.executable, log, skipped)  # now it imports
+  assert log[-1].endswith("import") and skipped == []
+
+  monkeypatch.setattr(gpu_check, "_PEERS_IMPORT", "import hjpeerprobe_absent")
+  shutil.rmtree(house)
+  gpu_check._library_peers(runner, sys.executable, log, skipped)
+  assert len(skipped) == 1 and "no wheelhouse/" in skipped[0], skipped
+  assert "make gpu-wheels" in skipped[0] and "hjpeerprobe_absent" in skipped[0]
