@@ -49,12 +49,13 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
                  one_memory: bool | None = None, bounds_dtype: str = "float32", *,
                  mesh=None, kv_head_repeat: int = 1, params_def=None,
-                 streamed_prefill: str = "exact", host_copy: str = "xla"):
+                 streamed_prefill: str = "exact", host_copy: str = "xla",
+                 overlap_loads: bool = False):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
                           host_sharding, one_memory, host_copy, bounds_dtype=bounds_dtype,
-                          streamed_prefill=streamed_prefill)
+                          streamed_prefill=streamed_prefill, overlap_loads=overlap_loads)
     if mesh is not None:  # tensor parallel: under shard_map, see sharded_attend
       if not (hop_free(device_sharding) if one_memory is None else one_memory):
         raise ValueError(

@@ -242,6 +242,20 @@ def host_loads_mode() -> str:
   return mode
 
 
+OVERLAP_LOADS_ENV = "HISPARSE_JAX_OVERLAP_LOADS"
+
+
+def overlap_loads_mode() -> bool:
+  """Whether a HiSparse decode row attends the blocks already on the device while its
+  misses load (then the loaded misses; the two merged exactly by log-sum-exp:
+  sparse.attention._sparse_rows) instead of one attention after the load. Off by
+  default; the env var HISPARSE_JAX_OVERLAP_LOADS=1 turns it on (0 / unset: off)."""
+  mode = os.environ.get(OVERLAP_LOADS_ENV, "0")
+  if mode not in ("0", "1"):
+    raise ValueError(f"{OVERLAP_LOADS_ENV} must be '0' or '1', got {mode!r}")
+  return mode == "1"
+
+
 def load_chunk(max_loads: int, min_bucket: int = 8) -> int:
   """Blocks (or tokens) one trip of the host-load loop moves: `min_bucket`, or all of a
   smaller load list. A step moves ceil(misses / chunk) chunks: its misses rounded up.
