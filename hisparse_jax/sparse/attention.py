@@ -534,7 +534,8 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   pages, loaded = resolver.load_blocks(
       cache["host"], pages, res.load_host_ids, res.load_device_ids,
       device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
-      one_memory=sparse.one_memory, host_copy=sparse.host_copy)
+      one_memory=sparse.one_memory, host_copy=sparse.host_copy,
+      staged=resolver.OVERLAP_STAGED_BLOCKS if sparse.overlap_loads else 0)
   # attend: the newest, partly filled block is last (indexer order).
   k_view, v_view = page_views(pages, kv_dtype)
   if sparse.overlap_loads:

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_fixtures import add_all, assert_all_blocks_free, run
+from engine_fixtures import BLOCK_SIZE, GIB, add_all, assert_all_blocks_free, run, tiny_model
 from hisparse_engine_fixtures import FULL, GREEDY, PROMPTS, count_sparse_rows, make_engine
 
 import kernels_pallas
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.kv_cache import transfer
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
 from hisparse_jax.sparse import attention, resolver
 from kernels_pallas import xla_attention
 from kernels_pallas.common import MASK_VALUE
@@ -211,7 +212,8 @@ def test_overlapped_loads_with_per_head_selections_give_the_dense_tokens(
 def test_overlapped_loads_give_the_option_off_tokens_at_a_small_top_k(
     selection, kv_cache_dtype, monkeypatch):
   # Top-k 3 blocks of up to 8, offloaded requests: most selected blocks are hot-buffer hits
-  # or misses, the two parts both non-empty; 8-bit KV (int8 values + scales) too.
+  # or misses, the two parts both non-empty; 8-bit KV (int8 values + scales) too, its
+  # budget 20 of its own blocks (test_kv_quant_engine's offloaded case).
   hot = 24 if selection == "union" else 32
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=hot, sink_tokens=8, local_tokens=8,
                        sparse_threshold_tokens=16, selection=selection,
@@ -219,7 +221,12 @@ def test_overlapped_loads_give_the_option_off_tokens_at_a_small_top_k(
   tokens = {}
   for option in ("0", "1"):
     monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, option)
-    engine = make_engine(mid, kv_cache_dtype=kv_cache_dtype)
+    overrides = {}
+    if kv_cache_dtype == "int8":
+      spec = KVCacheSpec.from_model_config(tiny_model().config, "float32", BLOCK_SIZE, "int8")
+      overrides = dict(device_kv_gib=20.5 * spec.bytes_per_block / GIB,
+                       host_pool_gib=33.5 * spec.bytes_per_block / GIB)
+    engine = make_engine(mid, kv_cache_dtype=kv_cache_dtype, **overrides)
     tokens[option] = _tokens(engine)
     m = engine.metrics()
     assert m["hisparse_hot_buffer_loads_total"] > 0
