@@ -100,7 +100,8 @@ def overlapped_copies(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
         found.append((done.group(1), tuple(kernels)))
       continue
     if "custom_call_target=\"__gpu$xla.gpu.triton\"" in rest or "mosaic_gpu" in rest:
-      kernel = re.search(r'op_name="[^"]*?/(\w+)/pallas_call"', rest)
+      # (Triton kernels come from pallas_call, Mosaic GPU ones from an mpmd_map)
+      kernel = re.search(r'op_name="[^"]*?/(\w+)/(?:pallas_call|mpmd_map)"', rest)
       for kernels in open_copies.values():
         kernels.append(kernel.group(1) if kernel else name)
   return found

@@ -232,3 +232,35 @@ def test_overlapped_loads_give_the_option_off_tokens_at_a_small_top_k(
     assert m["hisparse_hot_buffer_loads_total"] > 0
     assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
   assert tokens["1"] == tokens["0"]
+
+
+@pytest.mark.parametrize("loads", [3, 13])
+def test_staged_loads_then_the_loop_move_every_miss(loads):
+  # load_blocks(staged=8) as the overlapped step calls it where host and device are
+  # different memories (forced on CPU): the first 8 packed loads by staged_gather (padding
+  # included), the rest by the loop's trips; every listed block lands, nothing else moves.
+  device = jax.devices()[0]
+  device_s = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  host_s = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  rng = np.random.default_rng(loads)
+  host = [rng.standard_normal((30, BS, KV_HEADS, HEAD_DIM)).astype(np.float32)
+          for _ in range(2)]
+  before = [rng.standard_normal((NUM_BLOCKS, BS, KV_HEADS, HEAD_DIM)).astype(np.float32)
+            for _ in range(2)]
+  total = 20
+  host_ids = rng.permutation(np.arange(1, 30))[:total].astype(np.int32)
+  device_ids = np.full(total, NUM_BLOCKS, np.int32)  # out of range: no load
+  where = np.sort(rng.permutation(total)[:loads])  # the loads among the padding
+  device_ids[where] = rng.permutation(np.arange(1, NUM_BLOCKS))[:loads]
+  load = jax.jit(lambda h, d, hi, di: resolver.load_blocks(
+      h, d, hi, di, device_sharding=device_s, host_sharding=host_s, one_memory=False,
+      host_copy="xla", staged=resolver.OVERLAP_STAGED_BLOCKS), donate_argnums=(1,))
+  new, moved = load(tuple(jax.device_put(h, host_s) for h in host),
+                    tuple(jax.device_put(b, device_s) for b in before),
+                    jnp.asarray(host_ids), jnp.asarray(device_ids))
+  # 8 staged, then the loop's trips of 8 over the rest: the misses rounded up.
+  assert int(moved) == 8 + -(-max(loads - 8, 0) // 8) * 8
+  for h, b, n in zip(host, before, new):
+    want = b.copy()
+    want[device_ids[where]] = h[host_ids[where]]
+    np.testing.assert_array_equal(np.asarray(n), want)
