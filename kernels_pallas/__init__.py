@@ -11,7 +11,9 @@ xla_attention` holds the "xla" backend's attention, the same contracts shaped fo
 XLA:CPU, tested against the references):
 
 * ``paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale=None,
-  soft_cap=None, interpret=None)`` -- decode, split-K with a log-sum-exp combine.
+  soft_cap=None, interpret=None, return_lse=False)`` -- decode, split-K with a log-sum-exp
+  combine; ``return_lse`` also gives each head's log-sum-exp, and ``merge_attention``
+  merges two such results over disjoint key sets exactly (HiSparse's overlapped loads).
 * ``paged_attention_per_head(q, k_pages, v_pages, block_tables, kv_lens)`` -- decode
   with a block table per head (HiSparse's per-head selections); XLA gather, no Pallas
   kernel yet.
@@ -45,6 +47,7 @@ Scripts: ``python -m kernels_pallas.bench --out results/kernel_bench_<platform>.
 from kernels_pallas.backend import KernelOps, ops, resolve_backend, resolve_interpret
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
 from kernels_pallas.paged_attention import (
+    merge_attention,
     paged_attention,
     paged_attention_per_head,
     paged_attention_reference,
@@ -61,6 +64,7 @@ __all__ = [
     "KernelOps",
     "block_key_bounds",
     "block_key_bounds_reference",
+    "merge_attention",
     "ops",
     "paged_attention",
     "paged_attention_per_head",

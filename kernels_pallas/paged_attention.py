@@ -99,8 +99,10 @@ def _paged_attention_kernel(
 
 
 def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, soft_cap,
-                          num_splits, blocks_per_step, block_h, width, interpret):
-  """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim]."""
+                          num_splits, blocks_per_step, block_h, width, interpret,
+                          return_lse=False):
+  """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim] (and, with
+  `return_lse`, the log-sum-exp [batch, num_q_heads] float32 of the combined splits)."""
   batch, num_q_heads, head_dim = q.shape
   num_blocks, block_size, num_kv_heads, _ = k_pages.shape
   (k_pages, k_scales), (v_pages, v_scales) = map(common.page_arrays, (k_pages, v_pages))
@@ -166,7 +168,12 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
   safe_l = jnp.where(l_all > 0, l_all, 1.0)
   out = jnp.where(l_all[..., None] > 0, o_all / safe_l[..., None], 0.0)
   out = out.reshape(batch, num_kv_heads, head_splits * block_h, width)[:, :, :group, :head_dim]
-  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  out = out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  if not return_lse:
+    return out
+  lse = jnp.where(l_all > 0, m_all + jnp.log(safe_l), common.MASK_VALUE)
+  lse = lse.reshape(batch, num_kv_heads, head_splits * block_h)[:, :, :group]
+  return out, lse.reshape(batch, num_q_heads)
 
 
 def _default_num_splits(max_blocks: int, blocks_per_step: int) -> int:
@@ -186,7 +193,7 @@ def _check(q, k_pages, v_pages, block_tables, kv_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "num_splits",
-                                             "blocks_per_step", "block_h"))
+                                             "blocks_per_step", "block_h", "return_lse"))
 def paged_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -200,7 +207,8 @@ def paged_attention(
     num_splits: int | None = None,
     blocks_per_step: int | None = None,
     block_h: int | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of one query token per sequence over its listed blocks.
 
   Args:
@@ -217,9 +225,12 @@ def paged_attention(
     num_splits, blocks_per_step, block_h: tuning knobs; None picks defaults. block_h
       (query-head rows per program) may be below the GQA group: the group is then
       split over cdiv(group, block_h) programs (each reads the KV head's blocks).
+    return_lse: also return each query head's log-sum-exp over its keys (see
+      `merge_attention`: attention over two disjoint key sets merged exactly).
 
   Returns:
-    [batch, num_q_heads, head_dim] in q's dtype.
+    [batch, num_q_heads, head_dim] in q's dtype; with `return_lse`, (that, lse
+    [batch, num_q_heads] float32: log sum_t exp(score_t), MASK_VALUE for a row of no key).
   """
   _check(q, k_pages, v_pages, block_tables, kv_lens)
   interpret = backend.resolve_interpret(interpret)
@@ -241,22 +252,40 @@ def paged_attention(
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
       num_splits=num_splits, blocks_per_step=blocks_per_step, block_h=block_h,
       width=common.padded_head_dim(head_dim, backend.min_dot_rows(interpret)),
-      interpret=interpret)
+      interpret=interpret, return_lse=return_lse)
 
 
-def _masked_softmax(s: jax.Array, valid: jax.Array, soft_cap: float | None) -> jax.Array:
-  """softmax over the last axis of the scores `s` (soft-capped) where `valid`; 0 elsewhere,
-  and a row with no valid key all 0 (not NaN). The references' shared body."""
+def _softmax_lse(s: jax.Array, valid: jax.Array, soft_cap: float | None):
+  """softmax over the last axis of the scores `s` (soft-capped) where `valid`, 0 elsewhere
+  and a row with no valid key all 0 (not NaN); and the log-sum-exp of the valid scores
+  over that axis (MASK_VALUE where none is valid), that axis dropped. The references'
+  shared body."""
   if soft_cap is not None:
     s = soft_cap * jnp.tanh(s / soft_cap)
   s = jnp.where(valid, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-  denom = p.sum(axis=-1, keepdims=True)
-  return p / jnp.where(denom > 0, denom, 1.0)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.where(valid, jnp.exp(s - m), 0.0)
+  denom = e.sum(axis=-1, keepdims=True)
+  lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                  common.MASK_VALUE)
+  return e / jnp.where(denom > 0, denom, 1.0), lse[..., 0]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
+def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
+                    lse_b: jax.Array, dtype=None) -> jax.Array:
+  """Attention over two disjoint key sets -> attention over their union, exactly (the
+  online-softmax / split-K merge): each part's output (normalized over its own keys)
+  [..., head_dim] weighted by exp(its lse - the larger lse) [...]. A part without keys
+  (lse MASK_VALUE, output 0) weighs 0 beside one with keys; a row with none at all gets
+  0. In float32, returned in `dtype` (default out_a's)."""
+  m = jnp.maximum(lse_a, lse_b)
+  wa, wb = jnp.exp(lse_a - m)[..., None], jnp.exp(lse_b - m)[..., None]
+  out = (wa * out_a.astype(jnp.float32) + wb * out_b.astype(jnp.float32)) / (wa + wb)
+  return out.astype(out_a.dtype if dtype is None else dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "return_lse"))
 def paged_attention_reference(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -267,8 +296,10 @@ def paged_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     interpret: bool | None = None,
-) -> jax.Array:
-  """Pure-jnp reference (the "xla" backend): gather the listed blocks, masked softmax."""
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Pure-jnp reference (the "xla" backend): gather the listed blocks, masked softmax.
+  `return_lse`: also the log-sum-exp [batch, num_q_heads] (`paged_attention`'s)."""
   del interpret  # Same signature as the kernel; nothing to interpret.
   _check(q, k_pages, v_pages, block_tables, kv_lens)
   batch, num_q_heads, head_dim = q.shape
@@ -280,10 +311,11 @@ def paged_attention_reference(
   qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
   s = jnp.einsum("bhgd,bthd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
   valid = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, None, None, :]
-  p = _masked_softmax(s, valid, soft_cap)
+  p, lse = _softmax_lse(s, valid, soft_cap)
   v = jnp.where(valid[:, 0, 0, :, None, None], v, 0.0)
   o = jnp.einsum("bhgt,bthd->bhgd", p, v, precision=lax.Precision.HIGHEST)
-  return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  out = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  return (out, lse.reshape(batch, num_q_heads)) if return_lse else out
 
 
 def paged_attention_per_head(
@@ -295,7 +327,8 @@ def paged_attention_per_head(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention where each head has its own block table (HiSparse's per-head
   selections): `num_heads` is num_q_heads (each query head over its own blocks) or
   num_kv_heads (a KV group's query heads share their KV head's blocks). Tables and
@@ -304,7 +337,8 @@ def paged_attention_per_head(
 
   XLA gather of each head's blocks of its own KV head only (no other head's bytes), then
   a masked softmax in float32; no Pallas kernel yet. Returns [batch, num_q_heads,
-  head_dim] in q's dtype."""
+  head_dim] in q's dtype (`return_lse`: and the log-sum-exp [batch, num_q_heads], as
+  `paged_attention`'s)."""
   from kernels_pallas.quant import QuantizedPages, dequantize  # noqa: PLC0415
 
   batch, num_q_heads, head_dim = q.shape
@@ -331,7 +365,8 @@ def paged_attention_per_head(
   qg = q.reshape(batch, num_heads, group, head_dim).astype(jnp.float32)
   s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=lax.Precision.HIGHEST) * scale
   valid = (jnp.arange(width * block_size) < kv_lens[..., None])[:, :, None, :]
-  p = _masked_softmax(s, valid, soft_cap)
+  p, lse = _softmax_lse(s, valid, soft_cap)
   v = jnp.where(valid[:, :, 0, :, None], v, 0.0)
   o = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=lax.Precision.HIGHEST)
-  return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  out = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  return (out, lse.reshape(batch, num_q_heads)) if return_lse else out

@@ -113,7 +113,7 @@ def _dequantize_into(dst_ref, src_ref, scales_ref):
 
 def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
                             blocks_per_step: int, quantized: bool, num_splits: int,
-                            steps_per_split: int, **smem):
+                            steps_per_split: int, with_lse: bool, **smem):
   """One program: the query heads of KV head h of row b over the row's listed blocks (of
   split `split`: its steps_per_split steps of the table).
 
@@ -122,9 +122,10 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
   steps_per_split * blocks_per_step], lens int32 [batch], (when `quantized`: k and v scales
   float32 [batch, num_kv_heads, tables.shape[1] * block_size], each row's keys in attention
   order), then the output: [batch, num_kv_heads, 64, head_dim] normalized, or with
-  num_splits > 1 each split's [num_splits, batch, num_kv_heads, 64, head_dim] normalized
-  over its own keys and its log-sum-exp [num_splits, batch, num_kv_heads, 64] float32
-  (MASK_VALUE for a split without keys). smem: the scratch of `_scratch_types`.
+  `with_lse` (num_splits > 1, or the caller's return_lse) each split's [num_splits, batch,
+  num_kv_heads, 64, head_dim] normalized over its own keys and its log-sum-exp
+  [num_splits, batch, num_kv_heads, 64] float32 (MASK_VALUE for a split without keys).
+  smem: the scratch of `_scratch_types`.
   """
   if quantized:
     q_gmem, k_gmem, v_gmem, tables_gmem, lens_gmem, ks_gmem, vs_gmem, *out_gmem = refs
@@ -231,10 +232,10 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
   # zeros (l >= 1 once any key is valid).
   l_safe = jnp.where(l > 0.0, l, 1.0)
   qo_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-  if num_splits > 1:
+  if with_lse:
     smem["lse"][...] = jnp.where(l > 0.0, m + jnp.log(l_safe), common.MASK_VALUE)
   plgpu.commit_smem()
-  if num_splits > 1:
+  if with_lse:
     o_gmem, lse_gmem = out_gmem
     plgpu.copy_smem_to_gmem(qo_smem, o_gmem.at[split, b, h])
     plgpu.copy_smem_to_gmem(smem["lse"], lse_gmem.at[split, b, h])
@@ -244,7 +245,7 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
 
 
 def _scratch_types(dtype, values_dtype, head_dim: int, tokens_per_step: int,
-                   blocks_per_step: int, quantized: bool, num_splits: int) -> dict:
+                   blocks_per_step: int, quantized: bool, with_lse: bool) -> dict:
   """The kernel's SMEM buffers and barriers, by name."""
   transforms = _smem_transforms(head_dim, dtype)
   slots = (NUM_SLOTS, tokens_per_step, head_dim)
@@ -262,7 +263,7 @@ def _scratch_types(dtype, values_dtype, head_dim: int, tokens_per_step: int,
     tile = plgpu.SMEM((tokens_per_step, head_dim), dtype, transforms=transforms)
     scales = plgpu.SMEM((NUM_SLOTS, tokens_per_step), jnp.float32)
     scratch.update(k_tile=tile, v_tile=tile, k_scales=scales, v_scales=scales)
-  if num_splits > 1:
+  if with_lse:
     scratch.update(lse=plgpu.SMEM((WGMMA_ROWS,), jnp.float32))
   return scratch
 
@@ -322,17 +323,23 @@ def default_num_splits(batch: int, num_kv_heads: int, num_steps: int,
   return common.cdiv(num_steps, common.cdiv(num_steps, splits)) if num_steps else 1
 
 
-def combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+def combine_splits(o: jax.Array, lse: jax.Array, return_lse: bool = False):
   """Each split's output o [num_splits, ..., head_dim] (normalized over its own keys) and
   its log-sum-exp lse [num_splits, ...] -> the output over all keys, float32: weights
   exp(lse - max lse). A split without keys has lse = MASK_VALUE (weight 0 beside any split
-  with keys) and o = 0, so a row without keys at all gets 0."""
-  w = jnp.exp(lse - lse.max(axis=0))
-  return (w[..., None] * o.astype(jnp.float32)).sum(axis=0) / w.sum(axis=0)[..., None]
+  with keys) and o = 0, so a row without keys at all gets 0. `return_lse`: and the
+  log-sum-exp over all keys [...] (MASK_VALUE where no split has a key)."""
+  top = lse.max(axis=0)
+  w = jnp.exp(lse - top)
+  out = (w[..., None] * o.astype(jnp.float32)).sum(axis=0) / w.sum(axis=0)[..., None]
+  if not return_lse:
+    return out
+  return out, jnp.where(top > common.MASK_VALUE, top + jnp.log(w.sum(axis=0)),
+                        common.MASK_VALUE)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
-                                             "tokens_per_step", "num_splits"))
+                                             "tokens_per_step", "num_splits", "return_lse"))
 def paged_attention_mgpu(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -345,7 +352,8 @@ def paged_attention_mgpu(
     interpret: object = None,
     tokens_per_step: int = DEFAULT_TOKENS_PER_STEP,
     num_splits: int | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of one query token per sequence over its listed blocks.
 
   Arguments and result as :func:`kernels_pallas.paged_attention.paged_attention`, within
@@ -361,6 +369,8 @@ def paged_attention_mgpu(
     tokens_per_step: keys per pipeline step (per WGMMA), a multiple of 64 up to 256.
     num_splits: programs per (row, KV head), each over one contiguous run of the table's
       steps (split-K), merged by `combine_splits`; None: `default_num_splits`.
+    return_lse: also the log-sum-exp [batch, num_q_heads] float32 over each row's keys
+      (`paged_attention`'s; the kernel then writes each split's, even of one split).
   """
   _check(q, k_pages, v_pages, block_tables, kv_lens)
   if interpret is True:
@@ -387,6 +397,7 @@ def paged_attention_mgpu(
   # A length past the table would read past it: clamp (the reference clamps the same way).
   kv_lens = jnp.minimum(kv_lens, max_blocks * k_pages.shape[1])
 
+  with_lse = num_splits > 1 or return_lse
   (k_values, k_scales), (v_values, v_scales) = map(common.page_arrays, (k_pages, v_pages))
   quantized = k_scales is not None
   scales = (scales_by_row(k_scales, tables), scales_by_row(v_scales, tables)) if quantized else ()
@@ -394,9 +405,9 @@ def paged_attention_mgpu(
       _paged_attention_kernel,
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale),
       soft_cap=soft_cap, blocks_per_step=blocks_per_step, quantized=quantized,
-      num_splits=num_splits, steps_per_split=steps_per_split)
+      num_splits=num_splits, steps_per_split=steps_per_split, with_lse=with_lse)
   out_shape = (batch, num_kv_heads, WGMMA_ROWS)
-  if num_splits > 1:
+  if with_lse:
     out_type = [jax.ShapeDtypeStruct((num_splits, *out_shape, head_dim), dtype),
                 jax.ShapeDtypeStruct((num_splits, *out_shape), jnp.float32)]
   else:
@@ -405,16 +416,17 @@ def paged_attention_mgpu(
       kernel,
       out_type=out_type,
       scratch_types=_scratch_types(dtype, k_values.dtype, head_dim, tokens_per_step,
-                                   blocks_per_step, quantized, num_splits),
+                                   blocks_per_step, quantized, with_lse),
       grid=(batch, num_kv_heads, num_splits) if num_splits > 1 else (batch, num_kv_heads),
       grid_names=("batch", "kv_head", "split") if num_splits > 1 else ("batch", "kv_head"),
       compiler_params=plgpu.CompilerParams(),
       interpret=None if interpret is False else interpret,
       kernel_name="paged_attention_mgpu",
   )(q4, k_values, v_values, tables, kv_lens, *scales)
-  if num_splits > 1:
+  if with_lse:
     o, lse = out
-    out = combine_splits(o[:, :, :, :group], lse[:, :, :, :group]).astype(dtype)
-  else:
-    out = out[0][:, :, :group]
+    out, lse = combine_splits(o[:, :, :, :group], lse[:, :, :, :group], return_lse=True)
+    out = out.astype(dtype).reshape(batch, num_q_heads, head_dim)
+    return (out, lse.reshape(batch, num_q_heads)) if return_lse else out
+  out = out[0][:, :, :group]
   return out.reshape(batch, num_q_heads, head_dim)

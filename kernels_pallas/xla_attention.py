@@ -41,6 +41,7 @@ from jax import lax
 
 from kernels_pallas import common, cpu_kernels
 from kernels_pallas.paged_attention import _check as _check_paged
+from kernels_pallas.paged_attention import paged_attention_reference
 from kernels_pallas.ragged_paged_attention import _check as _check_ragged
 
 # Keys per inner-loop step: a chunk of DECODE_KEYS / PREFILL_KEYS tokens (whole blocks).
@@ -429,7 +430,8 @@ def ragged_paged_attention_xla(
   return out.astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
+                                             "return_lse"))
 def paged_attention_xla(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -440,9 +442,15 @@ def paged_attention_xla(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     interpret: bool | None = None,
-) -> jax.Array:
-  """`paged_attention`'s contract: one query per row over its first `kv_lens` keys."""
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """`paged_attention`'s contract: one query per row over its first `kv_lens` keys.
+  `return_lse` (the log-sum-exp too): the jnp reference computes it (the C++ kernel and
+  the key-chunk loop return the output only)."""
   del interpret
+  if return_lse:
+    return paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens,
+                                     sm_scale=sm_scale, soft_cap=soft_cap, return_lse=True)
   _check_paged(q, k_pages, v_pages, block_tables, kv_lens)
   head_dim = q.shape[-1]
   scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)

@@ -285,7 +285,9 @@ def run_miss_step(size_name: str, clock: Clock, report: Report) -> None:
     result = runner.collect(runner.dispatch(setup.batch))
     return time.perf_counter() - start, result
 
+  compile_start = time.monotonic()
   step(setup.cold_state)  # compiles; leaves the selection in the hot buffers
+  compile_s = time.monotonic() - compile_start
   step(setup.cold_state)
   warm = runner.hot_state_arrays()
   top_k_blocks = hisparse.blocks(size.block_size).top_k_blocks
@@ -328,6 +330,69 @@ def run_miss_step(size_name: str, clock: Clock, report: Report) -> None:
         selected_block_layers=selected, loaded_block_layers=results[f].loaded_block_layers,
         h2d_bytes=results[f].loaded_block_layers * setup.block_bytes,
         kernel_backend=runner.ops.backend)
+  run_overlapped_miss_steps(runner, step, states, results, base_ms, size, clock, report,
+                            need_s=compile_s + rep_s)
+
+
+def run_overlapped_miss_steps(runner, step, states, results, base_ms, size, clock,
+                              report: Report, need_s: float) -> None:
+  """The same steps with HISPARSE_JAX_OVERLAP_LOADS=1 (the attention over the blocks
+  already on the device while the misses load, then the misses', merged by log-sum-exp):
+  extra rows, step time over the option-off 0% step, where the part's budget leaves time
+  for one more compile and one repetition (`need_s`: the option-off ones' time). Each
+  step's sampled tokens and counts must equal the option-off step's (a mismatch fails the
+  run, as unequal tokens do)."""
+  import numpy as np  # noqa: PLC0415
+
+  from hisparse_jax.bench import common  # noqa: PLC0415
+  from hisparse_jax.sparse import resolver  # noqa: PLC0415
+
+  if clock.left() < need_s:
+    report.skip("miss_step", "overlapped loads",
+                f"budget: {clock.left():.1f} s left of the part, {need_s:.1f} s needed")
+    return
+  before, off_step = os.environ.get(resolver.OVERLAP_LOADS_ENV), runner._step
+  os.environ[resolver.OVERLAP_LOADS_ENV] = "1"
+  try:
+    runner._step = runner._step_for(runner.ops, one_memory=None)
+    step(states[size.fractions[0]])  # compiles
+    seconds = {f: [] for f in size.fractions}
+    equal = {f: True for f in size.fractions}
+    last = {}
+    rep_s = 0.0
+    for rep in range(size.reps):
+      if rep >= 1 and clock.left() < rep_s:
+        report.skip("miss_step", f"overlapped loads, repetitions {rep + 1}-{size.reps}",
+                    f"budget: {clock.left():.1f} s left of the part")
+        break
+      rep_start = time.monotonic()
+      for f in size.fractions:
+        s, last[f] = step(states[f])
+        seconds[f].append(s)
+        if not (np.array_equal(last[f].tokens, results[f].tokens)
+                and np.array_equal(last[f].counts, results[f].counts)):
+          equal[f] = report.correct = False
+          report.errors.append({"part": "miss_step", "error": (
+              f"overlapped loads at {100 * f:.0f}% misses: tokens or counts differ from the "
+              "option-off step")})
+      rep_s = time.monotonic() - rep_start
+    for f in size.fractions:
+      ms = common.median(seconds[f]) * 1e3
+      counts = last[f].counts
+      missed, selected = int(counts[:, :, 2].sum()), int(counts[:, :, :3].sum())
+      report.add_row(
+          "miss_step", f"decode step, {100 * f:.0f}% missed, overlapped loads: step / 0% "
+          "step (option off)", {"overlap_loads": True, "reps": len(seconds[f])},
+          ms / base_ms, "x", None, None, step_ms=ms,
+          measured_miss_fraction=missed / max(1, selected), missed_block_layers=missed,
+          loaded_block_layers=last[f].loaded_block_layers,
+          tokens_and_counts_equal_option_off=equal[f], kernel_backend=runner.ops.backend)
+  finally:
+    runner._step = off_step
+    if before is None:
+      os.environ.pop(resolver.OVERLAP_LOADS_ENV, None)
+    else:
+      os.environ[resolver.OVERLAP_LOADS_ENV] = before
 
 
 def format_table(result: dict) -> str:

@@ -39,6 +39,9 @@ class CompiledProgram:
   host_bytes: int = 0  # pinned_host arguments (the host pool)
   host_copies: int = 0  # host <-> device copies in the compiled program (copy-start ops)
   kernels: tuple[str, ...] = ()  # the Pallas kernels it calls (Triton / Mosaic GPU)
+  # host -> device copies with kernels scheduled between their start and done
+  # (`overlapped_copies`)
+  overlapped: tuple[tuple[str, tuple[str, ...]], ...] = ()
   error: str | None = None  # XLA's first error line; None: compiled
 
   @property
@@ -71,6 +74,39 @@ def _kernels(lowered_text: str) -> tuple[str, ...]:
   return tuple(sorted(names))
 
 
+def overlapped_copies(hlo_text: str) -> list[tuple[str, tuple[str, ...]]]:
+  """The host -> device copies of a compiled program's entry computation whose
+  copy-start and copy-done have kernels scheduled between them (the copy runs while they
+  do: what XLA's latency-hiding scheduler gives): [(copy-start name, (the Pallas
+  kernels between, by the function that called pallas_call))] in schedule order. A copy
+  counts when its source is in host memory (the S(5) memory space), its result on the
+  device."""
+  entry = hlo_text[hlo_text.index("\nENTRY"):].split("\n}\n")[0]
+  open_copies: dict[str, list[str]] = {}
+  found = []
+  for line in entry.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+    if not m:
+      continue
+    name, rest = m.groups()
+    start = re.match(r"\((\S+), (\S+), u32\[\]\) copy-start\(", rest)
+    if start and ":S(5)}" in start.group(2) and ":S(" not in start.group(1):
+      open_copies[name] = []
+      continue
+    done = re.search(r"copy-done\(%([\w.\-]+)\)", rest)
+    if done and done.group(1) in open_copies:
+      kernels = open_copies.pop(done.group(1))
+      if kernels:
+        found.append((done.group(1), tuple(kernels)))
+      continue
+    if "custom_call_target=\"__gpu$xla.gpu.triton\"" in rest or "mosaic_gpu" in rest:
+      # (Triton kernels come from pallas_call, Mosaic GPU ones from an mpmd_map)
+      kernel = re.search(r'op_name="[^"]*?/(\w+)/(?:pallas_call|mpmd_map)"', rest)
+      for kernels in open_copies.values():
+        kernels.append(kernel.group(1) if kernel else name)
+  return found
+
+
 def _compile_for_target(build: AotBuild, lowered):
   """XLA's GPU compiler over the lowered module, for the target's devices (the topology's
   compile-only client): the executable, never loaded."""
@@ -78,8 +114,12 @@ def _compile_for_target(build: AotBuild, lowered):
   from jax._src.lib import xla_client as xc  # noqa: PLC0415
 
   n = len(build.target_devices)
+  # The program's own XLA options (jax.jit(compiler_options=): the overlapped loads' step
+  # asks for the latency-hiding scheduler), as jax's compile would pass them.
+  overrides = dict(getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()))
   options = compiler.get_compile_options(num_replicas=1, num_partitions=n,
-                                         device_assignment=np.arange(n).reshape(1, n))
+                                         device_assignment=np.arange(n).reshape(1, n),
+                                         env_options_overrides=overrides or None)
   if n > 1:  # (as jax's own compile of a program over a mesh)
     options.executable_build_options.use_spmd_partitioning = True
     options.executable_build_options.use_shardy_partitioner = bool(
@@ -123,7 +163,7 @@ def compile_program(build: AotBuild, program: Program) -> CompiledProgram:
       temp_bytes=int(ma.temp_size_in_bytes),
       host_bytes=int(ma.host_argument_size_in_bytes),
       host_copies=len(re.findall(r"\bcopy-start\(", text)),
-      kernels=kernels)
+      kernels=kernels, overlapped=tuple(overlapped_copies(text)))
 
 
 @dataclasses.dataclass(frozen=True)

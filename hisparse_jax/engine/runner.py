@@ -257,7 +257,7 @@ class ModelRunner:
         one_memory, hisparse.bounds_dtype if hisparse is not None else "float32",
         mesh=self.pool.mesh, kv_head_repeat=self.kv_head_repeat, params_def=self._params_def,
         streamed_prefill=hisparse.streamed_prefill if hisparse is not None else "exact",
-        host_copy=host_copy_mode())
+        host_copy=host_copy_mode(), overlap_loads=resolver.overlap_loads_mode())
 
   @property
   def reserved_bytes(self) -> int:

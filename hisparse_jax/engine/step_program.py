@@ -49,12 +49,13 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
                  thrash_window_steps: int = 0, device_sharding=None, host_sharding=None,
                  one_memory: bool | None = None, bounds_dtype: str = "float32", *,
                  mesh=None, kv_head_repeat: int = 1, params_def=None,
-                 streamed_prefill: str = "exact", host_copy: str = "xla"):
+                 streamed_prefill: str = "exact", host_copy: str = "xla",
+                 overlap_loads: bool = False):
   sparse = None
   if blocks is not None:
     sparse = SparseStatic(blocks, selection, thrash_window_steps, device_sharding,
                           host_sharding, one_memory, host_copy, bounds_dtype=bounds_dtype,
-                          streamed_prefill=streamed_prefill)
+                          streamed_prefill=streamed_prefill, overlap_loads=overlap_loads)
     if mesh is not None:  # tensor parallel: under shard_map, see sharded_attend
       if not (hop_free(device_sharding) if one_memory is None else one_memory):
         raise ValueError(
@@ -69,8 +70,17 @@ def step_program(graphdef, ops: kernels_pallas.KernelOps, kv_dtype: str, storage
     attn_fn = functools.partial(sharded_attend, attn_fn, mesh, sparse is not None)
   layout = KVLayout(hisparse=blocks is not None)
   forward = functools.partial(_forward, graphdef, params_def, attn_fn, layout)
+  # Overlapped loads: XLA's latency-hiding scheduler places the staged host -> device
+  # copies around the attention over the on-device blocks (resolver.staged_gather); XLA's
+  # GPU compiler leaves it off unless asked (jax 0.11.2), and its default schedule puts
+  # each copy-done right after its copy-start (seen compiling for the H200 deviceless).
+  options = OVERLAP_COMPILER_OPTIONS if sparse is not None and sparse.overlap_loads else None
   return jax.jit(forward, donate_argnums=(2, 3, 4),
-                 static_argnames=("greedy_only", "num_token_rows"))
+                 static_argnames=("greedy_only", "num_token_rows"), compiler_options=options)
+
+
+# XLA options of a step with HISPARSE_JAX_OVERLAP_LOADS=1 (a GPU flag: XLA:CPU ignores it).
+OVERLAP_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
 @functools.cache  # one jitted program per model structure, shared by engines of a process

@@ -127,6 +127,9 @@ class SparseStatic:
   kv_head_repeat: int = 1
   bounds_dtype: str = "float32"  # of the key bounds (stored as uint16 when bf16 on CPU)
   streamed_prefill: str = "exact"  # HiSparseConfig.streamed_prefill
+  # Decode rows attend their blocks already on the device while the misses load, then the
+  # loaded misses, merged by log-sum-exp (`_sparse_rows`; resolver.overlap_loads_mode).
+  overlap_loads: bool = False
 
 
 def write_pages(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype, pages, k, v,
@@ -435,6 +438,30 @@ def chunk_tables(selected, valid, tables, kv_lens, q_lens, block_size: int):
   return out, (m * block_size + kv_lens - earlier * block_size).astype(jnp.int32)
 
 
+def split_loaded(tables, kv_lens, loaded_block, block_size: int):
+  """A resolved decode table split in two by whether each block is loaded this step:
+  tables [..., k] of device ids in attention order (each full but the last counted one),
+  kv_lens [...] (tokens attended), loaded_block bool [num_device_blocks] (True: a device
+  block the step's load writes). Returns ((tables, kv_lens) of the blocks already on the
+  device, (tables, kv_lens) of the loaded ones), each in the original order with 0 after
+  its own blocks: a part's only partly filled block can be the table's last counted one
+  (the newest block, which is resident), so each part keeps `paged_attention`'s contract.
+  Attention over the two, merged by log-sum-exp (`kernels_pallas.merge_attention`),
+  equals attention over the whole table: attention is invariant to the keys' order."""
+  k = tables.shape[-1]
+  tokens = jnp.clip(kv_lens[..., None] - jnp.arange(k) * block_size, 0, block_size)
+  miss = loaded_block[tables] & (tokens > 0)
+
+  def part(take):
+    # Stable: the entries of `take` first, in their order; then 0.
+    order = jnp.argsort(~take, axis=-1, stable=True)
+    count = take.sum(axis=-1, keepdims=True)
+    t = jnp.where(jnp.arange(k) < count, jnp.take_along_axis(tables, order, axis=-1), 0)
+    return t.astype(jnp.int32), jnp.where(take, tokens, 0).sum(axis=-1).astype(jnp.int32)
+
+  return part(~miss & (tokens > 0)), part(miss)
+
+
 def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, q_rows,
                  q_select, pages, bounds, cache, metadata: StepMetadata, rows, live, chunk):
   """select -> resolve -> load -> attend for the batch rows `rows` (`live` False:
@@ -486,23 +513,37 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
                          thrash_window_steps=sparse.thrash_window_steps,
                          max_distinct=sparse.blocks.hot_buffer_blocks if per_head else None,
                          cpu_kernel=cpu_kernel)
+  decode = live & ~chunk
+  table = res.block_tables.reshape(sel.logical_ids.shape)  # [n, k] or [n, heads, k]
+  lens = jnp.where(decode.reshape((n,) + (1,) * (sel.kv_lens.ndim - 1)), sel.kv_lens, 0)
+  attention = kernels_pallas.paged_attention_per_head if per_head else ops.paged_attention
+  if sparse.overlap_loads:
+    # The blocks already on the device (resident, hot-buffer hits, the newest one) are
+    # attended over the pages as they are before the load, so nothing ties that attention
+    # to the host copy: the loaded misses are attended after it, and the two merged.
+    loaded_block = jnp.zeros(num_device_blocks, bool).at[res.load_device_ids].set(
+        True, mode="drop")
+    (on_device, on_device_lens), (misses, miss_lens) = split_loaded(
+        table, lens, loaded_block, block_size)
+    k_view, v_view = page_views(pages, kv_dtype)
+    out_device, lse_device = attention(q_rows, k_view, v_view, on_device, on_device_lens,
+                                       return_lse=True)
   # load: this layer's misses, host pool -> their slots; the bytes follow the misses
   # (none: nothing moves).
   # (An int8 cache's scales move with its values: they are pages too.)
   pages, loaded = resolver.load_blocks(
       cache["host"], pages, res.load_host_ids, res.load_device_ids,
       device_sharding=sparse.device_sharding, host_sharding=sparse.host_sharding,
-      one_memory=sparse.one_memory, host_copy=sparse.host_copy)
+      one_memory=sparse.one_memory, host_copy=sparse.host_copy,
+      staged=resolver.OVERLAP_STAGED_BLOCKS if sparse.overlap_loads else 0)
   # attend: the newest, partly filled block is last (indexer order).
   k_view, v_view = page_views(pages, kv_dtype)
-  decode = live & ~chunk
-  if per_head:
-    out = kernels_pallas.paged_attention_per_head(
-        q_rows, k_view, v_view, res.block_tables.reshape(sel.logical_ids.shape),
-        jnp.where(decode[:, None], sel.kv_lens, 0))
+  if sparse.overlap_loads:
+    out_missed, lse_missed = attention(q_rows, k_view, v_view, misses, miss_lens,
+                                       return_lse=True)
+    out = kernels_pallas.merge_attention(out_device, lse_device, out_missed, lse_missed)
   else:
-    out = ops.paged_attention(q_rows, k_view, v_view, res.block_tables,
-                              jnp.where(decode, sel.kv_lens, 0))
+    out = attention(q_rows, k_view, v_view, table, lens)
   chunks = (None, None)
   if metadata.sparse_chunks and sparse.streamed_prefill == "sparse":
     chunks = chunk_tables(res.block_tables.reshape(n, -1), valid, tables, row_lens, q_lens,

@@ -242,6 +242,20 @@ def host_loads_mode() -> str:
   return mode
 
 
+OVERLAP_LOADS_ENV = "HISPARSE_JAX_OVERLAP_LOADS"
+
+
+def overlap_loads_mode() -> bool:
+  """Whether a HiSparse decode row attends the blocks already on the device while its
+  misses load (then the loaded misses; the two merged exactly by log-sum-exp:
+  sparse.attention._sparse_rows) instead of one attention after the load. Off by
+  default; the env var HISPARSE_JAX_OVERLAP_LOADS=1 turns it on (0 / unset: off)."""
+  mode = os.environ.get(OVERLAP_LOADS_ENV, "0")
+  if mode not in ("0", "1"):
+    raise ValueError(f"{OVERLAP_LOADS_ENV} must be '0' or '1', got {mode!r}")
+  return mode == "1"
+
+
 def load_chunk(max_loads: int, min_bucket: int = 8) -> int:
   """Blocks (or tokens) one trip of the host-load loop moves: `min_bucket`, or all of a
   smaller load list. A step moves ceil(misses / chunk) chunks: its misses rounded up.
@@ -253,11 +267,49 @@ def load_chunk(max_loads: int, min_bucket: int = 8) -> int:
   return max(1, min(min_bucket, max_loads))
 
 
+# HISPARSE_JAX_OVERLAP_LOADS=1, loads crossing by XLA (host_copy "xla"): the first this many
+# entries of a step's packed load list cross as one staged copy per array, outside any
+# loop (`staged_gather`), which XLA's scheduler overlaps with the attention over the
+# blocks already on the device; the rest in the while loop's trips after it.
+OVERLAP_STAGED_BLOCKS = 8
+
+
+def staged_gather(host_arrays, host_ids, device_sharding):
+  """Blocks `host_ids` [m] (static m) of each host array, on the device: m dynamic slices
+  of the pinned pool concatenated (XLA's host offloader runs that fusion on the host, into
+  a pinned staging buffer) and ONE host -> device copy per array, which compiles to an
+  asynchronous copy-start / copy-done pair (no host computation call, no control flow:
+  the latency-hiding scheduler may put independent kernels between the two; a
+  compute_on gather compiles to a HostExecute call the schedule waits on at once,
+  seen compiling for the H200 deviceless)."""
+  # (the ids materialized first: else XLA fuses their computation, and with it device work
+  # beside it, such as the attention's padded queries, into the host fusion)
+  host_ids = lax.optimization_barrier(host_ids)
+  out = []
+  for a in host_arrays:
+    rows = [lax.dynamic_slice_in_dim(a, host_ids[i], 1, axis=0)
+            for i in range(host_ids.shape[0])]
+    out.append(jax.device_put(jnp.concatenate(rows, axis=0), device_sharding))
+  return tuple(out)
+
+
 def _host_load_loop(gather, host_operand, host_packed, device_packed, count, carry,
-                    scatter, *, total, chunk, mode, out_of_range):
+                    scatter, *, total, chunk, mode, out_of_range, staged=None):
   """Runs `scatter(carry, gather(host_operand, ids), device ids)` over the packed load
   list: in `chunk`-sized trips, ceil(count / chunk) of them ("loop"), or once over the
-  whole list ("fixed"); returns (new carry, entries that crossed)."""
+  whole list ("fixed"); returns (new carry, entries that crossed). `staged` (m,
+  staged_gather-like fn): the first m entries first cross by `staged(host_operand, ids)`,
+  outside the loop, then the loop over the rest."""
+  if staged is not None and mode == "loop":
+    m, staged_fn = min(staged[0], total), staged[1]
+    carry = scatter(carry, staged_fn(host_operand, host_packed[:m]), device_packed[:m])
+    if m == total:
+      return carry, jnp.int32(m)
+    rest, moved = _host_load_loop(
+        gather, host_operand, host_packed[m:], device_packed[m:],
+        jnp.maximum(count - m, 0), carry, scatter, total=total - m,
+        chunk=load_chunk(total - m), mode=mode, out_of_range=out_of_range)
+    return rest, moved + m
   if mode == "fixed":
     return scatter(carry, gather(host_operand, host_packed), device_packed), jnp.int32(total)
   trips_max = -(-total // chunk)
@@ -285,6 +337,7 @@ def load_blocks(
     host_sharding: jax.sharding.Sharding,
     one_memory: bool | None = None,  # None: transfer.hop_free(device_sharding)
     host_copy: str = "xla",  # transfer.host_copy_mode: how the loads cross (not one memory)
+    staged: int = 0,  # leading loads crossing by `staged_gather`, outside the loop
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
   """device_arrays[j][device_ids[i]] := host_arrays[j][host_ids[i]] for every i with an
   in-range device id; returns (new device arrays, int32 blocks moved per array).
@@ -294,6 +347,9 @@ def load_blocks(
   follow the misses (rounded up to a chunk); no load moves nothing. Each trip's gather
   is transfer.gather_to_device, the swap-ins' mechanism; its scatter into the pages
   drops the padding. (`host_loads_mode` "fixed": one gather of the whole list.)
+  `staged` > 0 (HISPARSE_JAX_OVERLAP_LOADS=1): the first `staged` packed loads (padding
+  included: always that many blocks) cross by `staged_gather`, one asynchronous copy per
+  array outside any loop, the rest in the loop's trips after.
   `host_copy` "kernel": one zero-copy kernel launch per array reads the loaded blocks
   from the pinned pool (kernels_pallas.block_copy; entries with an out-of-range device id
   copy nothing), no loop and no host computation. Where
@@ -330,7 +386,9 @@ def load_blocks(
   new_arrays, moved = _host_load_loop(
       gather, tuple(host_arrays), host_packed, device_packed, count, tuple(device_arrays),
       scatter, total=total, chunk=load_chunk(total), mode=host_loads_mode(),
-      out_of_range=num_device_blocks)
+      out_of_range=num_device_blocks,
+      staged=(staged, functools.partial(staged_gather, device_sharding=device_sharding))
+      if staged else None)
   return new_arrays, moved
 
 

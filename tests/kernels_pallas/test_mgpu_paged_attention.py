@@ -366,3 +366,26 @@ def test_split_k_lowers_for_cuda_to_one_mosaic_gpu_call_and_a_combine():
   assert "tensor<17x1x8x64x128xbf16>" in results and "tensor<17x1x8x64xf32>" in results
   with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
     lower_for_cuda(functools.partial(paged_attention_mgpu, num_splits=0), *args)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_interpreted_kernel_returns_the_references_log_sum_exp(gpu_interpreter, rng,
+                                                               num_splits):
+  # return_lse (HiSparse's overlapped loads merge two attentions by it): one split writes
+  # its lse too; over splits, combine_splits' lse of theirs.
+  lengths = [1, 63, 64, 65, 300, 0]
+  args = _case(rng, 4, 16, 64, jnp.bfloat16, lengths)
+  out, lse = paged_attention_mgpu(*args, interpret=gpu_interpreter, num_splits=num_splits,
+                                  return_lse=True)
+  ref, ref_lse = paged_attention_reference(*args, return_lse=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=2.0**-7)
+  assert lse.dtype == jnp.float32 and lse.shape == args[0].shape[:2]
+  np.testing.assert_allclose(np.asarray(lse[:-1]), np.asarray(ref_lse[:-1]), rtol=1e-5,
+                             atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(lse[-1]), np.float32(kernels_pallas.common.MASK_VALUE))
+  np.testing.assert_array_equal(
+      np.asarray(paged_attention_mgpu(*args, interpret=gpu_interpreter,
+                                      num_splits=num_splits), np.float32),
+      np.asarray(out, np.float32))  # the output does not change with return_lse
+  assert not gpu_callbacks.get_races().races_found

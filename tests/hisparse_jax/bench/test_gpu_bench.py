@@ -137,8 +137,9 @@ def test_the_zero_copy_kernel_rows_check_both_paths_and_time_the_kernel(run):
 
 def test_the_miss_steps_miss_the_fraction_asked(run):
   rows = _rows(run[2]["parts"]["hisparse"], "miss_step")
-  assert len(rows) == 3
-  base, ten, thirty = rows
+  off = [r for r in rows if not r["config"].get("overlap_loads")]
+  assert len(off) == 3
+  base, ten, thirty = off
   assert base["figure"] == 1.0 and base["missed_block_layers"] == 0
   assert base["loaded_block_layers"] == 0
   # smoke: top-k 8 blocks, so 1 and 2 of them (12.5%, 25%) miss per row and layer
@@ -146,6 +147,15 @@ def test_the_miss_steps_miss_the_fraction_asked(run):
   assert thirty["measured_miss_fraction"] == pytest.approx(2 / 8)
   assert thirty["loaded_block_layers"] == thirty["missed_block_layers"] > 0
   assert thirty["target"] == "<= 1.3" and ten["target"] is None
+  # The same steps with HISPARSE_JAX_OVERLAP_LOADS=1: the option-off steps' tokens and
+  # counts (the part fails the run otherwise), the same misses loaded.
+  on = [r for r in rows if r["config"].get("overlap_loads")]
+  assert len(on) == 3
+  for r_on, r_off in zip(on, off):
+    assert r_on["tokens_and_counts_equal_option_off"] is True
+    assert r_on["missed_block_layers"] == r_off["missed_block_layers"]
+    assert r_on["loaded_block_layers"] == r_off["loaded_block_layers"]
+    assert r_on["figure"] > 0 and r_on["target"] is None
 
 
 def test_the_engine_rows_and_the_equal_tokens_check(run):

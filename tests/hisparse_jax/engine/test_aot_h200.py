@@ -24,6 +24,7 @@ from hisparse_jax.engine import aot, aot_compile
 from hisparse_jax.engine.config import EngineConfig
 from hisparse_jax.engine.gpu_target import TargetError, load_target, parse_target
 from hisparse_jax.kv_cache import transfer
+from hisparse_jax.sparse import resolver
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
@@ -108,6 +109,34 @@ def test_a_prompt_longer_than_the_device_pool_compiles_its_streamed_chunks():
     p = progs["streamed_prefill"]
     assert p.host_copies > 0, mode
     assert "ragged_paged_attention" in p.kernels
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "backend"),
+                         [("auto", "auto"), ("int8", "auto"), ("auto", "pallas_mgpu")])
+def test_overlapped_loads_cross_while_the_on_device_blocks_are_attended(
+    kv_cache_dtype, backend, monkeypatch):
+  # HISPARSE_JAX_OVERLAP_LOADS=1: each layer's first staged loads (resolver.staged_gather:
+  # a host-side gather into a pinned staging buffer, then one host -> device copy per
+  # pool array) compile to copy-start / copy-done pairs with the attention over the blocks
+  # already on the device scheduled between them (XLA's latency-hiding scheduler, which the
+  # step's compiler options turn on); the loaded misses' attention comes after.
+  monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, "1")
+  dtype = "bfloat16" if backend == "pallas_mgpu" else "auto"
+  config = EngineConfig(hisparse=HISPARSE, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                        kernel_backend=backend, host_pool_gib=0.5, **SMALL)
+  build, progs = _compile(config, {"tiered_decode"})
+  p = progs["tiered_decode"]
+  attention = "paged_attention_mgpu" if backend == "pallas_mgpu" else "paged_attention"
+  # Two copies a layer, K's and V's blocks. (8-bit KV: the values'; the scales' copies,
+  # 4 bytes a token and head beside the values' head_dim, come earlier, each start right
+  # before its done: XLA limits the copies in flight.)
+  assert len(p.overlapped) == 2 * build.spec.num_layers, p.overlapped
+  assert {kernels for _, kernels in p.overlapped} == {(attention,)}, p.overlapped
+  if kv_cache_dtype == "auto" and backend == "auto":
+    # The option off: one attention after the load loop; no copy has a kernel beside it.
+    monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, "0")
+    _, off = _compile(config, {"tiered_decode"})
+    assert off["tiered_decode"].host_copies > 0 and off["tiered_decode"].overlapped == ()
 
 
 def test_the_mosaic_gpu_decode_kernel_compiles_for_sm90a():
