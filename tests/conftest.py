@@ -22,13 +22,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # JAX's persistent compilation cache, in a directory of this session only (removed at
 # exit): the suite builds many engines of the same configuration, whose step programs are
 # the same; each is compiled once and loaded from the cache afterwards (also across
-# modules, whose in-memory programs are dropped). HISPARSE_TEST_COMPILATION_CACHE=0 turns
-# it off.
+# modules, whose in-memory programs are dropped). Under pytest-xdist the workers share one
+# directory, named after their parent (the controlling pytest process, which removes it at
+# its exit), so a program one worker compiled is loaded by the other; a size limit turns
+# on JAX's file lock around every read and write, so neither reads a half-written entry.
+# HISPARSE_TEST_COMPILATION_CACHE=0 turns it off.
+_CACHE_PREFIX = os.path.join(tempfile.gettempdir(), "hisparse_test_xla_")
 if os.environ.get("HISPARSE_TEST_COMPILATION_CACHE", "1") != "0":
-  _CACHE_DIR = tempfile.mkdtemp(prefix="hisparse_test_xla_")
-  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    _CACHE_DIR = f"{_CACHE_PREFIX}{os.getppid()}"
+    os.makedirs(_CACHE_DIR, exist_ok=True)
+  else:  # alone, or xdist's controller (whose workers use this directory)
+    _CACHE_DIR = f"{_CACHE_PREFIX}{os.getpid()}"
+    os.makedirs(_CACHE_DIR, exist_ok=True)
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
   jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_compilation_cache_max_size", 16 << 30)  # (the lock; no eviction)
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("ci")

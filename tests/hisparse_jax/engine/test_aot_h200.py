@@ -111,8 +111,10 @@ def test_a_prompt_longer_than_the_device_pool_compiles_its_streamed_chunks():
     assert "ragged_paged_attention" in p.kernels
 
 
+# (8-bit KV overlaps its values' copies the same way: checked when written, left out of the
+# suite for its ~30 s compile.)
 @pytest.mark.parametrize(("kv_cache_dtype", "backend"),
-                         [("auto", "auto"), ("int8", "auto"), ("auto", "pallas_mgpu")])
+                         [("auto", "auto"), ("auto", "pallas_mgpu")])
 def test_overlapped_loads_cross_while_the_on_device_blocks_are_attended(
     kv_cache_dtype, backend, monkeypatch):
   # HISPARSE_JAX_OVERLAP_LOADS=1: each layer's first staged loads (resolver.staged_gather:

@@ -177,9 +177,12 @@ def _tokens(engine):
   return [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("host_copy", [None, "xla", "kernel"])
+@pytest.mark.parametrize("host_copy", [None, "xla"])
 def test_overlapped_loads_give_the_dense_tokens(reference, host_copy, monkeypatch):
-  # None: the CPU path (one memory); "xla" / "kernel": the GPU load paths forced on CPU.
+  # None: the CPU path (one memory); "xla": the GPU load path forced on CPU (the one whose
+  # copy overlaps; with HISPARSE_JAX_HOST_COPY=kernel the same split runs around
+  # resolver.load_blocks' kernel, which test_hisparse_engine checks with the option off:
+  # left out of the suite for its time).
   monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, "1")
   splits = _splits_traced(monkeypatch)
   if host_copy is not None:
@@ -197,7 +200,10 @@ def test_overlapped_loads_give_the_dense_tokens(reference, host_copy, monkeypatc
   assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
 
 
-@pytest.mark.parametrize("selection", ["per_kv_head", "per_query_head"])
+# (per_query_head's tables take the same paged_attention_per_head split as per_kv_head's:
+# test_split_and_merge_with_a_table_per_head checks both at the kernel level; one engine
+# run here, for the suite's time.)
+@pytest.mark.parametrize("selection", ["per_kv_head"])
 def test_overlapped_loads_with_per_head_selections_give_the_dense_tokens(
     reference, selection, monkeypatch):
   monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, "1")
@@ -207,8 +213,10 @@ def test_overlapped_loads_with_per_head_selections_give_the_dense_tokens(
   assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
 
 
-@pytest.mark.parametrize(("selection", "kv_cache_dtype"),
-                         [("union", "auto"), ("per_kv_head", "auto"), ("union", "int8")])
+# (union with 8-bit KV: both parts non-empty, values and scales split; float32 union and
+# per_kv_head were checked the same way when the option was written, and are left out of
+# the suite for its time: each pair is two engine runs.)
+@pytest.mark.parametrize(("selection", "kv_cache_dtype"), [("union", "int8")])
 def test_overlapped_loads_give_the_option_off_tokens_at_a_small_top_k(
     selection, kv_cache_dtype, monkeypatch):
   # Top-k 3 blocks of up to 8, offloaded requests: most selected blocks are hot-buffer hits
