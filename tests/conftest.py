@@ -24,8 +24,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # the same; each is compiled once and loaded from the cache afterwards (also across
 # modules, whose in-memory programs are dropped). Under pytest-xdist the workers share one
 # directory, named after their parent (the controlling pytest process, which removes it at
-# its exit), so a program one worker compiled is loaded by the other; a size limit turns
-# on JAX's file lock around every read and write, so neither reads a half-written entry.
+# its exit), so a program one worker compiled is loaded by the other. No size limit: that
+# would turn on JAX's file lock and an eviction scan of the whole directory on every
+# write (0.3 s at ~4,000 entries, measured: it slowed the suite by minutes); a read of an
+# entry the other worker is still writing fails JAX's decompression, which JAX reports as
+# a warning and then compiles the program itself.
 # HISPARSE_TEST_COMPILATION_CACHE=0 turns it off.
 _CACHE_PREFIX = os.path.join(tempfile.gettempdir(), "hisparse_test_xla_")
 if os.environ.get("HISPARSE_TEST_COMPILATION_CACHE", "1") != "0":
@@ -38,7 +41,6 @@ if os.environ.get("HISPARSE_TEST_COMPILATION_CACHE", "1") != "0":
     atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
   jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_compilation_cache_max_size", 16 << 30)  # (the lock; no eviction)
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("ci")

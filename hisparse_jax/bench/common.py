@@ -9,6 +9,7 @@ accelerator, jax version, load average before and after).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -17,6 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 
 from kernels_pallas import bench as kernel_bench
+
+
+@dataclasses.dataclass
+class Impl:
+  """One implementation of a benchmarked kernel call (gpu-bench's cases and peers)."""
+  fn: Callable  # called as fn(*args); a jitted function (or a partial of one)
+  args: tuple | Callable[[], tuple]  # or a thunk giving them (built when the impl runs)
+  note: str = ""
 
 
 def block(out):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.bench import gpu_bench_peers as peers
+from hisparse_jax.bench.common import Impl  # (gpu_bench_select, tests: cases.Impl)
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from kernels_pallas.quant import QuantizedPages, quantize
 from kernels_pallas.ragged_paged_attention import (
@@ -72,13 +73,6 @@ SMOKE = {
     "select": dict(batch=2, context=1024, top_k_tokens=256),
 }
 CONTIGUOUS = "contiguous KV, no page table"
-
-
-@dataclasses.dataclass
-class Impl:
-  fn: Callable  # called as fn(*args); a jitted function (or a partial of one)
-  args: tuple | Callable[[], tuple]  # or a thunk giving them (built when the impl runs)
-  note: str = ""
 
 
 @dataclasses.dataclass

@@ -30,6 +30,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from hisparse_jax.bench.common import Impl
+
 INSTALL_HINT = ("install the gpu-peers wheels: pip install --no-deps -r "
                 "requirements-gpu-peers.txt (make setup does; make gpu-wheels for a machine "
                 "without network)")
@@ -73,8 +75,6 @@ def jla_flash(q, k, v):
 
 
 def _tokamax_impls(env, fn, args, what: str, contiguous: str) -> tuple[dict, dict]:
-  from hisparse_jax.bench.gpu_bench_cases import Impl  # noqa: PLC0415
-
   impls, skipped = {}, {}
   _, why = library("tokamax")
   for name, implementation in TOKAMAX_IMPLS.items():
@@ -94,8 +94,6 @@ def _tokamax_impls(env, fn, args, what: str, contiguous: str) -> tuple[dict, dic
 
 def prefill_peers(env, q, k, v, contiguous: str) -> tuple[dict, dict]:
   """(impls, skipped) of the libraries for causal prefill: q [1, T, Hq, D], k/v [1, T, Hkv, D]."""
-  from hisparse_jax.bench.gpu_bench_cases import Impl  # noqa: PLC0415
-
   impls, skipped = _tokamax_impls(env, functools.partial(tokamax_sdpa, causal=True),
                                   (q, k, v), "causal", contiguous)
   _, why = library("jla")

@@ -463,3 +463,27 @@ def load_tokens(
   return _host_load_loop(gather, host_pages, host_packed, device_packed, count, device_pages,
                          scatter, total=total, chunk=load_chunk(total),
                          mode=host_loads_mode(), out_of_range=num_tokens)
+
+
+def split_loaded(tables, kv_lens, loaded_block, block_size: int):
+  """A resolved decode table split in two by whether each block is loaded this step:
+  tables [..., k] of device ids in attention order (each full but the last counted one),
+  kv_lens [...] (tokens attended), loaded_block bool [num_device_blocks] (True: a device
+  block the step's load writes). Returns ((tables, kv_lens) of the blocks already on the
+  device, (tables, kv_lens) of the loaded ones), each in the original order with 0 after
+  its own blocks: a part's only partly filled block can be the table's last counted one
+  (the newest block, which is resident), so each part keeps `paged_attention`'s contract.
+  Attention over the two, merged by log-sum-exp (`kernels_pallas.merge_attention`),
+  equals attention over the whole table: attention is invariant to the keys' order."""
+  k = tables.shape[-1]
+  tokens = jnp.clip(kv_lens[..., None] - jnp.arange(k) * block_size, 0, block_size)
+  miss = loaded_block[tables] & (tokens > 0)
+
+  def part(take):
+    # Stable: the entries of `take` first, in their order; then 0.
+    order = jnp.argsort(~take, axis=-1, stable=True)
+    count = take.sum(axis=-1, keepdims=True)
+    t = jnp.where(jnp.arange(k) < count, jnp.take_along_axis(tables, order, axis=-1), 0)
+    return t.astype(jnp.int32), jnp.where(take, tokens, 0).sum(axis=-1).astype(jnp.int32)
+
+  return part(~miss & (tokens > 0)), part(miss)

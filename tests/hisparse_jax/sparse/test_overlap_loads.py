@@ -1,7 +1,7 @@
 """HISPARSE_JAX_OVERLAP_LOADS=1 (#55): a sparse decode row attends the blocks already on
 the device (resident ones, hot-buffer hits, the newest partly filled block) over the pages
 as they are before the step's host loads, then the loaded misses, and merges the two by
-log-sum-exp (sparse.attention.split_loaded, kernels_pallas.merge_attention).
+log-sum-exp (sparse.resolver.split_loaded, kernels_pallas.merge_attention).
 
 Unit: the split + merge equals one attention over the whole table (float32, every backend
 that has a CPU path: the jnp reference, the Triton kernel in interpret mode, the xla
@@ -23,7 +23,7 @@ import kernels_pallas
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.kv_cache import transfer
 from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
-from hisparse_jax.sparse import attention, resolver
+from hisparse_jax.sparse import resolver
 from kernels_pallas import xla_attention
 from kernels_pallas.common import MASK_VALUE
 from kernels_pallas.paged_attention import paged_attention_per_head
@@ -60,7 +60,7 @@ def _rows():
 
 def test_split_loaded_keeps_each_parts_blocks_in_order_and_counts_their_tokens():
   tables, lens, loaded = _rows()
-  (dev, dev_lens), (miss, miss_lens) = attention.split_loaded(tables, lens, loaded, BS)
+  (dev, dev_lens), (miss, miss_lens) = resolver.split_loaded(tables, lens, loaded, BS)
   np.testing.assert_array_equal(dev, [[3, 12, 0, 0, 0, 0], [5, 6, 8, 0, 0, 0],
                                       [0] * 6, [20, 0, 0, 0, 0, 0], [0] * 6,
                                       [24, 25, 27, 0, 0, 0]])
@@ -73,7 +73,7 @@ def test_split_loaded_keeps_each_parts_blocks_in_order_and_counts_their_tokens()
 
 
 def _split_merge(attend, q, k, v, tables, lens, loaded):
-  (dev, dev_lens), (miss, miss_lens) = attention.split_loaded(tables, lens, loaded, BS)
+  (dev, dev_lens), (miss, miss_lens) = resolver.split_loaded(tables, lens, loaded, BS)
   out_a, lse_a = attend(q, k, v, dev, dev_lens, return_lse=True)
   out_b, lse_b = attend(q, k, v, miss, miss_lens, return_lse=True)
   return kernels_pallas.merge_attention(out_a, lse_a, out_b, lse_b), (lse_a, lse_b)
@@ -160,13 +160,13 @@ def test_the_option_is_read_from_the_environment(monkeypatch):
 def _splits_traced(monkeypatch):
   """Counts the traces of the overlapped path (split_loaded), so a test sees it ran."""
   calls = []
-  split = attention.split_loaded
+  split = resolver.split_loaded
 
   def counting(*args, **kwargs):
     calls.append(1)
     return split(*args, **kwargs)
 
-  monkeypatch.setattr(attention, "split_loaded", counting)
+  monkeypatch.setattr(resolver, "split_loaded", counting)
   return calls
 
 
