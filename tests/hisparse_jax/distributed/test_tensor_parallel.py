@@ -25,7 +25,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
-CASES = ("default_dense", "default_hisparse", "gqa_dense", "gqa_hisparse")
+# (gqa_dense, tp_worker.py's fourth case: the GQA checkpoint's split is gqa_hisparse's and
+# the dense path default_dense's; ~40 s, left out of the suite for its time.)
+CASES = ("default_dense", "default_hisparse", "gqa_hisparse")
 
 
 def _run_worker(case: str, checkpoint_dir: str) -> dict:
@@ -66,7 +68,7 @@ def all_results(checkpoint_dir, loopback_dir):
   jobs.update({("single", mode): functools.partial(_single_process, mode, loopback_dir)
                for mode in sorted(MODES, reverse=True)})
   jobs.update({case: functools.partial(_run_worker, case, checkpoint_dir)
-               for case in ("gqa_dense", "default_dense")})
+               for case in ("default_dense",)})
   with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
     futures = {key: pool.submit(job) for key, job in jobs.items()}
     return {key: future.result() for key, future in futures.items()}
