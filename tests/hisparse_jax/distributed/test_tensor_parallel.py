@@ -67,8 +67,7 @@ def all_results(checkpoint_dir, loopback_dir):
           for case in ("gqa_hisparse", "default_hisparse")}
   jobs.update({("single", mode): functools.partial(_single_process, mode, loopback_dir)
                for mode in sorted(MODES, reverse=True)})
-  jobs.update({case: functools.partial(_run_worker, case, checkpoint_dir)
-               for case in ("default_dense",)})
+  jobs["default_dense"] = functools.partial(_run_worker, "default_dense", checkpoint_dir)
   with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
     futures = {key: pool.submit(job) for key, job in jobs.items()}
     return {key: future.result() for key, future in futures.items()}
