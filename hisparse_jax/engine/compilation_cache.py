@@ -69,10 +69,17 @@ def entries(path: str) -> tuple[int, int]:
   return len(sizes), sum(sizes)
 
 
-def enable(path: str | None, flag: str = "compilation_cache_dir") -> str | None:
+_pending: list[str] = []  # enable(announce=False)'s line, until log_pending()
+
+
+def enable(path: str | None, flag: str = "compilation_cache_dir",
+           announce: bool = True) -> str | None:
   """Turns the persistent compilation cache on at `path` (created if missing) before any
   program compiles; None or "" leaves JAX as it is. Returns the path in use (None: off).
-  ValueError naming `flag` when the directory cannot be created or written."""
+  ValueError naming `flag` when the directory cannot be created or written.
+  Logs the cache's line (its directory and the programs in it now); `announce=False` keeps
+  that line for `log_pending()`: the CLI logs it once the engine is built, so that a bad
+  checkpoint's or device count's one-line error is the only line before the exit."""
   if not path:
     return None
   import jax  # noqa: PLC0415 (the CLI imports jax late)
@@ -87,6 +94,17 @@ def enable(path: str | None, flag: str = "compilation_cache_dir") -> str | None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds())
   files, size = entries(path)
-  logging.info("XLA compilation cache: %s (%d programs, %.1f MiB); "
-               "--compilation_cache_dir= turns it off", path, files, size / 2**20)
+  line = (f"XLA compilation cache: {path} ({files} programs, {size / 2**20:.1f} MiB); "
+          "--compilation_cache_dir= turns it off")
+  _pending.clear()
+  if announce:
+    logging.info("%s", line)
+  else:
+    _pending.append(line)
   return path
+
+
+def log_pending() -> None:
+  """Logs the line `enable(announce=False)` kept (once; nothing when there is none)."""
+  while _pending:
+    logging.info("%s", _pending.pop())

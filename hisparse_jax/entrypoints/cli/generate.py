@@ -181,13 +181,14 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
     EngineConfig(**kwargs)
   except ValueError as e:
     raise ValueError(f"--{e}") from None
-  # The persistent compilation cache, once the flags are known good (its log line is the
-  # first of the engine's start, never before a bad flag's one-line error).
+  # The persistent compilation cache, once the flags are known good; its log line waits
+  # until the engine is built (log_pending), never before the one-line error of a bad
+  # checkpoint or device count, which only the engine's build finds.
   from hisparse_jax.engine import compilation_cache  # noqa: PLC0415
 
   compilation_cache.enable(compilation_cache.default_dir()
                            if FLAGS.compilation_cache_dir is None
-                           else FLAGS.compilation_cache_dir)
+                           else FLAGS.compilation_cache_dir, announce=False)
   return kwargs
 
 
@@ -464,6 +465,9 @@ def run(specs: Sequence[PromptSpec], llm_kwargs: dict[str, Any], sampling_params
                                   llm_kwargs.get("max_model_len", EngineConfig.max_model_len),
                                   chat=chat)
   llm = LLM(log_every_steps=log_every_steps, **llm_kwargs)
+  from hisparse_jax.engine import compilation_cache  # noqa: PLC0415
+
+  compilation_cache.log_pending()  # (engine_kwargs_from_flags' cache line)
   registry = llm.engine.metrics_registry
   if prometheus_port is not None:
     try:

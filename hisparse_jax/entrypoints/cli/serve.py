@@ -101,6 +101,9 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.INFO)  # the capacity lines and "serving on"
   sock = bind(FLAGS.host, FLAGS.port)
   engine = LLM(**llm_kwargs).engine
+  from hisparse_jax.engine import compilation_cache  # noqa: PLC0415
+
+  compilation_cache.log_pending()  # (engine_kwargs_from_flags' cache line)
   if FLAGS.warmup:  # the first requests' programs, before "serving on" (engine/warmup.py)
     from hisparse_jax.engine import warmup  # noqa: PLC0415 (imports jax)
 

@@ -44,6 +44,7 @@ def test_second_process_reuses_the_first_ones_programs(tmp_path):
 
 def test_default_dir_and_bad_dir(tmp_path, monkeypatch):
   monkeypatch.delenv(compilation_cache.ENV, raising=False)
+  monkeypatch.delenv(compilation_cache.MIN_SECONDS_ENV, raising=False)  # (conftest's)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   assert compilation_cache.default_dir() == str(tmp_path / "hisparse_jax" / "xla")
   monkeypatch.setenv(compilation_cache.ENV, "")
