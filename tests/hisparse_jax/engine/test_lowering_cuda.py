@@ -2,11 +2,13 @@
 dense and HiSparse (with its in-step host loads), and the swap programs.
 
 A CPU engine runs a few steps on the xla backend; the batches it built are then lowered
-with `ModelRunner.lower(batch, platform="cuda")`, which builds the same step for a GPU
-target: the compiled Pallas kernels (Triton), and HiSparse loads that cross from a
-separate pinned-host memory. The lowered modules must call the expected Triton kernels,
-keep the host pool in `pinned_host`, gather on the host and place the gathered blocks on
-the device. Nothing here needs a GPU; `make gpu-check` compiles and runs them on one.
+with `ModelRunner.lower(batch, platform="cuda")` (the 8-bit cases lower the engine's
+largest HiSparse decode as its batch builder makes it, without running the engine),
+which builds the same step for a GPU target: the compiled Pallas kernels (Triton), and
+HiSparse loads that cross from a separate pinned-host memory. The lowered modules must
+call the expected Triton kernels, keep the host pool in `pinned_host`, gather on the host
+and place the gathered blocks on the device. Nothing here needs a GPU; `make gpu-check`
+compiles and runs them on one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine_fixtures import (
 )
 
 from hisparse_jax import HiSparseConfig
+from hisparse_jax.engine import aot
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.kv_cache import transfer
@@ -71,6 +74,15 @@ def _batches(engine: Engine, until) -> list:
     engine.step()
   assert until(batches)
   return batches
+
+
+def _sparse_batch(engine: Engine):
+  """The engine's largest HiSparse decode step, every row sparse and offloaded (the
+  tiered_decode that aot.py builds with the engine's own batch builder; nothing run)."""
+  [(_, batch, _)] = aot.step_batches(engine.runner, engine.config, False,
+                                     only={"tiered_decode"})
+  assert batch.metadata.sparse_rows[:batch.num_seqs].all()
+  return batch
 
 
 def _engine(model, **overrides) -> Engine:
@@ -132,9 +144,10 @@ def test_the_8bit_hisparse_step_lowers_for_cuda_with_values_and_scales(model, kv
   # An 8-bit cache on the GPU target: every layer's pool is 4 arrays (K, V and their
   # scales), all 4 in pinned_host, the Triton kernels read the 8-bit values with their
   # scales (write_kv runs twice a layer: values, then scales as pages of head_dim 1).
+  # (The step the engine builds for its offloaded rows, not recorded from a run: the
+  # float32 case above lowers recorded batches.)
   engine = _engine(model, hisparse=SMALL, kv_cache_dtype=kv_cache_dtype)
-  batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
-  sparse = next(b for b in batches if b.metadata.sparse_rows.any())
+  sparse = _sparse_batch(engine)
   text = engine.runner.lower(sparse, platform="cuda").as_text()
   assert _kernels(text) == ["block_key_bounds", "paged_attention", "ragged_paged_attention",
                             "write_kv", "write_kv"]  # the values' and the scales' shapes

@@ -5,8 +5,11 @@ on Triton.
 
 The Mosaic GPU kernel takes bfloat16 KV (or 8-bit KV read as bfloat16) with blocks of a
 multiple of 8 tokens and head_dim a multiple of 32, so this engine is a bfloat16 one at
-block size 8 and head_dim 32. What only a Hopper GPU can check (the numbers, the speed) is
-owed to one; the compile for sm_90a is test_aot_h200's.
+block size 8 and head_dim 32. The step lowered is the engine's largest HiSparse decode
+(every row sparse and offloaded: aot.step_batches' tiered_decode, built by the engine's
+own batch builder without running it; test_lowering_cuda.py lowers batches recorded from
+a running engine). What only a Hopper GPU can check (the numbers, the speed) is owed to
+one; the compile for sm_90a is test_aot_h200's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections import Counter
 import jax.numpy as jnp
 import pytest
 from engine_fixtures import BLOCK_SIZE, tiny_config
-from test_lowering_cuda import NUM_LAYERS, SMALL, _batches, _engine
+from test_lowering_cuda import NUM_LAYERS, SMALL, _engine, _sparse_batch
 
 from models.llama import LlamaForCausalLM
 
@@ -34,8 +37,7 @@ def test_the_hisparse_step_lowers_for_cuda_with_the_mosaic_gpu_decode_kernel(mod
   assert BLOCK_SIZE % 8 == 0
   # The float32 engine's budgets: twice the blocks at bfloat16.
   engine = _engine(model, hisparse=SMALL, dtype="bfloat16")
-  batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
-  sparse = next(b for b in batches if b.metadata.sparse_rows.any())
+  sparse = _sparse_batch(engine)
   text = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas_mgpu").as_text()
   calls = Counter(re.findall(r"custom_call @([\w$.]+)\(", text))
   # Each jitted kernel is one function holding its one Mosaic GPU call, called per layer:
@@ -59,8 +61,7 @@ def test_the_hisparse_step_over_8bit_kv_lowers_with_the_mosaic_gpu_decode_kernel
   # The Mosaic GPU kernel reads 8-bit pages (values + per-token scales) itself: the sparse
   # rows take it as with bfloat16 KV, no fallback to Triton's paged_attention.
   engine = _engine(model, hisparse=SMALL, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
-  batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
-  sparse = next(b for b in batches if b.metadata.sparse_rows.any())
+  sparse = _sparse_batch(engine)
   text = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas_mgpu").as_text()
   calls = Counter(re.findall(r"custom_call @([\w$.]+)\(", text))
   assert calls[MGPU_CALL] == 1, calls
