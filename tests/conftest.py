@@ -12,8 +12,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 # test_aot_*.py, the `compile` CLI): with no GPU it times nothing, yet it took ~40% of a
 # HiSparse step's compile (measured: 12 -> 7.5 s a step; test_aot_h200.py 344 -> 212 s).
 # What the suite checks there (the host offloader's verdict, the Pallas kernels' Triton /
-# Mosaic GPU compile, copies, temporaries) does not depend on it; the default model's
-# every program still compiles with it on (test_compile_cli.py).
+# Mosaic GPU compile, copies, temporaries) does not depend on it; README's `compile` lines
+# (the default model's decode, dense and HiSparse) run with it on (test_readme_commands.py).
 if "--xla_gpu_autotune_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"
 # The CLI's persistent compilation cache: never ~/.cache (a test must not depend on what an

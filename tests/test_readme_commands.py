@@ -85,6 +85,9 @@ def _run(line: str) -> subprocess.CompletedProcess:
   argv = argv_of(line)
   argv += SMALLER.get(argv[0], ())
   env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # XLA's GPU autotuner as a user runs `compile` (conftest.py turns it off for the suite).
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_gpu_autotune_level"))
   return subprocess.run([sys.executable, "-m", "hisparse_jax", *argv], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 

@@ -91,6 +91,21 @@ def add_all(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingPa
           for i, p in enumerate(prompts)]
 
 
+def run_alone(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+              ) -> list[list[int]]:
+  """Each prompt's tokens with the prompt alone in `engine`, one request after another: a
+  pool that holds one request's blocks never preempts, swaps or offloads it, so this is
+  the all-resident run of the engine's own compiled programs (an engine with a bigger pool
+  compiles its own). Salted (cache_salt) apart from later unsalted requests, which then
+  share no prefix-cache block with these."""
+  tokens = []
+  for i, p in enumerate(prompts):
+    rid = engine.add_request(f"alone{i}", prompt_token_ids=p, sampling_params=params,
+                             cache_salt="alone")
+    tokens.append(list(run(engine)[rid].outputs[0].token_ids))
+  return tokens
+
+
 def assert_all_blocks_free(engine: Engine) -> None:
   """After every request finished: no block is owned in either tier (only free or cached)."""
   engine.check_invariants()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from absl.testing import absltest  # noqa: F401 (absl logging for the capacity lines)
+from engine_fixtures import run_alone
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
@@ -176,26 +177,23 @@ def test_default_hisparse_follows_the_model_index_topk(checkpoint):
 
 
 def test_offloaded_decoding_gives_the_all_resident_tokens(checkpoint):
-  # One HiSparse config, run with a device pool that holds every block (nothing
-  # offloaded) and with one that holds about two of the four requests: long decoders are
-  # offloaded, keep their caches on the host and load their selected tokens back.
+  # One HiSparse config on a device pool that holds about two of the four requests: each
+  # request alone first (nothing offloaded), then all four at once (long decoders are
+  # offloaded, keep their caches on the host and load their selected tokens back).
   kind, _, _, model, prompts, greedy = checkpoint
-  outputs = {}
-  for name, device_gib in (("resident", 0.0008), ("offloaded", 0.00026)):
-    engine = _engine(model, device_kv_gib=device_gib, hisparse=LIGHTNING)
-    assert engine.config.hisparse.top_k_tokens == model.config.index_topk == 8
-    outputs[name] = _run(engine, prompts)
-    m = engine.metrics()
-    loads = m["hisparse_hot_buffer_loads_total"]
-    if name == "resident":
-      assert m["hisparse_offloads_total"] == 0 and loads == 0
-    else:
-      assert m["hisparse_offloads_total"] > 0 and loads > 0
-      assert m['hisparse_blocks_selected_total{source="host"}'] > 0
-      assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
-    assert engine.block_manager.device_pool.num_free_blocks == (
-        engine.device_pool.num_usable_blocks)
-  assert outputs["offloaded"] == outputs["resident"] == greedy
+  engine = _engine(model, device_kv_gib=0.00026, hisparse=LIGHTNING)
+  assert engine.config.hisparse.top_k_tokens == model.config.index_topk == 8
+  resident = run_alone(engine, prompts, GREEDY)
+  m = engine.metrics()
+  assert m["hisparse_offloads_total"] == 0 and m["hisparse_hot_buffer_loads_total"] == 0
+  assert engine.block_manager.device_pool.num_free_blocks == engine.device_pool.num_usable_blocks
+  offloaded = _run(engine, prompts)
+  m = engine.metrics()
+  assert m["hisparse_offloads_total"] > 0 and m["hisparse_hot_buffer_loads_total"] > 0
+  assert m['hisparse_blocks_selected_total{source="host"}'] > 0
+  assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
+  assert engine.block_manager.device_pool.num_free_blocks == engine.device_pool.num_usable_blocks
+  assert offloaded == resident == greedy
 
 
 def test_capacity_lines_list_both_caches_and_equal_the_live_bytes(checkpoint, caplog):

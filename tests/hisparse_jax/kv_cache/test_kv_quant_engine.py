@@ -16,6 +16,7 @@ from engine_fixtures import (
   add_all,
   assert_all_blocks_free,
   run,
+  run_alone,
   tiny_model,
 )
 
@@ -84,19 +85,25 @@ def test_int8_holds_at_least_3_5x_the_float32_tokens_in_each_tier(block_size):
 
 @pytest.fixture(scope="module")
 def int8_runs():
-  """The six prompts on int8 caches: a device pool holding every request (resident) and
-  a small one (swap-outs to the host pool and back); float32 on the small pool."""
+  """The six prompts on int8 caches in a small device pool: each prompt alone (resident:
+  nothing swapped) and all at once (swap-outs to the host pool and back), on one engine;
+  float32 on the small pool. {name: (engine, metrics after the run, tokens)}."""
   out = {}
-  for name, blocks, dtype in (("resident", 64, "int8"), ("swapped", 13, "int8"),
-                              ("float32", 13, "auto")):
-    engine = _engine(blocks, dtype)
-    add_all(engine, SIX_PROMPTS, GREEDY)
-    out[name] = (engine, run(engine))
+  engine = _engine(13, "int8")
+  resident = run_alone(engine, SIX_PROMPTS, GREEDY)
+  out["resident"] = (engine, engine.metrics(), resident)
+  add_all(engine, SIX_PROMPTS, GREEDY)
+  tokens = _tokens(run(engine))
+  out["swapped"] = (engine, engine.metrics(), tokens)
+  engine = _engine(13, "auto")
+  add_all(engine, SIX_PROMPTS, GREEDY)
+  tokens = _tokens(run(engine))
+  out["float32"] = (engine, engine.metrics(), tokens)
   return out
 
 
 def test_int8_capacity_log_equals_the_live_arrays(int8_runs):
-  engine, _ = int8_runs["swapped"]
+  engine, _, _ = int8_runs["swapped"]
   for pool in (engine.device_pool, engine.host_pool):
     tier = engine.capacity[pool.memory_kind]
     live = sum(int(a.nbytes) for a in pool.arrays())  # int8 values and float32 scales
@@ -107,16 +114,17 @@ def test_int8_capacity_log_equals_the_live_arrays(int8_runs):
 
 
 def test_int8_swap_gives_the_all_resident_tokens(int8_runs):
-  resident, swapped = int8_runs["resident"], int8_runs["swapped"]
-  assert resident[0].metrics()["hisparse_preemptions_total"] == 0
-  m = swapped[0].metrics()
+  _, resident, resident_tokens = int8_runs["resident"]
+  engine, m, tokens = int8_runs["swapped"]
+  assert resident["hisparse_preemptions_total"] == 0
+  assert resident['hisparse_transfer_blocks_total{direction="h2d"}'] == 0
   assert m["hisparse_preemptions_total"] > 0
   assert m['hisparse_transfer_blocks_total{direction="h2d"}'] > 0
-  assert _tokens(swapped[1]) == _tokens(resident[1])
-  assert_all_blocks_free(swapped[0])
+  assert tokens == resident_tokens
+  assert_all_blocks_free(engine)
   # Against float32: int8 rounding may flip a near tie of this random model, not most.
-  f32 = _tokens(int8_runs["float32"][1])
-  same = sum(a == b for x, y in zip(_tokens(swapped[1]), f32) for a, b in zip(x, y))
+  f32 = int8_runs["float32"][2]
+  same = sum(a == b for x, y in zip(tokens, f32) for a, b in zip(x, y))
   assert same >= 0.8 * sum(map(len, f32))
 
 
@@ -133,50 +141,49 @@ def test_int8_hisparse_host_loads_give_the_all_resident_tokens():
   # Resident rows sparse too (resident_sparse_min_tokens=0), as the offloaded ones.
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=24, sink_tokens=8, local_tokens=8,
                        sparse_threshold_tokens=16, resident_sparse_min_tokens=0)
-  outputs = {}
-  for name, blocks in (("resident", 64), ("offloaded", 20)):
-    engine = _engine(blocks, hisparse=mid)
-    add_all(engine, SIX_PROMPTS, GREEDY)
-    outputs[name] = _tokens(run(engine))
-    m = engine.metrics()
-    from_host = (m['hisparse_blocks_selected_total{source="hot"}']
-                 + m['hisparse_blocks_selected_total{source="host"}'])
-    if name == "offloaded":
-      assert m["hisparse_offloads_total"] > 0 and from_host > 0
-      assert m["hisparse_hot_buffer_loads_total"] > 0
-    else:
-      assert from_host == 0
-    assert_all_blocks_free(engine)
-  assert outputs["offloaded"] == outputs["resident"]
+  engine = _engine(20, hisparse=mid)
+
+  def from_host(m):
+    return (m['hisparse_blocks_selected_total{source="hot"}']
+            + m['hisparse_blocks_selected_total{source="host"}'])
+
+  resident = run_alone(engine, SIX_PROMPTS, GREEDY)  # each alone: nothing offloaded
+  m = engine.metrics()
+  assert m["hisparse_offloads_total"] == 0 and from_host(m) == 0
+  assert_all_blocks_free(engine)
+  loads = m["hisparse_hot_buffer_loads_total"]
+  add_all(engine, SIX_PROMPTS, GREEDY)
+  offloaded = _tokens(run(engine))
+  m = engine.metrics()
+  assert m["hisparse_offloads_total"] > 0 and from_host(m) > 0
+  assert m["hisparse_hot_buffer_loads_total"] > loads
+  assert_all_blocks_free(engine)
+  assert offloaded == resident
 
 
-def test_int8_full_top_k_sparse_equals_int8_dense():
+def test_int8_full_top_k_sparse_equals_int8_dense(int8_runs):
   full = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
                         sink_tokens=8, local_tokens=8, sparse_threshold_tokens=16)
-  dense = _engine(64)
-  add_all(dense, SIX_PROMPTS, GREEDY)
   sparse = _engine(20, hisparse=dataclasses.replace(full, bounds_dtype="bfloat16"))
   assert sparse.device_pool.num_blocks == 12  # the bounds + hot state take 8 blocks
   add_all(sparse, SIX_PROMPTS, GREEDY)
-  assert _tokens(run(sparse)) == _tokens(run(dense))
+  assert _tokens(run(sparse)) == int8_runs["resident"][2]  # the int8 dense engine's
   assert sparse.metrics()["hisparse_preemptions_total"] > 0
 
 
 def test_fp8_e4m3_swap_gives_the_all_resident_tokens_and_counts_its_bytes():
-  outputs = {}
-  for name, blocks in (("resident", 64), ("swapped", 13)):
-    engine = _engine(blocks, "fp8_e4m3")
-    assert engine.device_pool.k[0].dtype == np.uint8  # float8_e4m3fn bits
-    add_all(engine, SIX_PROMPTS, GREEDY)
-    outputs[name] = _tokens(run(engine))
-    for pool in (engine.device_pool, engine.host_pool):
-      tier = engine.capacity[pool.memory_kind]
-      assert tier.kv_bytes == sum(int(a.nbytes) for a in pool.arrays())
-      assert tier.kv_dtype == "fp8_e4m3 + float32 scales"
-    moved = engine.metrics()['hisparse_transfer_blocks_total{direction="h2d"}']
-    assert (moved > 0) == (name == "swapped")
-    assert_all_blocks_free(engine)
-  assert outputs["swapped"] == outputs["resident"]
+  engine = _engine(13, "fp8_e4m3")
+  assert engine.device_pool.k[0].dtype == np.uint8  # float8_e4m3fn bits
+  for pool in (engine.device_pool, engine.host_pool):
+    tier = engine.capacity[pool.memory_kind]
+    assert tier.kv_bytes == sum(int(a.nbytes) for a in pool.arrays())
+    assert tier.kv_dtype == "fp8_e4m3 + float32 scales"
+  resident = run_alone(engine, SIX_PROMPTS, GREEDY)  # each alone: nothing swapped
+  assert engine.metrics()['hisparse_transfer_blocks_total{direction="h2d"}'] == 0
+  add_all(engine, SIX_PROMPTS, GREEDY)
+  assert _tokens(run(engine)) == resident
+  assert engine.metrics()['hisparse_transfer_blocks_total{direction="h2d"}'] > 0
+  assert_all_blocks_free(engine)
 
 
 def test_bad_kv_cache_dtype_is_refused_naming_the_field():

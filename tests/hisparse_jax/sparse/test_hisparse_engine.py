@@ -26,6 +26,7 @@ from engine_fixtures import (
   random_prompts,
   reference_greedy,
   run,
+  run_alone,
   tiny_model,
 )
 from hisparse_engine_fixtures import (
@@ -177,33 +178,38 @@ def test_small_top_k_runs_every_request_to_completion(reference):
 @pytest.mark.parametrize("selection", ["shared", "per_kv_head"])
 def test_offloaded_decoding_gives_the_all_resident_tokens(selection):
   # One HiSparse config (top-k 3 blocks: the sink, the newest and one chosen by the
-  # indexer each step, per sequence or per head), run twice: with a device pool that holds
-  # every block (nothing offloaded, every selected block resident) and with one that
-  # offloads (preempted requests come back with their blocks in the host pool and load the
-  # selected ones into hot buffers). The tokens are the same. Per-head selections get a
-  # hot buffer of 4 blocks: the union of their heads' blocks is bounded by it.
+  # indexer each step, per sequence or per head) on one engine whose device pool offloads:
+  # each prompt alone first (nothing offloaded, every selected block resident), then all
+  # six at once (preempted requests come back with their blocks in the host pool and load
+  # the selected ones into hot buffers). The tokens are the same. Per-head selections get
+  # a hot buffer of 4 blocks: the union of their heads' blocks is bounded by it.
   hot = 24 if selection == "shared" else 32
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=hot, sink_tokens=8, local_tokens=8,
                        sparse_threshold_tokens=16, selection=selection,
                        resident_sparse_min_tokens=0)
-  outputs = {}
-  for name, num_dense_blocks in (("resident", 64), ("offloaded", 17)):
-    engine = make_engine(mid, num_dense_blocks=num_dense_blocks)
-    sparse_rows = count_sparse_rows(engine)
-    add_all(engine, PROMPTS, GREEDY)
-    outputs[name] = [o.outputs[0].token_ids for o in run(engine).values()]
-    m = engine.metrics()
-    assert sum(sparse_rows) > 20
-    from_host = (m['hisparse_blocks_selected_total{source="hot"}']
-                 + m['hisparse_blocks_selected_total{source="host"}'])
-    if name == "resident":
-      assert m["hisparse_offloads_total"] == m["hisparse_preemptions_total"] == 0
-      assert from_host == 0
-    else:
-      assert m["hisparse_offloads_total"] > 0 and from_host > 0
-      assert m["hisparse_hot_buffer_loads_total"] > 0
-    assert_all_blocks_free(engine)
-  assert outputs["offloaded"] == outputs["resident"]
+  engine = make_engine(mid, num_dense_blocks=17)
+  sparse_rows = count_sparse_rows(engine)
+
+  def from_host(m):
+    return (m['hisparse_blocks_selected_total{source="hot"}']
+            + m['hisparse_blocks_selected_total{source="host"}'])
+
+  resident = run_alone(engine, PROMPTS, GREEDY)
+  m = engine.metrics()
+  assert sum(sparse_rows) > 20
+  assert m["hisparse_offloads_total"] == m["hisparse_preemptions_total"] == 0
+  assert from_host(m) == 0
+  assert_all_blocks_free(engine)
+  sparse_rows.clear()
+  loads = m["hisparse_hot_buffer_loads_total"]
+  add_all(engine, PROMPTS, GREEDY)
+  outputs = run(engine)
+  m = engine.metrics()
+  assert sum(sparse_rows) > 20
+  assert m["hisparse_offloads_total"] > 0 and from_host(m) > 0
+  assert m["hisparse_hot_buffer_loads_total"] > loads
+  assert_all_blocks_free(engine)
+  assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == resident
 
 
 @pytest.mark.parametrize("min_tokens", [4096, 60])

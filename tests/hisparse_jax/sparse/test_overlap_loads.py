@@ -6,8 +6,9 @@ log-sum-exp (sparse.resolver.split_loaded, kernels_pallas.merge_attention).
 Unit: the split + merge equals one attention over the whole table (float32, every backend
 that has a CPU path: the jnp reference, the Triton kernel in interpret mode, the xla
 backend, per-head tables), rows with no miss, only misses, no key. Engine: the tokens
-equal the dense reference at top-k covering every block and the option-off run's at a
-small top-k, on the CPU path and with the GPU load paths forced on CPU, for every
+equal the dense reference at top-k covering every block, and at a small top-k the
+offloaded requests' tokens equal each request's alone (nothing loaded: the option-off
+attention), on the CPU path and with the GPU load paths forced on CPU, for every
 selection and 8-bit KV. (The schedule of the compiled H200 step: test_aot_h200.py.)"""
 
 import dataclasses
@@ -16,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_fixtures import BLOCK_SIZE, GIB, add_all, assert_all_blocks_free, run, tiny_model
+from engine_fixtures import (
+  BLOCK_SIZE,
+  GIB,
+  add_all,
+  assert_all_blocks_free,
+  run,
+  run_alone,
+  tiny_model,
+)
 from hisparse_engine_fixtures import FULL, GREEDY, PROMPTS, count_sparse_rows, make_engine
 
 import kernels_pallas
@@ -215,31 +224,37 @@ def test_overlapped_loads_with_per_head_selections_give_the_dense_tokens(
 
 # (union with 8-bit KV: both parts non-empty, values and scales split; float32 union and
 # per_kv_head were checked the same way when the option was written, and are left out of
-# the suite for its time: each pair is two engine runs.)
+# the suite for its time.)
 @pytest.mark.parametrize(("selection", "kv_cache_dtype"), [("union", "int8")])
-def test_overlapped_loads_give_the_option_off_tokens_at_a_small_top_k(
+def test_overlapped_loads_give_the_all_resident_tokens_at_a_small_top_k(
     selection, kv_cache_dtype, monkeypatch):
-  # Top-k 3 blocks of up to 8, offloaded requests: most selected blocks are hot-buffer hits
-  # or misses, the two parts both non-empty; 8-bit KV (int8 values + scales) too, its
-  # budget 20 of its own blocks (test_kv_quant_engine's offloaded case).
+  # Top-k 3 blocks of up to 8, the option on, one engine: each prompt alone first (every
+  # selected block resident: the first part holds the whole selection, the loaded part is
+  # empty, which is the option-off attention), then all six (offloaded requests: most
+  # selected blocks are hot-buffer hits or misses, the two parts both non-empty). 8-bit KV
+  # (int8 values + scales), its budget 20 of its own blocks (test_kv_quant_engine's
+  # offloaded case, which gives these tokens with the option off).
   hot = 24 if selection == "union" else 32
   mid = HiSparseConfig(top_k_tokens=24, hot_buffer_tokens=hot, sink_tokens=8, local_tokens=8,
                        sparse_threshold_tokens=16, selection=selection,
                        resident_sparse_min_tokens=0)
-  tokens = {}
-  for option in ("0", "1"):
-    monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, option)
-    overrides = {}
-    if kv_cache_dtype == "int8":
-      spec = KVCacheSpec.from_model_config(tiny_model().config, "float32", BLOCK_SIZE, "int8")
-      overrides = dict(device_kv_gib=20.5 * spec.bytes_per_block / GIB,
-                       host_pool_gib=33.5 * spec.bytes_per_block / GIB)
-    engine = make_engine(mid, kv_cache_dtype=kv_cache_dtype, **overrides)
-    tokens[option] = _tokens(engine)
-    m = engine.metrics()
-    assert m["hisparse_hot_buffer_loads_total"] > 0
-    assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
-  assert tokens["1"] == tokens["0"]
+  monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, "1")
+  splits = _splits_traced(monkeypatch)
+  overrides = {}
+  if kv_cache_dtype == "int8":
+    spec = KVCacheSpec.from_model_config(tiny_model().config, "float32", BLOCK_SIZE, "int8")
+    overrides = dict(device_kv_gib=20.5 * spec.bytes_per_block / GIB,
+                     host_pool_gib=33.5 * spec.bytes_per_block / GIB)
+  engine = make_engine(mid, kv_cache_dtype=kv_cache_dtype, **overrides)
+  resident = run_alone(engine, PROMPTS, GREEDY)
+  m = engine.metrics()
+  assert m["hisparse_offloads_total"] == 0 and splits
+  assert m['hisparse_blocks_selected_total{source="host"}'] == 0
+  loads = m["hisparse_hot_buffer_loads_total"]
+  assert _tokens(engine) == resident
+  m = engine.metrics()
+  assert m["hisparse_offloads_total"] > 0 and m["hisparse_hot_buffer_loads_total"] > loads
+  assert m['hisparse_blocks_selected_total{source="hot"}'] > 0
 
 
 @pytest.mark.parametrize("loads", [3, 13])
