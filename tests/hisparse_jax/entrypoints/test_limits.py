@@ -111,7 +111,7 @@ def test_the_waiting_cap_and_the_timeout():
   s = ServerProcess(*BASE, "--max_model_len=512", "--max_num_seqs=1",
                     "--max_waiting_requests=1")
   try:
-    body = {**OK, "prompt": [7] * 20, "max_tokens": 480, "ignore_eos": True}
+    body = {**OK, "prompt": [7] * 20, "max_tokens": 160, "ignore_eos": True}
     statuses = []
     start = threading.Barrier(8)
 

@@ -83,12 +83,16 @@ def _assert_bounds_exact(engine):
   return len(slots) + len(host_ids)
 
 
-@pytest.mark.parametrize(("bounds_dtype", "num_device_blocks"),
-                         [("bfloat16", 14), ("float32", 11)])
+@pytest.mark.parametrize(("bounds_dtype", "num_device_blocks", "selection"),
+                         [("bfloat16", 14, "union"), ("float32", 11, "shared")])
 def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, bounds_dtype,
-                                                                     num_device_blocks):
+                                                                     num_device_blocks,
+                                                                     selection):
   # bfloat16 bounds (the default) take half the device bytes of float32 ones: more blocks.
-  engine = make_engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
+  # (The float32 run selects "shared": one engine for both, as the suite's time asks;
+  # union, the default, and the per-head selections: below.)
+  engine = make_engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype,
+                                           selection=selection))
   assert engine.device_pool.num_blocks == num_device_blocks
   sparse_rows = count_sparse_rows(engine)
   checked = []
@@ -143,11 +147,11 @@ def test_the_gpu_host_paths_forced_on_cpu_give_the_dense_tokens(reference, host_
   assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("selection", ["shared", "per_kv_head", "per_query_head"])
+@pytest.mark.parametrize("selection", ["per_kv_head", "per_query_head"])
 def test_every_selection_at_full_top_k_gives_the_dense_tokens(reference, selection):
   # Top-k covering max_model_len: every head of every selection attends to every block,
   # offloaded requests loading theirs from the host pool; per-head selections go through
-  # paged_attention_per_head. ("union", the default, is the test above.)
+  # paged_attention_per_head. ("union", the default, and "shared" are the test above.)
   engine = make_engine(dataclasses.replace(FULL, selection=selection), num_dense_blocks=14)
   sparse_rows = count_sparse_rows(engine)
   add_all(engine, PROMPTS, GREEDY)
