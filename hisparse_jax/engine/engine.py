@@ -395,7 +395,9 @@ class Engine:
     tokens, counts = result.tokens, result.counts
     now = time.perf_counter()  # every row's token arrives now
     self.stats.on_step(step.out, now - step.start, self.block_manager)
-    if self.tier is not None:  # the per-token prefill time the tier's load gate weighs
+    # The per-token prefill time the tier's load gate weighs (not from a step that may have
+    # compiled its program: seconds of compile would make recomputing look dear).
+    if self.tier is not None and not step.handle.compiled:
       self.tier.observe_prefill(
           sum(c.num_tokens for c in step.out.chunks if c.start < c.request.num_prompt_tokens),
           now - step.start)

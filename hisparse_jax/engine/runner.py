@@ -104,6 +104,16 @@ class StepHandle:
   prompt_logprobs: tuple = ()  # the same four per prompt-logprob row, or () if none
   # A DSA runner recording selections: int32 [layers, tokens, k] key positions per token.
   topk: jax.Array | None = None
+  # The call compiled (or loaded from the persistent cache) its program: the step's time
+  # includes that, so it says nothing of the step's own speed.
+  compiled: bool = False
+
+
+def _num_programs(jitted) -> int | None:
+  """How many programs `jitted` (a jax.jit function) holds in this process (None where
+  the object does not say): one more after a call means the call compiled one."""
+  size = getattr(jitted, "_cache_size", None)
+  return size() if size is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,9 +326,11 @@ class ModelRunner:
       if np.any(batch.token_src >= 0):
         raise ValueError("the batch reads tokens of a previous step; pass prev_tokens")
       prev_tokens = self._no_tokens
+    programs = None  # the jitted step's programs before the call (a new one: compiled)
     if self.compiler is None:
       step = functools.partial(self._step, greedy_only=greedy_only,
                                num_token_rows=self.max_num_seqs)
+      programs = _num_programs(self._step)
     else:
       step, batch = self.compiler.program(
           batch, greedy_only, lambda b: self._step_args(b, prev_tokens))
@@ -331,8 +343,9 @@ class ModelRunner:
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1
+    compiled = programs is not None and _num_programs(self._step) != programs
     return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
-                      logprobs, prompt, topk[0] if topk else None)
+                      logprobs, prompt, topk[0] if topk else None, compiled)
 
   def _step_args(self, batch: StepBatch, prev_tokens: jax.Array) -> tuple:
     # A HiSparse step with no sparse row reads neither the host pool nor the hot-buffer

@@ -296,9 +296,23 @@ def test_the_gate_refuses_a_load_slower_than_recomputing(tmp_path, reference):
   engine = _engine(disk_cache_dir=str(tmp_path))
   tier = engine.tier.tiers[0]
   tier.backend = ThrottledBackend(tier.backend, bytes_per_s=1e5)  # ~100 KB/s
-  # A prompt the tier lacks: its prefill steps measure the per-token prefill time.
+  # Prompts the tier lacks: their prefill steps measure the per-token prefill time (not a
+  # step that compiled its program: the second prompt's chunks run the first's programs).
+  compiled = []
+  dispatch = engine.runner.dispatch
+
+  def recording(batch, prev_tokens=None):
+    handle = dispatch(batch, prev_tokens)
+    compiled.append(handle.compiled)
+    return handle
+
+  engine.runner.dispatch = recording
+  _run(engine, [RNG.integers(5, 250, 150).tolist()])
+  measured = engine.tier.prefill_s_per_token
+  assert (measured is None) == compiled[0]  # a compiling first chunk: not measured
   _run(engine, [RNG.integers(5, 250, 150).tolist()])
   assert engine.tier.prefill_s_per_token is not None
+  engine.runner.dispatch = dispatch
   # The first stored prompt's load is allowed (no load measured yet) and measures ~100 KB/s.
   assert _run(engine, PROMPTS[:1]) == reference["dense"][:1]
   load_s, recompute_s = engine.tier.expected_seconds(tier, 10)
