@@ -161,32 +161,21 @@ def test_the_8bit_hisparse_step_lowers_for_cuda_with_values_and_scales(model, kv
 
 @pytest.mark.parametrize("mode", ["exact", "sparse"])
 def test_a_streamed_prefill_chunk_lowers_for_cuda(model, mode):
-  # A 120-token prompt through 8 device blocks (64 tokens): its later chunks are sparse
-  # rows whose earlier blocks are partly on the host. Exact: each chunk loads them in
-  # groups inside while loops (the host gathers inside the loop body); sparse: selected by
+  # A later chunk of a 127-token prompt through 9 device blocks (72 tokens), as the
+  # engine's batch builder makes it (aot.step_batches' streamed_prefill; nothing run): a
+  # sparse row whose earlier blocks are on the host. Exact: the chunk loads them in groups
+  # inside while loops (the host gathers inside the loop body); sparse: selected by
   # CHUNK_QUERIES queries, then attended in the ragged kernel over a rewritten table.
   hisparse = HiSparseConfig(top_k_tokens=16, hot_buffer_tokens=16, sink_tokens=8,
                             local_tokens=8, sparse_threshold_tokens=16,
                             streamed_prefill=mode)
   engine = _engine(model, hisparse=hisparse, max_model_len=128,
                    device_kv_gib=gib_for_blocks(model.config, 9 + 2))
-  batches, dispatch = [], engine.runner.dispatch
-
-  def is_chunk(batch):
-    meta = batch.metadata
-    q_lens = meta.cu_q_lens[1:batch.num_seqs + 1] - meta.cu_q_lens[:batch.num_seqs]
-    return bool((meta.sparse_rows[:batch.num_seqs] & (q_lens > 1)).any())
-
-  def recording(batch, prev_tokens=None):
-    batches.append(copy.deepcopy(batch))
-    return dispatch(batch, prev_tokens)
-
-  engine.runner.dispatch = recording
-  engine.add_request("long", prompt_token_ids=[1 + i % 90 for i in range(120)],
-                     sampling_params=SamplingParams(temperature=0.0, max_tokens=2))
-  while engine.has_unfinished_requests() and not any(is_chunk(b) for b in batches):
-    engine.step()
-  chunk = next(b for b in batches if is_chunk(b))
+  [(_, chunk, _)] = aot.step_batches(engine.runner, engine.config, False,
+                                     only={"streamed_prefill"})
+  meta = chunk.metadata
+  q_lens = meta.cu_q_lens[1:chunk.num_seqs + 1] - meta.cu_q_lens[:chunk.num_seqs]
+  assert (meta.sparse_rows[:chunk.num_seqs] & (q_lens > 1)).any()
   assert chunk.metadata.chunk_queries == (1 if mode == "exact" else 8)
   text = engine.runner.lower(chunk, platform="cuda").as_text()
   assert _attrs(text, "_xla_compute_type")["host"] > 0  # the loads cross from the host
@@ -199,11 +188,11 @@ def test_a_streamed_prefill_chunk_lowers_for_cuda(model, mode):
     assert "ragged_paged_attention" in _kernels(text)
   assert engine.runner.lower(chunk, platform="cpu") is not None
   assert chunk.metadata.sparse_chunks
-  # Its decode steps leave the chunk path out of their program (StepMetadata.sparse_chunks).
-  while engine.has_unfinished_requests():
-    engine.step()
-  decode = [b for b in batches if b.metadata.sparse_rows.any() and not is_chunk(b)]
-  assert decode and not any(b.metadata.sparse_chunks for b in decode)
+  # A sparse decode step (the engine's tiered_decode: offloaded rows) leaves the chunk path
+  # out of its program (StepMetadata.sparse_chunks).
+  [(_, decode, _)] = aot.step_batches(engine.runner, engine.config, False,
+                                      only={"tiered_decode"})
+  assert decode.metadata.sparse_rows.any() and not decode.metadata.sparse_chunks
   # (exact: the group loops; sparse: chunk_tables' sort)
   op = "stablehlo.while" if mode == "exact" else "stablehlo.sort"
-  assert engine.runner.lower(decode[-1], platform="cuda").as_text().count(op) < text.count(op)
+  assert engine.runner.lower(decode, platform="cuda").as_text().count(op) < text.count(op)

@@ -147,7 +147,10 @@ def test_the_gpu_host_paths_forced_on_cpu_give_the_dense_tokens(reference, host_
   assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("selection", ["per_kv_head", "per_query_head"])
+# (per_kv_head at full top-k: test_overlap_loads.py's per-head run, the same engine with
+# HISPARSE_JAX_OVERLAP_LOADS=1; with the option off its offloaded run is
+# test_offloaded_decoding_... below. One engine, for the suite's time.)
+@pytest.mark.parametrize("selection", ["per_query_head"])
 def test_every_selection_at_full_top_k_gives_the_dense_tokens(reference, selection):
   # Top-k covering max_model_len: every head of every selection attends to every block,
   # offloaded requests loading theirs from the host pool; per-head selections go through

@@ -211,14 +211,17 @@ def test_overlapped_loads_give_the_dense_tokens(reference, host_copy, monkeypatc
 
 # (per_query_head's tables take the same paged_attention_per_head split as per_kv_head's:
 # test_split_and_merge_with_a_table_per_head checks both at the kernel level; one engine
-# run here, for the suite's time.)
+# run here, for the suite's time. This is also per_kv_head's full-top-k engine run:
+# test_hisparse_engine.py's selection test runs per_query_head.)
 @pytest.mark.parametrize("selection", ["per_kv_head"])
 def test_overlapped_loads_with_per_head_selections_give_the_dense_tokens(
     reference, selection, monkeypatch):
   monkeypatch.setenv(resolver.OVERLAP_LOADS_ENV, "1")
   splits = _splits_traced(monkeypatch)
   engine = make_engine(dataclasses.replace(FULL, selection=selection), num_dense_blocks=14)
+  sparse_rows = count_sparse_rows(engine)
   assert _tokens(engine) == reference and splits
+  assert sum(sparse_rows) > 50
   assert engine.metrics()["hisparse_hot_buffer_loads_total"] > 0
 
 
