@@ -331,9 +331,11 @@ class ModelRunner:
       step = functools.partial(self._step, greedy_only=greedy_only,
                                num_token_rows=self.max_num_seqs)
       programs = _num_programs(self._step)
-    else:
+    else:  # (a shape nothing compiled covers is compiled here, in the foreground)
+      foreground = self.compiler.foreground
       step, batch = self.compiler.program(
           batch, greedy_only, lambda b: self._step_args(b, prev_tokens))
+      compiled = self.compiler.foreground != foreground
     self.shapes_compiled.add((batch.input_ids.shape[0], batch.logits_indices.shape[0],
                               batch.metadata.block_tables.shape[1], greedy_only))
     (tokens, arrays, self.bounds, hot_state, (counts, loaded, *topk),
@@ -343,7 +345,8 @@ class ModelRunner:
     self.pool.set_arrays(arrays)
     if self.hisparse is not None:
       self.step_clock += 1
-    compiled = programs is not None and _num_programs(self._step) != programs
+    if programs is not None:
+      compiled = _num_programs(self._step) != programs
     return StepHandle(tokens, counts, loaded, batch.num_seqs, self.hisparse is not None,
                       logprobs, prompt, topk[0] if topk else None, compiled)
 

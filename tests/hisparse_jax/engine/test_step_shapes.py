@@ -102,8 +102,18 @@ def test_background_compiles_keep_the_tokens_and_stall_less():
   assert foreground.runner.compiler is None
   assert _run_waves(foreground) == reference
   engine = make_engine(compile_in_background=True)
+  compiled, dispatch = [], engine.runner.dispatch
+
+  def recording(batch, prev_tokens=None):
+    handle = dispatch(batch, prev_tokens)
+    compiled.append(handle.compiled)
+    return handle
+
+  engine.runner.dispatch = recording
   assert _run_waves(engine) == reference
   compiler = engine.runner.compiler
+  # The steps that waited on a compile say so (the tier gate's prefill time leaves them out).
+  assert sum(compiled) == compiler.foreground > 0
   engine.runner.compiler.wait()
   # Later waves ran on covering programs while theirs compiled, and only the first
   # shapes (nothing compiled yet covered them) made a step wait.
@@ -116,8 +126,9 @@ def test_background_compiles_keep_the_tokens_and_stall_less():
   assert_all_blocks_free(engine)
   # Once the background compiles are in, the same waves run on their own programs.
   covered = compiler.covered
+  compiled.clear()
   assert _run_waves(engine) == reference
-  assert compiler.covered == covered
+  assert compiler.covered == covered and not any(compiled)
   engine.runner.compiler.close()
 
 
