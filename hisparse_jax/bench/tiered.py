@@ -30,6 +30,19 @@ from models.llama import LlamaForCausalLM
 
 
 @functools.cache
+def _copy_program(sharding):
+  return jax.jit(lambda a: a, out_shardings=sharding)
+
+
+def to_device(x: jax.Array, sharding) -> jax.Array:
+  """A copy of `x` (a pinned_host pool array) in `sharding`'s memory, made by a jitted
+  copy. (jax 0.12.1's eager `device_put` of a program's pinned_host output fails on the
+  CPU: "UNIMPLEMENTED: Unsupported layout used for PjRt CPU buffers: {...:S(5)}"; the
+  copy inside a program works on 0.11.2 and 0.12.1 alike.)"""
+  return _copy_program(sharding)(x)
+
+
+@functools.cache
 def random_fn(shape, dtype, sharding):
   return jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
 
@@ -108,12 +121,12 @@ def tiered_decode(model: LlamaForCausalLM, spec: KVCacheSpec, hisparse: HiSparse
   # The resident blocks' pages and every block's key bounds, as an offload leaves them.
   src, dst = np.asarray(copy_src), np.asarray(copy_dst)
   device_pool.set_arrays(tuple(
-      d.at[dst].set(jax.device_put(h, device_pool.sharding)[src])
+      d.at[dst].set(to_device(h, device_pool.sharding)[src])
       for d, h in zip(device_pool.arrays(), host_pool.arrays())))
   nd = device_pool.num_blocks
   bounds_dtype = runner.hisparse.bounds_dtype
   runner.bounds = tuple(
-      b.at[nd:].set(to_storage(host_bounds(from_storage(jax.device_put(k, device_pool.sharding),
+      b.at[nd:].set(to_storage(host_bounds(from_storage(to_device(k, device_pool.sharding),
                                                         spec.dtype), bounds_dtype),
                                bounds_dtype, b.dtype))
       for b, k in zip(runner.bounds, host_pool.arrays()[:spec.num_layers]))
@@ -179,11 +192,10 @@ def dsa_tiered_decode(model, spec, hisparse: HiSparseConfig, batch_size: int, co
     newest.append(ids[0])
   src, dst = host_tables[:, -1], np.asarray(newest)
   device_pool.set_arrays(tuple(
-      d.at[dst].set(jax.device_put(h, device_pool.sharding)[src])
+      d.at[dst].set(to_device(h, device_pool.sharding)[src])
       for d, h in zip(device_pool.arrays(), host_pool.arrays())))
   # The indexer keys of every host block, on the device (written through as blocks fill).
-  runner.bounds = tuple(jax.device_put(k, device_pool.sharding, may_alias=False)
-                        for k in host_pool.index_k)
+  runner.bounds = tuple(to_device(k, device_pool.sharding) for k in host_pool.index_k)
   rng = np.random.default_rng(seed)
   chunks = decode_chunks(context, device_tables, spec.block_size, model.config.vocab_size,
                          rng)
