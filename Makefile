@@ -5,7 +5,7 @@
 # venv takes jax with XLA's GPU compiler (jax[cuda13]) at JAX_VERSION: the GPU image's
 # version by default. It runs on CPU here; the GPU compiler runs without a GPU for
 # `hisparse-jax compile --target=h200` and the suite's deviceless compile matrix. The
-# newest jax the index serves: `make test JAX_VERSION=0.12.0.1 VENV=.venv-jax0.12`.
+# newest jax the index serves: `make test JAX_VERSION=0.12.1 VENV=.venv-jax0.12.1`.
 # pip's wheel cache (~/.cache/pip) keeps the CUDA wheels (4.3 GB) for the next install.
 PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 \
                      /usr/local/bin/python3.12 /usr/bin/python3.12; do \
