@@ -167,8 +167,8 @@ def _profile_h2d(spec: KVCacheSpec, num_moved: int, reps: int, rng: np.random.Ge
   num_pool_blocks = 2 * num_moved + 1
   shape = spec.block_shape(num_pool_blocks)
   device = jax.devices()[0]
-  on_device = jax.sharding.SingleDeviceSharding(device, memory_kind=DEVICE)
-  on_host = jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED_HOST)
+  on_device = jax.sharding.make_single_device_sharding(device, memory_kind=DEVICE)
+  on_host = jax.sharding.make_single_device_sharding(device, memory_kind=PINNED_HOST)
   src = np.arange(1, num_moved + 1, dtype=np.int32)
   dst = rng.choice(np.arange(1, num_pool_blocks), num_moved, replace=False).astype(np.int32)
   host_array = jax.jit(lambda: jax.device_put(jnp.ones(shape, spec.dtype), on_host))()

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, make_single_device_sharding
 
 import kernels_pallas
 from hisparse_jax.distributed import parallel
@@ -96,7 +96,7 @@ class AbstractPool(KVPool):
     keep, play no part in a dense tensor-parallel step)."""
     self.spec, self.memory_kind, self.mesh = spec, memory_kind, mesh
     self.device = jax.local_devices(backend="cpu")[0]
-    self.sharding = SingleDeviceSharding(self.device, memory_kind=memory_kind)
+    self.sharding = make_single_device_sharding(self.device, memory_kind=memory_kind)
     # `replicated`: where the runner builds its own small arrays (this host, at once);
     # `placed`: where a program's replicated inputs go (_place).
     self.replicated = self.placed = self.sharding
@@ -355,7 +355,7 @@ class AotBuild:
 
   def _tier_programs(self) -> list[Program]:
     n = len(self.host_pool.arrays())
-    device_sharding = SingleDeviceSharding(self.device_pool.device, memory_kind=DEVICE)
+    device_sharding = make_single_device_sharding(self.device_pool.device, memory_kind=DEVICE)
     read = pool_io._read_program(n, device_sharding, self.host_pool.sharding, False)
     write = pool_io._write_program(n, device_sharding, self.host_pool.sharding, False)
     ids = self._place(np.zeros(ID_BUCKET, np.int32))
@@ -391,7 +391,7 @@ def _param_specs(runner: ModelRunner) -> list:
 
 def _param_shardings(runner: ModelRunner, mesh, device) -> list:
   if mesh is None:
-    return [SingleDeviceSharding(device, memory_kind=DEVICE)] * len(runner._param_leaves)
+    return [make_single_device_sharding(device, memory_kind=DEVICE)] * len(runner._param_leaves)
   return [NamedSharding(mesh, spec, memory_kind=DEVICE) for spec in _param_specs(runner)]
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Sharding, make_single_device_sharding
 
 from hisparse_jax.distributed import parallel
 from hisparse_jax.kv_cache.host_compute import on_host
@@ -313,13 +313,13 @@ def storage_dtype(dtype: str, platform: str) -> np.dtype:
   return jnp.dtype(dtype)
 
 
-def memory_sharding(device: jax.Device, memory_kind: str) -> SingleDeviceSharding:
-  """`SingleDeviceSharding` of `memory_kind`; ValueError when the device lacks it."""
+def memory_sharding(device: jax.Device, memory_kind: str) -> Sharding:
+  """A single-device sharding of `memory_kind`; ValueError when the device lacks it."""
   kinds = {m.kind for m in device.addressable_memories()}
   if memory_kind not in kinds:
     raise ValueError(f"device {device} has no memory kind {memory_kind!r} "
                      f"(it has {sorted(kinds)})")
-  return SingleDeviceSharding(device, memory_kind=memory_kind)
+  return make_single_device_sharding(device, memory_kind=memory_kind)
 
 
 def to_storage(x: jax.Array, kv_dtype, storage_dtype) -> jax.Array:
@@ -500,7 +500,7 @@ class KVPool:
 
 
 @functools.cache
-def _host_copy_fn(sharding: SingleDeviceSharding):
+def _host_copy_fn(sharding: Sharding):
   def host_copy(x):
     return on_host(lambda y: y + jnp.zeros((), y.dtype))(x)
 
@@ -508,14 +508,14 @@ def _host_copy_fn(sharding: SingleDeviceSharding):
 
 
 @functools.cache  # one compile per shape, shared by every layer and every pool
-def device_full_fn(shape: tuple[int, ...], dtype, value, sharding: SingleDeviceSharding):
+def device_full_fn(shape: tuple[int, ...], dtype, value, sharding: Sharding):
   """A jitted program returning a `shape` array of `value`, built where `sharding` says
   (no host buffer, no host-to-device copy): pools, the runner's bounds and hot state."""
   return jax.jit(functools.partial(jnp.full, shape, value, dtype), out_shardings=sharding)
 
 
 @functools.cache
-def _host_zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: SingleDeviceSharding):
+def _host_zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding):
   if isinstance(sharding, jax.sharding.NamedSharding):
     # Split (tensor parallel): the device_put inside keeps the host kind in the type, the
     # out_shardings the split (measured, jax 0.10.2: device_put alone replicates).

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, NULL_BLOCK_ID, PINNED_HOST, KVPool
@@ -258,7 +258,7 @@ class TransferEngine:
     self.metrics = metrics if metrics is not None else m.MetricsRegistry()
     self._transfers, self._blocks, self._bytes, self._seconds = register_transfer_metrics(
         self.metrics)
-    device_sharding = SingleDeviceSharding(device_pool.device, memory_kind=DEVICE)
+    device_sharding = make_single_device_sharding(device_pool.device, memory_kind=DEVICE)
     scalar_sharding = None
     if device_pool.mesh is not None:  # tensor parallel: pools split by KV head
       device_sharding, scalar_sharding = device_pool.sharding, device_pool.replicated

@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Sharding, make_single_device_sharding
 
 from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, KVPool
@@ -36,12 +36,12 @@ def write_blocks(pool: KVPool, layer: int, block_ids, k, v) -> None:
 
 @functools.cache
 def _gather_fn(memory_kind: str, device: jax.Device):
-  device_sharding = SingleDeviceSharding(device, memory_kind=DEVICE)
+  device_sharding = make_single_device_sharding(device, memory_kind=DEVICE)
 
   def gather(k, v, ids):
     if memory_kind == DEVICE:
       return k[ids], v[ids]
-    ids = jax.device_put(ids, SingleDeviceSharding(device, memory_kind=memory_kind))
+    ids = jax.device_put(ids, make_single_device_sharding(device, memory_kind=memory_kind))
     k, v = on_host(lambda a, b, i: (a[i], b[i]))(k, v, ids)
     return jax.device_put(k, device_sharding), jax.device_put(v, device_sharding)
 
@@ -49,7 +49,7 @@ def _gather_fn(memory_kind: str, device: jax.Device):
 
 
 @functools.cache
-def _scatter_fn(sharding: SingleDeviceSharding):
+def _scatter_fn(sharding: Sharding):
   def scatter(k_pool, v_pool, ids, k, v):
     return k_pool.at[ids].set(k), v_pool.at[ids].set(v)
 

@@ -28,7 +28,7 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from hisparse_jax.kv_cache.host_compute import on_host
 from hisparse_jax.kv_cache.kv_pool import DEVICE, PINNED_HOST, KVPool
@@ -97,7 +97,7 @@ class HostPoolIO:
     self._nbytes = [int(np.prod(s)) * d.itemsize for s, d in zip(self._shapes, self._dtypes)]
     self._offsets = np.concatenate([[0], np.cumsum(self._nbytes)]).astype(int).tolist()
     self.block_nbytes = int(sum(self._nbytes))
-    device_sharding = SingleDeviceSharding(pool.device, memory_kind=DEVICE)
+    device_sharding = make_single_device_sharding(pool.device, memory_kind=DEVICE)
     one_memory = hop_free(device_sharding) if one_memory is None else one_memory
     self._read = _read_program(len(arrays), device_sharding, pool.sharding, one_memory)
     self._write = _write_program(len(arrays), device_sharding, pool.sharding, one_memory)

@@ -36,7 +36,7 @@ import pytest
 from engine_fixtures import GIB, MAX_MODEL_LEN, random_prompts, tiny_model
 from engine_fixtures import run as run_engine
 from jax import lax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig
@@ -100,7 +100,7 @@ def _random_bits(rng, shape, dtype) -> np.ndarray:
 def _raw_program(device: jax.Device):
   """(arrays of any memory kind) -> each array bitcast to unsigned ints on the device: the
   whole array crosses (a copy of its own, no gather / scatter of the paths under test)."""
-  sharding = SingleDeviceSharding(device, memory_kind=DEVICE)
+  sharding = make_single_device_sharding(device, memory_kind=DEVICE)
 
   def raw(arrays):
     return tuple(lax.bitcast_convert_type(jax.device_put(a, sharding),

@@ -266,8 +266,8 @@ def test_staged_loads_then_the_loop_move_every_miss(loads):
   # different memories (forced on CPU): the first 8 packed loads by staged_gather (padding
   # included), the rest by the loop's trips; every listed block lands, nothing else moves.
   device = jax.devices()[0]
-  device_s = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-  host_s = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  device_s = jax.sharding.make_single_device_sharding(device, memory_kind="device")
+  host_s = jax.sharding.make_single_device_sharding(device, memory_kind="pinned_host")
   rng = np.random.default_rng(loads)
   host = [rng.standard_normal((30, BS, KV_HEADS, HEAD_DIM)).astype(np.float32)
           for _ in range(2)]
