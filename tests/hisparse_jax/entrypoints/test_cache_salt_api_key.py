@@ -261,7 +261,8 @@ def test_serve_salts_by_the_keys_of_a_file_end_to_end(tmp_path):
   path.write_text("# tenants\nkey-carol\n")
   server = ServerProcess(f"--api_keys_file={path}", "--api_key=key-dave",
                          "--cache_salt_by_api_key", "--served_model_name=hisparse-tiny",
-                         "--block_size=16", "--device_kv_gib=0.004", "--host_pool_gib=0.05")
+                         "--block_size=16", "--device_kv_gib=0.004", "--host_pool_gib=0.05",
+                         "--nowarmup")  # (start-up is test_serve_warmup.py's subject)
   try:
     prompt = _prompt(107)
 

@@ -27,13 +27,17 @@ FLAGS = ("--max_model_len=512", "--device_kv_gib=0.0015", "--host_pool_gib=0.02"
          "--block_size=16", "--max_num_seqs=8", "--hisparse", "--top_k_tokens=64",
          "--hot_buffer_tokens=64", "--sink_tokens=16", "--local_tokens=16",
          "--sparse_threshold_tokens=96", "--resident_sparse_min_tokens=0")
+# --nowarmup: start-up is not what these tests check, and the warm-up costs 10-35 s a server
+# start on 2 cores (vLLM's tests skip CUDA-graph capture with enforce_eager alike);
+# test_serve.py's module server and test_serve_warmup.py serve with the default warm-up.
+NOWARMUP = "--nowarmup"
 PROMPT = " ".join(["bafu: bapo baki: bare lodu: moti kavi: rino"] * 55)  # ~440 tokens
 SCREENSHOT = os.path.join("results", "dashboard.png")
 
 
 @pytest.fixture(scope="module")
 def server():
-  s = ServerProcess(*FLAGS)
+  s = ServerProcess(*FLAGS, NOWARMUP)
   yield s
   assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -104,7 +108,7 @@ def test_the_page_and_its_data_under_load(server):
 
 
 def test_with_an_api_key_the_dashboard_needs_it():
-  s = ServerProcess(f"--api_key={KEY}", *FLAGS[:4])
+  s = ServerProcess(f"--api_key={KEY}", *FLAGS[:4], NOWARMUP)
   try:
     for path in ("/dashboard", "/dashboard/data"):
       assert httpx.get(s.url + path).status_code == 401

@@ -21,7 +21,10 @@ MODEL = "tiny"
 # programs and sampler variants the cases reach, then decoding: ~40 s on 2 idle cores,
 # ~2 min with the rest of the suite beside it). 256 / 16 lose no status the cases reach.
 FLAGS = ("--max_model_len=64", "--device_kv_gib=0.0015", "--host_pool_gib=0.05",
-         "--block_size=16", "--max_num_seqs=8")
+         "--block_size=16", "--max_num_seqs=8", "--nowarmup")
+# --nowarmup: start-up is not what this test checks, and the warm-up costs 10-35 s a server
+# start on 2 cores (vLLM's tests skip CUDA-graph capture with enforce_eager alike);
+# test_serve.py's module server and test_serve_warmup.py serve with the default warm-up.
 EXAMPLES = 50  # cases per operation with a body and mode: 530 requests in all
 SEED = 35
 HEADERS = {"Authorization": f"Bearer {KEY}"}

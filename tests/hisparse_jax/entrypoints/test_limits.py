@@ -17,7 +17,10 @@ import pytest
 from hisparse_jax.bench.serve_load import ServerProcess
 
 MODEL = "hisparse-tiny"
-BASE = ("--block_size=16", "--device_kv_gib=0.004", "--host_pool_gib=0.05")
+# --nowarmup: start-up is not what these tests check, and the warm-up costs 10-35 s a server
+# start on 2 cores (vLLM's tests skip CUDA-graph capture with enforce_eager alike);
+# test_serve.py's module server and test_serve_warmup.py serve with the default warm-up.
+BASE = ("--block_size=16", "--device_kv_gib=0.004", "--host_pool_gib=0.05", "--nowarmup")
 OK = {"model": MODEL, "prompt": "bafu: bapo", "max_tokens": 4, "temperature": 0.0}
 
 

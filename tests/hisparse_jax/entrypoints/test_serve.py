@@ -245,7 +245,7 @@ def test_load_64_streams_8_disconnect_no_block_leaks(server, llm):
 def test_sigterm_drains_then_exits_0():
   """A stream running when SIGTERM comes finishes within --drain_timeout_s; requests
   after it get 503 or no connection; the process exits 0."""
-  s = Server("--drain_timeout_s=60")
+  s = Server("--drain_timeout_s=60", "--nowarmup")  # (the module server warms up)
   client = s.client()
   stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200,
                                      temperature=0.0, extra_body={"ignore_eos": True}, stream=True)
