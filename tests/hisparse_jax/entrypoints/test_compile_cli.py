@@ -1,8 +1,9 @@
 """`hisparse-jax compile --target=...`: the whole CLI, as a user runs it (subprocesses).
 
 The default model's every program and the --hisparse ones compile for the H200 (exit 0,
-the table, the JSON); tensor parallelism over a 1x2 H200 topology; configs that cannot
-run there exit 2 with one line naming the cause.
+the table, the JSON); tensor parallelism over a 1x2 H200 topology; a checkpoint of the
+8B head geometry with 8-bit HiSparse for the H100; configs that cannot run there exit 2
+with one line naming the cause.
 """
 
 from __future__ import annotations
@@ -100,3 +101,28 @@ def test_a_config_that_cannot_run_exits_2_with_one_line(tmp_path, args, line):
   assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
   errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hisparse-jax compile:")]
   assert len(errors) == 1 and re.match(line, errors[0]), r.stderr[-2000:]
+
+
+def test_a_checkpoint_of_the_8b_head_geometry_compiles_hisparse_int8_for_the_h100(tmp_path):
+  """The toy model's heads are 8 wide; a checkpoint directory with Llama-3.1-8B's head
+  geometry (GQA 4:1, head_dim 128; 2 small layers) compiles its 8-bit HiSparse decode
+  programs for sm_90 through the CLI, as a user's own checkpoint would."""
+  from models import data, testing  # noqa: PLC0415
+  from models.config import ModelConfig  # noqa: PLC0415
+
+  config = ModelConfig(model_type="llama", vocab_size=len(data.VOCAB), hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
+                       bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID,
+                       pad_token_id=data.PAD_ID)
+  ckpt = testing.save_random_checkpoint(tmp_path / "ckpt", config=config)
+  r, report = _compile(tmp_path, "--target=h100", f"--model={ckpt}", "--dtype=bfloat16",
+                       "--hisparse", "--kv_cache_dtype=int8", "--max_model_len=1024",
+                       "--device_kv_gib=0.05", "--host_pool_gib=0.1",
+                       "--programs=decode,tiered_decode")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.startswith("compiling for NVIDIA H100")
+  assert {p["name"] for p in report["programs"]} == {"decode", "tiered_decode"}
+  assert all(p["error"] is None for p in report["programs"])
+  tiered = next(p for p in report["programs"] if p["name"] == "tiered_decode")
+  assert tiered["host_copies"] > 0 and "paged_attention" in tiered["kernels"]
