@@ -12,6 +12,7 @@ and every integer flag to its own (INT_RANGES) before the command's module is im
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging as std_logging
 import os
@@ -195,8 +196,25 @@ def helpfull_text() -> str:
   return "\n\n".join([_usage()] + [FLAGS.module_help(m) for m in ours + others])
 
 
+def quiet_cuda_plugin_without_a_driver() -> None:
+  """`make setup` installs jax[cuda13] everywhere (its GPU compiler serves `compile`
+  without a GPU). On a machine with no NVIDIA driver the CUDA plugin's version check fails
+  at cuInit when jax starts, and jax logs that traceback at ERROR on every command before
+  it falls back to the CPU. With no driver (libcuda.so.1 does not load) there is no device
+  to check: the check is skipped (JAX_SKIP_CUDA_CONSTRAINTS_CHECK) and the plugin, finding
+  no device, leaves jax on the CPU quietly. With a driver, or JAX_PLATFORMS set, nothing
+  changes."""
+  if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
+    return
+  try:
+    ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
+
 def run() -> None:
   """Console-script entry point."""
+  quiet_cuda_plugin_without_a_driver()  # before anything imports jax
   if "--helpfull" in sys.argv[1:]:  # absl's own --helpfull exits 1, its flags first
     print(helpfull_text())
     sys.exit(0)

@@ -1,9 +1,14 @@
 """`hisparse-jax --help` / `-h` / `COMMAND --help`: the commands, then a command's own
-flags by group, on stdout, exit 0."""
+flags by group, on stdout, exit 0; a command starts without jax's CUDA plugin traceback
+on a machine with no NVIDIA driver."""
 
+import ctypes
+import importlib.util
+import os
 import subprocess
 import sys
 
+import pytest
 from absl import flags
 
 from hisparse_jax.entrypoints.cli import flag_defs
@@ -118,3 +123,27 @@ def test_each_command_lists_every_flag_it_reads():
       read |= _flags_read(inspect.getsource(cli._join_processes))
     read &= ours
     assert read == cli.command_flags(command), (command, read ^ cli.command_flags(command))
+
+
+def _has_nvidia_driver() -> bool:
+  try:
+    ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return False
+  return True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
+                    or _has_nvidia_driver(),
+                    reason="needs jax's CUDA plugin installed on a machine without a driver")
+def test_a_command_starts_quietly_with_the_cuda_plugin_and_no_driver():
+  """Without JAX_PLATFORMS, jax's CUDA plugin (installed by make setup for the deviceless
+  compile) fails its version check at cuInit and jax logs the traceback at ERROR before it
+  falls back to the CPU: the CLI skips that check where no driver loads."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax", "capacity"], capture_output=True,
+                     text=True, timeout=120, env=env)
+  assert r.returncode == 0, r.stderr
+  assert "Traceback" not in r.stderr and "plugin configuration error" not in r.stderr, r.stderr
+  assert r.stdout.startswith("KV cache capacity [memory_kind=device]")
