@@ -24,6 +24,9 @@ XLA:CPU, tested against the references):
   negative slots skipped.
 * ``block_key_bounds(bounds, k_pages, slot_ids)`` -- per-block key min/max,
   ``bounds [num_blocks, 2, num_kv_heads, head_dim]`` (0 = min, 1 = max), donated.
+* ``block_scores(q, bounds, rows, *, per_query_head=False)`` -- HiSparse's block scores
+  (each head's upper bound of q . k over a listed block's keys) from those bounds read in
+  place through each row's list of bounds rows; the GPU backends' select.
 * ``sparse_mla_decode(q, kv_pages, indices, *, sm_scale, kv_lora_rank, interpret=None)``
   -- DSA models: each query row over its own listed tokens of a paged MLA latent cache
   (``kv_pages [num_blocks, block_size, 1, kv_lora_rank + rope]``, flat token ids,
@@ -46,6 +49,7 @@ Scripts: ``python -m kernels_pallas.bench --out results/kernel_bench_<platform>.
 
 from kernels_pallas.backend import KernelOps, ops, resolve_backend, resolve_interpret
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
+from kernels_pallas.block_scores import block_scores, block_scores_reference
 from kernels_pallas.paged_attention import (
     merge_attention,
     paged_attention,
@@ -64,6 +68,8 @@ __all__ = [
     "KernelOps",
     "block_key_bounds",
     "block_key_bounds_reference",
+    "block_scores",
+    "block_scores_reference",
     "merge_attention",
     "ops",
     "paged_attention",

@@ -190,6 +190,10 @@ class KernelOps(NamedTuple):
   hints_cover: Callable[[dict[str, int], Sequence[int]], bool] = _no_hints_cover
   # DSA models' attention (kernels_pallas.sparse_mla): each query over its listed tokens.
   sparse_mla_decode: Callable[..., jax.Array] | None = None
+  # HiSparse's block scores from the key bounds read in place (kernels_pallas.block_scores;
+  # the GPU backends). None: the indexer gathers the bounds and scores them in jnp (or the
+  # C++ select on an XLA:CPU target).
+  block_scores: Callable[..., jax.Array] | None = None
 
 
 @functools.cache  # the same KernelOps (a static argument of the step) per backend
@@ -203,16 +207,17 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   C++ kernel: one program for prompts of any length)."""
   # Imported here: the kernel modules import this module for `resolve_interpret`. By module
   # path, since the package re-exports functions under the same names as the modules.
-  pa, rpa, wkv, bkb, xa, smla = (importlib.import_module(f"kernels_pallas.{m}") for m in (
+  pa, rpa, wkv, bkb, xa, smla, bsc = (importlib.import_module(f"kernels_pallas.{m}") for m in (
       "paged_attention", "ragged_paged_attention", "write_kv", "block_key_bounds",
-      "xla_attention", "sparse_mla"))
+      "xla_attention", "sparse_mla", "block_scores"))
 
   name = resolve_backend(backend, platform)
   if name == "pallas":
     bind = functools.partial(functools.partial, interpret=resolve_interpret(None, platform))
     return KernelOps(name, bind(pa.paged_attention), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
-                     sparse_mla_decode=bind(smla.sparse_mla_decode))
+                     sparse_mla_decode=bind(smla.sparse_mla_decode),
+                     block_scores=bind(bsc.block_scores))
   if name == "pallas_mgpu":
     # The decode kernels on Mosaic GPU (paged: bf16/f16 or 8-bit pages read as either,
     # block_size a multiple of 8; DSA's sparse MLA: bf16/f16, kv_lora_rank a multiple of 64,
@@ -227,7 +232,8 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
     ragged = functools.partial(_ragged_mgpu_or_triton, bind(rpa.ragged_paged_attention))
     return KernelOps(name, bind(pam.paged_attention_mgpu), ragged,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
-                     sparse_mla_decode=bind(smlam.sparse_mla_decode_mgpu))
+                     sparse_mla_decode=bind(smlam.sparse_mla_decode_mgpu),
+                     block_scores=bind(bsc.block_scores))
   if name == "xla":
     cpu_kernels = importlib.import_module("kernels_pallas.cpu_kernels")
     kernel = (pages_dtype == "float32" and target_platform(platform) == "cpu"

@@ -19,6 +19,7 @@ import numpy as np
 
 from kernels_pallas import backend
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
+from kernels_pallas.block_scores import block_scores, block_scores_reference
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from kernels_pallas.quant import QuantizedPages, quantize
 from kernels_pallas.ragged_paged_attention import (
@@ -88,8 +89,16 @@ def check_write_and_bounds(rng, block_size, head_dim, dtype_name) -> list[tuple[
   bounds = jnp.zeros((NUM_BLOCKS, 2, 2, head_dim), jnp.float32)
   got_b = block_key_bounds(bounds.copy(), want[0], slots)
   want_b = block_key_bounds_reference(bounds.copy(), want[0], slots)
+  # HiSparse's block scores over those bounds (4 query heads a KV head), relative to the
+  # scores' size (sums of head_dim products).
+  q = jnp.asarray(rng.standard_normal((3, 8, head_dim)), dtype)
+  rows = jnp.asarray(rng.integers(0, NUM_BLOCKS, (3, MAX_BLOCKS)).astype(np.int32))
+  want_s = block_scores_reference(q, want_b, rows, per_query_head=True)
+  scores_err = _err(block_scores(q, want_b, rows, per_query_head=True), want_s) / max(
+      _err(want_s, jnp.zeros_like(want_s)), 1.0)
   return [("write_kv", max(_err(got[0], want[0]), _err(got[1], want[1]))),
-          ("block_key_bounds", _err(got_b, want_b))]
+          ("block_key_bounds", _err(got_b, want_b)),
+          ("block_scores (relative)", scores_err)]
 
 
 def _fp8_convertible() -> bool:

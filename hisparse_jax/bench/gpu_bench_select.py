@@ -16,6 +16,7 @@ from hisparse_jax.bench.gpu_bench_cases import Case, Env, Impl, _keys, _randn, _
 from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas import cpu_kernels
+from kernels_pallas.block_scores import block_scores
 
 
 def _union_reference(scores: np.ndarray, kv_lens: np.ndarray, blocks) -> list[set]:
@@ -75,12 +76,23 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
     return indexer.select_rows(q, bounds, rows, lens, blocks, "union").logical_ids
 
   @jax.jit
+  def ours_kernel(q, bounds, rows, lens):
+    return indexer.select_rows(q, bounds, rows, lens, blocks, "union",
+                               scores_kernel=block_scores).logical_ids
+
+  @jax.jit
   def ours_scores(q, bounds, rows):
     return indexer.block_scores(q, bounds[rows], per_query_head=True)
 
+  @jax.jit
+  def kernel_scores(q, bounds, rows):
+    return block_scores(q, bounds, rows, per_query_head=True)
+
   def check(out, ref):
     ref = np.asarray(ref)
-    err = float(np.abs(np.asarray(ours_scores(q, bounds, rows)) - ref).max())
+    # (both scoring paths' error: the jnp one over gathered bounds, the kernel in place)
+    err = max(float(np.abs(np.asarray(fn(q, bounds, rows)) - ref).max())
+              for fn in (ours_scores, kernel_scores))
     want = _union_reference(ref, np.asarray(lens), blocks)
     got = [set(int(i) for i in row if i >= 0) for row in np.asarray(out)]
     agree = np.mean([len(g & w) / max(len(w), 1) for g, w in zip(got, want, strict=True)])
@@ -88,8 +100,13 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
     ok = err <= 1e-4 * scale and agree >= 0.99
     return err, scale, ok, f"selection agreement {agree:.4f} (ok >= 0.99)"
 
-  impls = {"ours-jnp": Impl(ours, args, "indexer.select_rows 'union' (the engine's GPU path: "
-                                        "bounds gather, one matmul, lax.top_k), jit")}
+  impls = {"ours-triton": Impl(ours_kernel, args, "indexer.select_rows 'union' with "
+                              "kernels_pallas.block_scores (the engine's GPU path: the bounds "
+                              "scored in place by a Triton kernel; interpret mode on CPU), "
+                              "then XLA's top-k ranking, jit"),
+           "ours-jnp": Impl(ours, args, "indexer.select_rows 'union' over gathered bounds "
+                            "(bounds gather, one float32 matmul, lax.top_k: the engine's "
+                            "GPU path before block_scores), jit")}
   skipped = {}
   if not env.on_gpu and cpu_kernels.available():
     def cpp(q, bounds, rows, lens):
@@ -98,8 +115,8 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
           sink_blocks=blocks.sink_blocks, local_blocks=blocks.local_blocks)[0]
     impls["cpp-cpu"] = Impl(jax.jit(cpp), args, "cpu_select.cc (XLA:CPU FFI), bounds in place")
   else:
-    skipped["cpp-cpu"] = ("the C++ select is an XLA:CPU custom call (the GPU runs the jnp "
-                          "path)" if env.on_gpu else "the C++ CPU kernels did not build")
+    skipped["cpp-cpu"] = ("the C++ select is an XLA:CPU custom call (the GPU runs "
+                          "block_scores)" if env.on_gpu else "the C++ CPU kernels did not build")
   nbounds = batch * per_row * 2 * hkv * d * 2
   shape = dict(batch=batch, context=ctx, blocks=per_row, top_k_blocks=blocks.top_k_blocks,
                num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,

@@ -457,7 +457,8 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   kv_lens = jnp.where(live, jnp.where(chunk, (row_lens - q_lens) // block_size * block_size,
                                       row_lens), 0)
   # select: key bounds of each logical block, from its device copy's row or, once it was
-  # dropped, its host copy's row (read in place by the C++ kernel on CPU, else gathered).
+  # dropped, its host copy's row (read in place by the C++ kernel on CPU and by
+  # kernels_pallas.block_scores on the GPU backends; the reference backend gathers them).
   num_device_blocks = pages[0].shape[0]
   bounds_rows = jnp.where(tables != 0, tables, num_device_blocks + host_tables)
   # The C++ select / resolve: the xla kernels on a CPU target (TPU also takes the xla
@@ -466,7 +467,7 @@ def _sparse_rows(sparse: SparseStatic, kv_dtype, ops: kernels_pallas.KernelOps, 
   sel = indexer.select_rows(q_select, bounds, bounds_rows, kv_lens, sparse.blocks,
                             sparse.selection, axis_name=sparse.axis_name,
                             kv_head_repeat=sparse.kv_head_repeat,
-                            cpu_kernel=cpu_kernel)
+                            cpu_kernel=cpu_kernel, scores_kernel=ops.block_scores)
   # resolve: resident / hot-buffer hit / host miss, against this layer's hot-buffer rows.
   slot_block, last_used, evicted_at = cache["state"]
   num_state_rows, width = slot_block.shape[0], tables.shape[1]

@@ -35,6 +35,7 @@ newest, partly filled block last), as kernels_pallas.paged_attention requires.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -261,11 +262,36 @@ def select(
 
   cpu_kernel: the program runs on XLA:CPU (the engine's "xla" kernels): "union" selects
   with the C++ kernel (`cpu_kernels.union_select`, the same blocks) when it is built."""
+  _check_selection(selection, axis_name)
+  scores = block_scores(q, bounds, per_query_head=_per_query_head(selection))
+  return select_scored(scores, kv_lens, blocks, selection, axis_name=axis_name,
+                       kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)
+
+
+def _check_selection(selection: str, axis_name: str | None) -> None:
   if selection not in SELECTIONS:
     raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
   if selection not in ("shared", "union") and axis_name is not None:
     raise ValueError(f"selection={selection!r} is not supported with tensor parallelism")
-  scores = block_scores(q, bounds, per_query_head=selection in ("union", "per_query_head"))
+
+
+def _per_query_head(selection: str) -> bool:
+  """Whether `selection` ranks by each query head's scores (else each KV head's)."""
+  return selection in ("union", "per_query_head")
+
+
+def select_scored(
+    scores: jax.Array,  # float32 [batch, heads, max_blocks]: `block_scores`' of this selection
+    kv_lens: jax.Array,  # int32 [batch]
+    blocks: HiSparseBlocks,
+    selection: str = "shared",
+    axis_name: str | None = None,
+    kv_head_repeat: int = 1,
+    cpu_kernel: bool = False,
+) -> Selection:
+  """`select` from the block scores (per query head for "union" / "per_query_head", per
+  KV head otherwise), however they were computed."""
+  _check_selection(selection, axis_name)
   if axis_name is not None:
     scores = lax.all_gather(scores, axis_name, axis=1, tiled=True)
     if kv_head_repeat > 1 and selection == "shared":
@@ -296,12 +322,16 @@ def select_rows(
     axis_name: str | None = None,
     kv_head_repeat: int = 1,
     cpu_kernel: bool = False,
+    scores_kernel: Callable[..., jax.Array] | None = None,
 ) -> Selection:
   """`select(q, bounds[bounds_rows], ...)`: the selection from the bounds array the step
   holds and each logical block's row of it. With `cpu_kernel` (XLA:CPU), "union" without
   tensor parallelism and float32 / bfloat16 bounds, the C++ kernel scores the bounds in
   place (`cpu_kernels.union_select_bounds`: no [batch, max_blocks, 2, heads, head_dim]
-  gathered copy; scores equal up to float32 rounding); otherwise the gather and `select`."""
+  gathered copy; scores equal up to float32 rounding). Else with `scores_kernel` (the GPU
+  backends' `KernelOps.block_scores`: kernels_pallas.block_scores' signature) the scores
+  come from it, the bounds read in place, and `select_scored` selects; otherwise the
+  gather and `select`."""
   if (cpu_kernel and selection == "union" and axis_name is None
       and jnp.dtype(bounds.dtype).name in cpu_kernels.UNION_SELECT_BOUNDS_TARGETS
       and cpu_kernels.available()):
@@ -310,6 +340,11 @@ def select_rows(
         block_size=blocks.block_size, sink_blocks=blocks.sink_blocks,
         local_blocks=blocks.local_blocks)
     return Selection(logical_ids=ids, num_selected=num, kv_lens=lens)
+  if scores_kernel is not None:
+    _check_selection(selection, axis_name)
+    scores = scores_kernel(q, bounds, bounds_rows, per_query_head=_per_query_head(selection))
+    return select_scored(scores, kv_lens, blocks, selection, axis_name=axis_name,
+                         kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)
   if bounds.dtype == jnp.uint16:  # bfloat16 bits (the engine's storage on CPU)
     bounds = lax.bitcast_convert_type(bounds, jnp.bfloat16)
   return select(q, bounds[bounds_rows], kv_lens, blocks, selection, axis_name=axis_name,

@@ -22,7 +22,10 @@ from bench_helpers import GPU_BENCH_EXPECTED as EXPECTED
 from hisparse_jax.bench import gpu_bench_cases as cases
 from hisparse_jax.bench import gpu_bench_kernels as gbk
 from hisparse_jax.bench import gpu_bench_peers as peers
+from hisparse_jax.sparse import indexer
+from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas import backend
+from kernels_pallas.block_scores import block_scores
 
 
 def test_a_spent_budget_skips_what_is_left_and_exits_cleanly(tmp_path):
@@ -137,6 +140,13 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
          S((c["batch"], c["heads"], width), bf),
          S((c["batch"] * c["context"] // c["block_size"] + 1, c["block_size"], 1, width), bf),
          S((c["batch"], c["topk"]), i32))
+  # The select's GPU path: the bounds scored in place (Triton), then XLA's top-k ranking.
+  sel = cases.FULL["select"]
+  blocks = HiSparseConfig(top_k_tokens=sel["top_k_tokens"]).blocks(bs)
+  per_row = sel["context"] // bs
+  _lower(lambda *a: indexer.select_rows(*a, blocks, "union", scores_kernel=block_scores),
+         S((sel["batch"], hq, d), bf), S((sel["batch"] * per_row + 1, 2, hkv, d), bf),
+         S((sel["batch"], per_row), i32), S((sel["batch"],), i32))
 
 
 def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():

@@ -74,8 +74,9 @@ def test_hisparse_with_int8_kv_compiles_its_in_step_host_loads():
   config = EngineConfig(hisparse=HISPARSE, kv_cache_dtype="int8", host_pool_gib=0.5, **SMALL)
   build, progs = _compile(config, {"tiered_decode", "refresh_bounds", "bounds_to_host_index"})
   p = progs["tiered_decode"]
-  assert set(p.kernels) == {"block_key_bounds", "paged_attention", "ragged_paged_attention",
-                            "write_kv"}
+  # (block_scores: the select scores the key bounds where they lie, no gathered copy)
+  assert set(p.kernels) == {"block_key_bounds", "block_scores", "paged_attention",
+                            "ragged_paged_attention", "write_kv"}
   assert p.host_copies > 0  # the misses cross from pinned_host inside the step
   assert p.host_bytes > 0  # the host pool (int8 values + float32 scales) is an argument
   assert progs["refresh_bounds"].kernels == ("block_key_bounds",)

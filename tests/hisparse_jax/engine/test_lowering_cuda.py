@@ -109,8 +109,9 @@ def test_the_hisparse_step_lowers_for_cuda_with_in_step_host_loads(model):
   batches = _batches(engine, lambda b: any(x.metadata.sparse_rows.any() for x in b))
   sparse = next(b for b in batches if b.metadata.sparse_rows.any())
   text = engine.runner.lower(sparse, platform="cuda").as_text()
-  assert _kernels(text) == ["block_key_bounds", "paged_attention", "ragged_paged_attention",
-                            "write_kv"]
+  # (block_scores: the select scores the key bounds in place, kernels_pallas.block_scores)
+  assert _kernels(text) == ["block_key_bounds", "block_scores", "paged_attention",
+                            "ragged_paged_attention", "write_kv"]
   # The host pool's K and V of every layer stay in pinned_host; the misses are gathered
   # by host computations and only the gathered blocks are placed on the device.
   assert _attrs(text, "mhlo.memory_kind")["pinned_host"] == 2 * NUM_LAYERS
@@ -149,8 +150,9 @@ def test_the_8bit_hisparse_step_lowers_for_cuda_with_values_and_scales(model, kv
   engine = _engine(model, hisparse=SMALL, kv_cache_dtype=kv_cache_dtype)
   sparse = _sparse_batch(engine)
   text = engine.runner.lower(sparse, platform="cuda").as_text()
-  assert _kernels(text) == ["block_key_bounds", "paged_attention", "ragged_paged_attention",
-                            "write_kv", "write_kv"]  # the values' and the scales' shapes
+  assert _kernels(text) == ["block_key_bounds", "block_scores", "paged_attention",
+                            "ragged_paged_attention", "write_kv",
+                            "write_kv"]  # the values' and the scales' shapes
   assert _attrs(text, "mhlo.memory_kind")["pinned_host"] == 4 * NUM_LAYERS
   assert _attrs(text, "_xla_compute_type")["host"] > 0
   # The pallas calls take the 8-bit values (i8 / ui8 tensors) and float32 scales.

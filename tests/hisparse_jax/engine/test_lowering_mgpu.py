@@ -48,7 +48,7 @@ def test_the_hisparse_step_lowers_for_cuda_with_the_mosaic_gpu_decode_kernel(mod
   assert len(re.findall(r"= func.call @ragged_paged_attention_mgpu\(", text)) == NUM_LAYERS
   # The other kernels are the Triton ones, named as on "pallas".
   assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == [
-      "block_key_bounds", "write_kv"]
+      "block_key_bounds", "block_scores", "write_kv"]
   assert TRITON_CALL in calls
   # The same batch on "pallas" has no Mosaic GPU call: the backend is what picks it.
   pallas = engine.runner.lower(sparse, platform="cuda", kernel_backend="pallas").as_text()
@@ -69,7 +69,7 @@ def test_the_hisparse_step_over_8bit_kv_lowers_with_the_mosaic_gpu_decode_kernel
   # The dense rows' ragged attention stays on Triton: the Mosaic GPU ragged kernel takes
   # 16-bit pages only.
   assert sorted(set(re.findall(r'\bname = "(\w+)"', text))) == [
-      "block_key_bounds", "ragged_paged_attention", "write_kv"]
+      "block_key_bounds", "block_scores", "ragged_paged_attention", "write_kv"]
   values = "i8" if kv_cache_dtype == "int8" else "ui8"
   tail = text[text.index(f"custom_call @{MGPU_CALL}("):]  # its module bytes, then types
   operands = re.search(r"\} : \(((?:tensor<[^>]*>(?:, )?)+)\) ->", tail)[1]

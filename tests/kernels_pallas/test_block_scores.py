@@ -1,0 +1,153 @@
+"""HiSparse's block scores read in place (kernels_pallas/block_scores.py): the kernel in
+interpret mode against its elementwise reference and against the indexer's gathered jnp
+path, the selection it feeds equal to the jnp path's, and the kernel lowered and compiled
+for an H200 (no GPU) at Llama-3.1-8B's shape at 64k tokens."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas
+from hisparse_jax.sparse import indexer
+from hisparse_jax.sparse.config import HiSparseConfig
+from kernels_pallas.block_scores import block_scores, block_scores_reference
+
+
+def _inputs(seed, batch, num_q_heads, num_kv_heads, head_dim, num_rows, max_blocks,
+            q_dtype, bounds_dtype):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((batch, num_q_heads, head_dim)), q_dtype)
+  keys = rng.standard_normal((num_rows, 4, num_kv_heads, head_dim)).astype(np.float32)
+  bounds = jnp.asarray(np.stack([keys.min(1), keys.max(1)], axis=1), bounds_dtype)
+  rows = jnp.asarray(rng.integers(0, num_rows, (batch, max_blocks)), jnp.int32)
+  return q, bounds, rows
+
+
+CASES = [  # batch, q heads, KV heads, head_dim, bounds rows, max_blocks, q dtype, bounds dtype
+    (2, 8, 2, 64, 40, 37, jnp.float32, jnp.bfloat16),     # the CPU engine's: float32 q
+    (3, 4, 4, 96, 20, 5, jnp.bfloat16, jnp.bfloat16),     # MHA, head_dim padded to 128
+    (1, 16, 2, 32, 50, 130, jnp.float32, jnp.float32),    # group 8, two tiles of blocks
+    (2, 12, 2, 64, 30, 16, jnp.bfloat16, jnp.float32),    # group 6 (padded rows)
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("per_query_head", [True, False])
+def test_scores_equal_the_reference_and_the_indexers_gathered_scores(case, per_query_head):
+  q, bounds, rows = _inputs(0, *case)
+  got = block_scores(q, bounds, rows, per_query_head=per_query_head)  # interpret mode
+  want = block_scores_reference(q, bounds, rows, per_query_head=per_query_head)
+  heads = q.shape[1] if per_query_head else bounds.shape[2]
+  assert got.shape == want.shape == (q.shape[0], heads, rows.shape[1])
+  assert got.dtype == jnp.float32
+  scale = float(jnp.abs(want).max())
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6 * scale)
+  gathered = indexer.block_scores(q, bounds[rows], per_query_head=per_query_head)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=0, atol=1e-6 * scale)
+
+
+def test_uint16_bits_and_out_of_range_rows_read_as_the_jnp_gather_does():
+  q, bounds, rows = _inputs(1, 2, 4, 2, 32, 12, 9, jnp.float32, jnp.bfloat16)
+  rows = rows.at[0, 0].set(-5).at[1, 3].set(40)  # read as bounds[rows]: row 7, row 11
+  bits = jax.lax.bitcast_convert_type(bounds, jnp.uint16)  # the CPU engine's storage
+  got = block_scores(q, bits, rows, per_query_head=True)
+  want = indexer.block_scores(q, bounds[rows], per_query_head=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+def test_an_upper_bound_of_every_keys_dot_product():
+  rng = np.random.default_rng(2)
+  keys = jnp.asarray(rng.standard_normal((6, 16, 2, 64)), jnp.bfloat16)  # 6 blocks of 16
+  slots = jnp.arange(6 * 16, dtype=jnp.int32)
+  bounds = kernels_pallas.block_key_bounds_reference(
+      jnp.zeros((6, 2, 2, 64), jnp.bfloat16), keys, slots)
+  q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.bfloat16)
+  rows = jnp.arange(6, dtype=jnp.int32)[None]
+  scores = block_scores(q, bounds, rows, per_query_head=True)[0]  # [4, 6]
+  dots = jnp.einsum("hd,mthd->hmt", q[0].astype(jnp.float32),
+                    keys.astype(jnp.float32)[:, :, jnp.arange(4) // 2])
+  assert bool((scores[:, :, None] >= dots - 1e-4).all())
+
+
+@pytest.mark.parametrize("selection", ["union", "shared", "per_kv_head", "per_query_head"])
+def test_the_selection_from_the_kernels_scores_is_the_gathered_paths(selection):
+  q, bounds, rows = _inputs(3, 3, 8, 2, 64, 200, 64, jnp.float32, jnp.bfloat16)
+  lens = jnp.asarray([64 * 4, 37 * 4 + 1, 9 * 4], jnp.int32)  # block 4; one row short
+  blocks = HiSparseConfig(top_k_tokens=40, sink_tokens=4, local_tokens=8,
+                          hot_buffer_tokens=96).blocks(4)
+  select = functools.partial(indexer.select_rows, q, bounds, rows, lens, blocks, selection)
+  got, want = select(scores_kernel=block_scores), select()
+  for name in ("logical_ids", "num_selected", "kv_lens"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                  np.asarray(getattr(want, name)), err_msg=name)
+
+
+def test_the_gpu_backends_bind_it_and_the_others_gather():
+  assert kernels_pallas.ops("pallas", platform="gpu").block_scores.func is block_scores
+  assert kernels_pallas.ops("pallas", platform="gpu").block_scores.keywords == {
+      "interpret": False}
+  assert kernels_pallas.ops("pallas_mgpu", platform="gpu").block_scores.func is block_scores
+  assert kernels_pallas.ops("xla").block_scores is None
+  assert kernels_pallas.ops("reference").block_scores is None
+
+
+def test_bad_shapes_are_refused_naming_them():
+  q, bounds, rows = _inputs(4, 2, 6, 4, 32, 8, 4, jnp.float32, jnp.float32)
+  with pytest.raises(ValueError, match="not a multiple of the bounds' num_kv_heads 4"):
+    block_scores(q, bounds, rows)
+  with pytest.raises(ValueError, match=r"rows must be \[batch=2, max_blocks\]"):
+    block_scores(q[:, :4], bounds, rows[0])
+  with pytest.raises(ValueError, match="of one head_dim"):
+    block_scores(q[:, :4, :16], bounds, rows)
+
+
+# Llama-3.1-8B's attention (GQA 32:8, head_dim 128), block 16, 64k tokens = 4,096 blocks a
+# row, batch 32; the bounds of 32 such rows plus the null row, bfloat16.
+S = jax.ShapeDtypeStruct
+LLAMA_8B_64K = (S((32, 32, 128), jnp.bfloat16), S((32 * 4096 + 1, 2, 8, 128), jnp.bfloat16),
+                S((32, 4096), jnp.int32))
+
+
+def _lower_for_h200(*args):
+  from hisparse_jax.engine.gpu_target import load_target  # noqa: PLC0415
+
+  target = load_target("h200")
+  with target.kernel_context():
+    fn = functools.partial(block_scores, per_query_head=True)
+    return target, jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy():
+  _, lowered = _lower_for_h200(*LLAMA_8B_64K)
+  text = lowered.as_text()
+  assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
+  assert len(re.findall(r'\bname = "block_scores"', text)) == 1
+  # Nothing of the bounds' size ([blocks, 2, 8, 128]) is gathered outside the kernel.
+  assert not re.search(r"stablehlo\.gather.*tensor<32x4096x2x8x128", text)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="XLA's GPU compiler is not installed (jax[cuda13])")
+def test_it_compiles_for_an_h200_at_llama_8b_64k_with_small_temporaries():
+  from jax._src import compiler  # noqa: PLC0415 (compile options: no public API yet)
+  from jax._src.lib import xla_client as xc  # noqa: PLC0415
+
+  target, lowered = _lower_for_h200(*LLAMA_8B_64K)
+  device = target.topology(1).devices[0]
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
+                                         device_assignment=np.zeros((1, 1), int))
+  executable = device.client.compile(lowered.compiler_ir("stablehlo"),
+                                     executable_devices=xc.DeviceList((device,)),
+                                     compile_options=options)
+  # Temporaries: the [32, 8, 4, 4096] float32 scores (16 MiB: Triton's 16 dot rows of a
+  # group of 4 are not stored) and q's halves; no copy of the 1 GiB of bounds (a gathered
+  # copy alone would be 512 MiB).
+  temp = executable.get_compiled_memory_stats().temp_size_in_bytes
+  assert temp < 20 * 2**20, temp
