@@ -97,6 +97,26 @@ def _smem_transforms(minor_dim: int, dtype) -> tuple:
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def softmax_start(*acc_cols: int):
+  """The online softmax's carry before any key, for one warpgroup's 64 WGMMA rows: m =
+  MASK_VALUE and l = 0 per row (the rows' reduced WGMMA layout), and one float32 zero
+  accumulator [64, c] (WGMMA layout) per width c in `acc_cols`. Shared by this module's,
+  ragged_paged_attention_mgpu's and sparse_mla_mgpu's kernels."""
+  row = plgpu.Layout.WGMMA.reduce(1)
+  m0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), common.MASK_VALUE, jnp.float32), row)
+  l0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 0.0, jnp.float32), row)
+  return m0, l0, tuple(plgpu.layout_cast(jnp.full((WGMMA_ROWS, c), 0.0, jnp.float32),
+                                         plgpu.Layout.WGMMA) for c in acc_cols)
+
+
+def refuse_generic_interpret(interpret: object) -> None:
+  """The Mosaic GPU kernels' `interpret`: None / False (compiled) or the GPU interpreter's
+  InterpretGPUParams; `True` (the generic Pallas interpreter) cannot run their primitives."""
+  if interpret is True:
+    raise ValueError("interpret=True cannot run Mosaic GPU primitives; pass "
+                     "InterpretGPUParams() to run this kernel on CPU")
+
+
 def _dequantize_into(dst_ref, src_ref, scales_ref):
   """dst [T, head_dim] (bf16/f16, WGMMA's B operand) = src [T, head_dim] (int8 or fp8_e4m3
   bits) * scales [T] (float32, one per token), computed in float32 and rounded to dst's
@@ -221,12 +241,7 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
         functools.partial(fetch, local_step + NUM_SLOTS, slot))
     return m_next, l_next, acc_next
 
-  m0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), common.MASK_VALUE, jnp.float32),
-                         plgpu.Layout.WGMMA.reduce(1))
-  l0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 0.0, jnp.float32),
-                         plgpu.Layout.WGMMA.reduce(1))
-  acc0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS, head_dim), 0.0, jnp.float32),
-                           plgpu.Layout.WGMMA)
+  m0, l0, (acc0,) = softmax_start(head_dim)
   m, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
   # No keys (length 0, or a split past the length): no step ran, acc = 0 and l = 0 ->
   # zeros (l >= 1 once any key is valid).
@@ -373,9 +388,7 @@ def paged_attention_mgpu(
       (`paged_attention`'s; the kernel then writes each split's, even of one split).
   """
   _check(q, k_pages, v_pages, block_tables, kv_lens)
-  if interpret is True:
-    raise ValueError("interpret=True cannot run Mosaic GPU primitives; pass "
-                     "InterpretGPUParams() to run this kernel on CPU")
+  refuse_generic_interpret(interpret)
   blocks_per_step = _check_mgpu_sizes(q, k_pages, tokens_per_step)
   batch, num_q_heads, head_dim = q.shape
   _, _, num_kv_heads, _ = k_pages.shape

@@ -57,6 +57,8 @@ from kernels_pallas.paged_attention_mgpu import (
   WGMMA_ROWS,
   _check_mgpu_sizes,
   _smem_transforms,
+  refuse_generic_interpret,
+  softmax_start,
 )
 from kernels_pallas.quant import QuantizedPages
 from kernels_pallas.ragged_paged_attention import _check, _tile_plan
@@ -147,12 +149,7 @@ def _ragged_kernel(q_gmem, pos_gmem, k_gmem, v_gmem, tables_gmem, meta_gmem, o_g
         functools.partial(fetch, local_step + NUM_SLOTS, slot))
     return m_next, l_next, acc_next
 
-  m0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), common.MASK_VALUE, jnp.float32),
-                         plgpu.Layout.WGMMA.reduce(1))
-  l0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 0.0, jnp.float32),
-                         plgpu.Layout.WGMMA.reduce(1))
-  acc0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS, head_dim), 0.0, jnp.float32),
-                           plgpu.Layout.WGMMA)
+  m0, l0, (acc0,) = softmax_start(head_dim)
   _, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
   l_safe = jnp.where(l > 0.0, l, 1.0)  # rows without keys (padding, empty tiles): zeros
   qo_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
@@ -212,9 +209,7 @@ def ragged_paged_attention_mgpu(
     tokens_per_step: keys per pipeline step, a multiple of 64 up to 256.
   """
   _check(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, sliding_window)
-  if interpret is True:
-    raise ValueError("interpret=True cannot run Mosaic GPU primitives; pass "
-                     "InterpretGPUParams() to run this kernel on CPU")
+  refuse_generic_interpret(interpret)
   if isinstance(k_pages, QuantizedPages):
     raise ValueError("the Mosaic GPU ragged attention takes bfloat16 or float16 pages, got "
                      f"8-bit pages ({k_pages.values.dtype}); use the Triton kernel")

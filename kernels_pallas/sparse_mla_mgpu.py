@@ -59,7 +59,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import common
-from kernels_pallas.paged_attention_mgpu import _smem_transforms, combine_splits
+from kernels_pallas.paged_attention_mgpu import (
+  _smem_transforms,
+  combine_splits,
+  refuse_generic_interpret,
+  softmax_start,
+)
 from kernels_pallas.sparse_mla import _check
 
 WGMMA_ROWS = 64  # query heads per program (WGMMA's row tile)
@@ -152,12 +157,7 @@ def _sparse_mla_kernel(q_gmem, rows_gmem, bias_gmem, *out_gmem, sm_scale: float,
     pl.when(next_step < steps_per_split)(functools.partial(fetch, next_step, slot))
     return m_next, l_next, acc_next
 
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  m0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), common.MASK_VALUE, jnp.float32), row_layout)
-  l0 = plgpu.layout_cast(jnp.full((WGMMA_ROWS,), 0.0, jnp.float32), row_layout)
-  acc0 = tuple(plgpu.layout_cast(jnp.full((WGMMA_ROWS, cols), 0.0, jnp.float32),
-                                 plgpu.Layout.WGMMA)
-               for _ in range(kv_lora_rank // cols))
+  m0, l0, acc0 = softmax_start(*[cols] * (kv_lora_rank // cols))
   m, l, acc = lax.fori_loop(0, steps_per_split, body, (m0, l0, acc0))
   l_safe = jnp.where(l > 0.0, l, 1.0)  # (l >= 1 after any step)
   for c, a in zip(range(0, kv_lora_rank, cols), acc, strict=True):
@@ -258,9 +258,7 @@ def sparse_mla_decode_mgpu(
       list's steps, merged by ``combine_splits``; None: `default_num_splits`.
   """
   _check(q, kv_pages, indices, kv_lora_rank)
-  if interpret is True:
-    raise ValueError("interpret=True cannot run Mosaic GPU primitives; pass "
-                     "InterpretGPUParams() to run this kernel on CPU")
+  refuse_generic_interpret(interpret)
   _check_mgpu_sizes(q, kv_pages, kv_lora_rank, tokens_per_step)
   num_queries, num_heads, width = q.shape
   rope = width - kv_lora_rank

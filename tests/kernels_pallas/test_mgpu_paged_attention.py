@@ -31,7 +31,6 @@ import kernels_testlib as lib
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 import kernels_pallas
 from kernels_pallas.paged_attention import paged_attention_reference
@@ -50,14 +49,6 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 NUM_BLOCKS = 64
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
-
-
-@pytest.fixture
-def gpu_interpreter():
-  """InterpretGPUParams with race detection, on fresh interpreter state."""
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  yield InterpretGPUParams(detect_races=True)
-  gpu_callbacks.reset_gpu_interpret_mode_state()
 
 
 def _case(rng, group, block_size, head_dim, dtype, lengths, num_kv_heads=2):

@@ -16,7 +16,6 @@ import kernels_testlib as lib
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from test_mgpu_paged_attention import MGPU_CALL, TRITON_CALL, custom_calls, lower_for_cuda
 
 from kernels_pallas.quant import QuantizedPages, quantize
@@ -26,13 +25,6 @@ from kernels_pallas.ragged_paged_attention_mgpu import ragged_paged_attention_mg
 NUM_BLOCKS = 64
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
-
-
-@pytest.fixture
-def gpu_interpreter():
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  yield InterpretGPUParams(detect_races=True)
-  gpu_callbacks.reset_gpu_interpret_mode_state()
 
 
 def _seqs(block_size):

@@ -21,7 +21,7 @@ import kernels_testlib as lib
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from test_mgpu_paged_attention import MGPU_CALL, TRITON_CALL
 
 from kernels_pallas.sparse_mla import sparse_mla_decode_reference
 from kernels_pallas.sparse_mla_mgpu import (
@@ -31,20 +31,10 @@ from kernels_pallas.sparse_mla_mgpu import (
   sparse_mla_decode_mgpu,
 )
 
-MGPU_CALL = "mosaic_gpu_v2"
-TRITON_CALL = "__gpu$xla.gpu.triton"
 NUM_BLOCKS = 24
 ROPE = 64
 SCALE = 0.07
 S = jax.ShapeDtypeStruct
-
-
-@pytest.fixture
-def gpu_interpreter():
-  """InterpretGPUParams with race detection, on fresh interpreter state."""
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  yield InterpretGPUParams(detect_races=True)
-  gpu_callbacks.reset_gpu_interpret_mode_state()
 
 
 def _case(rng, num_queries, num_heads, rank, block_size, topk, dtype):
