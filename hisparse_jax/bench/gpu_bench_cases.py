@@ -53,7 +53,7 @@ FULL = {
                   dtype="bfloat16"),
     # (batch, context) in priority order: the budget cuts from the end.
     "paged": ((32, 8192), (32, 32768), (1, 8192), (1, 32768), (128, 8192), (1, 131072),
-              (32, 4096), (1, 4096)),
+              (32, 4096), (1, 4096), (32, 2048)),  # (32, 2048): select's top-k, below
     "paged_8bit": ((32, 8192), (32, 32768), (1, 32768)),
     "ragged": dict(q_lens=(1024, 1024) + (1,) * 30, kv_lens=(4096, 8192) + (8192,) * 30),
     "prefill": dict(seq=8192),

@@ -22,7 +22,10 @@ Kernels (gpu_bench_cases: FULL sizes, SMOKE the same structure at tiny shapes):
               tokamax (Mosaic GPU, Triton, xla) and jax-linear-attention (gpu_bench_peers.py)
   sparse_mla  DeepSeek-V3.2 sparse MLA decode (32 x 128 heads x 512+64, top-k 2,048);
               jax-linear-attention's DSA kernel refuses these shapes (a skip, its words)
-  select      HiSparse's block selection at 64k context (bounds scoring + top-k)
+  select      HiSparse's block selection at 64k context (bounds scoring + top-k): ours
+              (the bounds scored in place by kernels_pallas.block_scores; and the jnp
+              path over gathered bounds); `select_over_attention` against ours' paged
+              decode at the same batch over its top-k tokens
 
 Each row: median and min ms, bytes, FLOPs, GB/s, TFLOP/s, their shares of the device's
 peaks (kernels_pallas.bench.DEVICE_PEAKS), the roofline fraction (max(bytes / HBM,
@@ -310,7 +313,10 @@ def summarize(rows: list[dict]) -> dict:
   peers are every impl not ours, our jitted jnp reference included) and ours' shares of
   the roofline, HBM and FLOP peaks; per kernel the geometric mean of the ratios and the
   median roofline share. Incorrect rows take no part. paged_8bit: `speedup_vs_bf16`, the
-  best bf16 paged time of ours at the same batch and context over the 8-bit one."""
+  best bf16 paged time of ours at the same batch and context over the 8-bit one. select:
+  `select_over_attention`, its best time of ours over our best paged decode at the same
+  batch and a context of its top-k tokens (the sparse step's attention over what it
+  selected: is the select a small part of the step?)."""
   groups: dict[tuple, dict] = {}
   for r in rows:
     if r["median_ms"] is None or not r["ok"]:
@@ -338,6 +344,11 @@ def summarize(rows: list[dict]) -> dict:
     if kernel == "paged_8bit" and ours:
       base = bf16.get((ours["shape"]["batch"], ours["shape"]["context"]))
       s["speedup_vs_bf16"] = base["median_ms"] / ours["median_ms"] if base else None
+    if kernel == "select" and ours:
+      shape = ours["shape"]
+      attend = bf16.get((shape["batch"], shape["top_k_blocks"] * shape["block_size"]))
+      s["sparse_attention_ms"] = attend and attend["median_ms"]
+      s["select_over_attention"] = ours["median_ms"] / attend["median_ms"] if attend else None
     entry["shapes"].append(s)
   for entry in out.values():
     ratios = [s["ours_over_peer"] for s in entry["shapes"] if s["ours_over_peer"]]
@@ -370,6 +381,10 @@ def format_table(result: dict) -> str:
     lines.append(f"summary {kernel}: geomean ours/peer time "
                  f"{f(s['geomean_ours_over_peer'], '.2f')}, median roofline "
                  f"{f(s['median_ours_roofline_fraction'], '.3f')}")
+  for s in result["summary"].get("select", {}).get("shapes", []):
+    lines.append(f"summary select: {f(s['ours_ms'], '.3f')} ms, the sparse attention over "
+                 f"its top-k {f(s['sparse_attention_ms'], '.3f')} ms: select / attention "
+                 f"{f(s['select_over_attention'], '.2f')}")
   m = result["machine"]
   lines.append(f"machine: {m['platform']} / {m['device_kind']} ({m['cpu_cores']} cores), "
                f"jax {m['jax_version']}, size={result['size']}, {result['wall_s']:.1f} s")
