@@ -78,6 +78,22 @@ class GpuTarget:
 
     return kernels_pallas.backend.abstract_gpu(self.device_kind, self.core_count)
 
+  def compile(self, lowered):
+    """A one-device program lowered for "cuda" (in `kernel_context()`), compiled by XLA's
+    GPU compiler for this target with no GPU: the executable (never loaded), which
+    answers `get_compiled_memory_stats()`. The engine's programs, of one device or many,
+    go through engine/aot_compile.py instead (their own options, SPMD)."""
+    import numpy as np  # noqa: PLC0415
+    from jax._src import compiler  # noqa: PLC0415 (compile options: no public API yet)
+    from jax._src.lib import xla_client as xc  # noqa: PLC0415
+
+    device = self.topology(1).devices[0]
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
+                                           device_assignment=np.zeros((1, 1), int))
+    return device.client.compile(lowered.compiler_ir("stablehlo"),
+                                 executable_devices=xc.DeviceList((device,)),
+                                 compile_options=options)
+
 
 @functools.cache
 def _topology(config_text: str, num_devices: int):

@@ -240,13 +240,14 @@ def _within_union(priority: jax.Array, k: int, max_union_blocks: int) -> jax.Arr
 
 def select(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
-    bounds: jax.Array,  # [batch, max_blocks, 2, num_kv_heads, head_dim]
+    bounds: jax.Array | None,  # [batch, max_blocks, 2, num_kv_heads, head_dim]
     kv_lens: jax.Array,  # int32 [batch]
     blocks: HiSparseBlocks,
     selection: str = "shared",
     axis_name: str | None = None,
     kv_head_repeat: int = 1,
     cpu_kernel: bool = False,
+    scores: jax.Array | None = None,
 ) -> Selection:
   """Scores and selection in one call: [batch, k] ("shared"), [batch, num_kv_heads, k]
   ("per_kv_head") or [batch, num_q_heads, k] ("per_query_head"). The per-head selections
@@ -261,37 +262,17 @@ def select(
   (each over its own query heads) are maxed back into the head's score first.
 
   cpu_kernel: the program runs on XLA:CPU (the engine's "xla" kernels): "union" selects
-  with the C++ kernel (`cpu_kernels.union_select`, the same blocks) when it is built."""
-  _check_selection(selection, axis_name)
-  scores = block_scores(q, bounds, per_query_head=_per_query_head(selection))
-  return select_scored(scores, kv_lens, blocks, selection, axis_name=axis_name,
-                       kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)
+  with the C++ kernel (`cpu_kernels.union_select`, the same blocks) when it is built.
 
-
-def _check_selection(selection: str, axis_name: str | None) -> None:
+  scores: this device's block scores when computed elsewhere (float32 [batch, heads,
+  max_blocks]: per query head for "union" / "per_query_head", per KV head otherwise, as
+  `block_scores`; `select_rows`' scores kernel); `bounds` is then not read (None)."""
   if selection not in SELECTIONS:
     raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
   if selection not in ("shared", "union") and axis_name is not None:
     raise ValueError(f"selection={selection!r} is not supported with tensor parallelism")
-
-
-def _per_query_head(selection: str) -> bool:
-  """Whether `selection` ranks by each query head's scores (else each KV head's)."""
-  return selection in ("union", "per_query_head")
-
-
-def select_scored(
-    scores: jax.Array,  # float32 [batch, heads, max_blocks]: `block_scores`' of this selection
-    kv_lens: jax.Array,  # int32 [batch]
-    blocks: HiSparseBlocks,
-    selection: str = "shared",
-    axis_name: str | None = None,
-    kv_head_repeat: int = 1,
-    cpu_kernel: bool = False,
-) -> Selection:
-  """`select` from the block scores (per query head for "union" / "per_query_head", per
-  KV head otherwise), however they were computed."""
-  _check_selection(selection, axis_name)
+  if scores is None:
+    scores = block_scores(q, bounds, per_query_head=_per_query_head(selection))
   if axis_name is not None:
     scores = lax.all_gather(scores, axis_name, axis=1, tiled=True)
     if kv_head_repeat > 1 and selection == "shared":
@@ -309,6 +290,11 @@ def select_scored(
   if selection == "shared":
     return select_blocks(shared_scores(scores, kv_lens, blocks.block_size), kv_lens, blocks)
   return select_blocks(scores, kv_lens, blocks, max_union_blocks=blocks.hot_buffer_blocks)
+
+
+def _per_query_head(selection: str) -> bool:
+  """Whether `selection` ranks by each query head's scores (else each KV head's)."""
+  return selection in ("union", "per_query_head")
 
 
 def select_rows(
@@ -330,8 +316,8 @@ def select_rows(
   place (`cpu_kernels.union_select_bounds`: no [batch, max_blocks, 2, heads, head_dim]
   gathered copy; scores equal up to float32 rounding). Else with `scores_kernel` (the GPU
   backends' `KernelOps.block_scores`: kernels_pallas.block_scores' signature) the scores
-  come from it, the bounds read in place, and `select_scored` selects; otherwise the
-  gather and `select`."""
+  come from it, the bounds read in place; otherwise from the gathered bounds; then
+  `select`."""
   if (cpu_kernel and selection == "union" and axis_name is None
       and jnp.dtype(bounds.dtype).name in cpu_kernels.UNION_SELECT_BOUNDS_TARGETS
       and cpu_kernels.available()):
@@ -340,12 +326,12 @@ def select_rows(
         block_size=blocks.block_size, sink_blocks=blocks.sink_blocks,
         local_blocks=blocks.local_blocks)
     return Selection(logical_ids=ids, num_selected=num, kv_lens=lens)
+  scores = gathered = None
   if scores_kernel is not None:
-    _check_selection(selection, axis_name)
     scores = scores_kernel(q, bounds, bounds_rows, per_query_head=_per_query_head(selection))
-    return select_scored(scores, kv_lens, blocks, selection, axis_name=axis_name,
-                         kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)
-  if bounds.dtype == jnp.uint16:  # bfloat16 bits (the engine's storage on CPU)
-    bounds = lax.bitcast_convert_type(bounds, jnp.bfloat16)
-  return select(q, bounds[bounds_rows], kv_lens, blocks, selection, axis_name=axis_name,
-                kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel)
+  else:
+    if bounds.dtype == jnp.uint16:  # bfloat16 bits (the engine's storage on CPU)
+      bounds = lax.bitcast_convert_type(bounds, jnp.bfloat16)
+    gathered = bounds[bounds_rows]
+  return select(q, gathered, kv_lens, blocks, selection, axis_name=axis_name,
+                kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel, scores=scores)

@@ -136,16 +136,8 @@ def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy():
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
                     reason="XLA's GPU compiler is not installed (jax[cuda13])")
 def test_it_compiles_for_an_h200_at_llama_8b_64k_with_small_temporaries():
-  from jax._src import compiler  # noqa: PLC0415 (compile options: no public API yet)
-  from jax._src.lib import xla_client as xc  # noqa: PLC0415
-
   target, lowered = _lower_for_h200(*LLAMA_8B_64K)
-  device = target.topology(1).devices[0]
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
-                                         device_assignment=np.zeros((1, 1), int))
-  executable = device.client.compile(lowered.compiler_ir("stablehlo"),
-                                     executable_devices=xc.DeviceList((device,)),
-                                     compile_options=options)
+  executable = target.compile(lowered)
   # Temporaries: the [32, 8, 4, 4096] float32 scores (16 MiB: Triton's 16 dot rows of a
   # group of 4 are not stored) and q's halves; no copy of the 1 GiB of bounds (a gathered
   # copy alone would be 512 MiB).

@@ -227,22 +227,13 @@ class _H200:
 
 def _compile_for_h200(fn, *args) -> list[str]:
   """The custom calls of fn lowered for the H200 target, after XLA's GPU compiler compiled
-  it deviceless (as tests/kernels_pallas/test_mgpu_sparse_mla.py does)."""
-  import numpy as np
-  from jax._src import compiler
-  from jax._src.lib import xla_client as xc
-
+  it deviceless (GpuTarget.compile)."""
   from hisparse_jax.engine.gpu_target import load_target
 
   target = load_target("h200")
   with target.kernel_context():
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  device = target.topology(1).devices[0]
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
-                                         device_assignment=np.zeros((1, 1), int))
-  assert device.client.compile(lowered.compiler_ir("stablehlo"),
-                               executable_devices=xc.DeviceList((device,)),
-                               compile_options=options) is not None
+  assert target.compile(lowered) is not None
   return re.findall(r"custom_call @([\w$.]+)\(", lowered.as_text())
 
 
