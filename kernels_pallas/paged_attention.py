@@ -100,7 +100,7 @@ def _paged_attention_kernel(
 
 def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scale, soft_cap,
                           num_splits, blocks_per_step, block_h, width, interpret,
-                          return_lse=False):
+                          return_lse=False, num_warps=4, num_stages=2):
   """Builds grid and BlockSpecs; returns [batch, num_q_heads, head_dim] (and, with
   `return_lse`, the log-sum-exp [batch, num_q_heads] float32 of the combined splits)."""
   batch, num_q_heads, head_dim = q.shape
@@ -156,7 +156,8 @@ def _paged_attention_call(q, k_pages, v_pages, block_tables, kv_lens, *, sm_scal
           jax.ShapeDtypeStruct(part_shape, jnp.float32),
       ],
       interpret=interpret,
-      compiler_params=backend.compiler_params(interpret),
+      compiler_params=backend.compiler_params(interpret, num_warps=num_warps,
+                                              num_stages=num_stages),
       name="paged_attention",
   )(q4, k_pages, v_pages, *scales, tables, kv_lens)
 
@@ -193,7 +194,8 @@ def _check(q, k_pages, v_pages, block_tables, kv_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "num_splits",
-                                             "blocks_per_step", "block_h", "return_lse"))
+                                             "blocks_per_step", "block_h", "return_lse",
+                                             "num_warps", "num_stages"))
 def paged_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -208,6 +210,8 @@ def paged_attention(
     blocks_per_step: int | None = None,
     block_h: int | None = None,
     return_lse: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of one query token per sequence over its listed blocks.
 
@@ -225,6 +229,9 @@ def paged_attention(
     num_splits, blocks_per_step, block_h: tuning knobs; None picks defaults. block_h
       (query-head rows per program) may be below the GQA group: the group is then
       split over cdiv(group, block_h) programs (each reads the KV head's blocks).
+    num_warps, num_stages: Triton's (the compiled kernel's warps per program and its
+      software pipeline's depth); ignored in interpret mode. make gpu-bench times a few
+      settings beside the defaults (its paged case's tuning rows).
     return_lse: also return each query head's log-sum-exp over its keys (see
       `merge_attention`: attention over two disjoint key sets merged exactly).
 
@@ -252,7 +259,7 @@ def paged_attention(
       sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
       num_splits=num_splits, blocks_per_step=blocks_per_step, block_h=block_h,
       width=common.padded_head_dim(head_dim, backend.min_dot_rows(interpret)),
-      interpret=interpret, return_lse=return_lse)
+      interpret=interpret, return_lse=return_lse, num_warps=num_warps, num_stages=num_stages)
 
 
 def _softmax_lse(s: jax.Array, valid: jax.Array, soft_cap: float | None):

@@ -73,6 +73,12 @@ SMOKE = {
     "select": dict(batch=2, context=1024, top_k_tokens=256),
 }
 CONTIGUOUS = "contiguous KV, no page table"
+# The Triton paged decode's knobs timed beside its defaults at the paged case's first
+# shape (rows "ours-triton <name>"; the summary's best ours is the fastest of them): more
+# keys per loop step (bytes in flight per program), more warps, a deeper pipeline.
+TRITON_TUNING = {"bps=4": dict(blocks_per_step=4), "bps=8": dict(blocks_per_step=8),
+                 "bps=8 warps=8": dict(blocks_per_step=8, num_warps=8),
+                 "bps=8 stages=3": dict(blocks_per_step=8, num_stages=3)}
 
 
 @dataclasses.dataclass
@@ -238,9 +244,19 @@ def paged_cases(cfg: dict, env: Env, seed: int = 0):
     }
     skipped = {"jax-mgpu-attention": "ops.gpu.attention_mgpu tiles 128 query rows "
                                      "(2 x block_q 64); a decode step has 1"}
+    if i == 0:  # the first shape: our kernels' tuning knobs beside their defaults
+      impls.update({f"ours-triton {name}": Impl(
+          functools.partial(paged_attention, interpret=interp, **knobs), paged_args,
+          f"Pallas Triton, {knobs} (defaults: 2 blocks a step at block 16, 4 warps, 2 "
+          "stages)" + (", interpret mode" if interp else ""))
+          for name, knobs in TRITON_TUNING.items()})
     if env.sm90:
       from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu  # noqa: PLC0415
       impls["ours-mgpu"] = Impl(paged_attention_mgpu, paged_args, "Pallas Mosaic GPU (sm_90)")
+      if i == 0:
+        impls["ours-mgpu tps=128"] = Impl(
+            functools.partial(paged_attention_mgpu, tokens_per_step=128), paged_args,
+            "Pallas Mosaic GPU (sm_90), 128 keys a pipeline step (default 64)")
     else:
       skipped["ours-mgpu"] = f"Mosaic GPU kernel: {env.why_not_sm90}"
     if env.on_gpu:

@@ -149,6 +149,32 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
          S((sel["batch"], per_row), i32), S((sel["batch"],), i32))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="XLA's GPU compiler is not installed (jax[cuda13])")
+def test_the_paged_tuning_rows_compile_for_an_h200_at_the_first_shape():
+  """The Triton knobs (more keys a step, 8 warps, 3 stages: shared memory grows with
+  them) and the Mosaic GPU kernel at 128 keys a step, compiled by XLA's GPU compiler
+  deviceless at the paged case's first FULL shape, where make gpu-bench times them."""
+  from hisparse_jax.engine.gpu_target import load_target
+  from kernels_pallas.paged_attention import paged_attention
+  from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu
+
+  m = cases.FULL["model"]
+  hq, hkv, d, bs = m["num_q_heads"], m["num_kv_heads"], m["head_dim"], m["block_size"]
+  batch, ctx = cases.FULL["paged"][0]
+  nb = batch * ctx // bs + 1
+  pages = S((nb, bs, hkv, d), jnp.bfloat16)
+  args = (S((batch, hq, d), jnp.bfloat16), pages, pages, S((batch, ctx // bs), jnp.int32),
+          S((batch,), jnp.int32))
+  target = load_target("h200")
+  fns = [functools.partial(paged_attention, interpret=False, **knobs)
+         for knobs in cases.TRITON_TUNING.values()]
+  for fn in fns + [functools.partial(paged_attention_mgpu, tokens_per_step=128)]:
+    with target.kernel_context():
+      lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert target.compile(lowered) is not None, fn
+
+
 def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
   """The GPU-only branches of the case builders (Mosaic GPU, cuDNN), built (not run) with a
   Hopper's Env at the smoke sizes: only what cannot apply is skipped there."""
