@@ -27,6 +27,9 @@ XLA:CPU, tested against the references):
 * ``block_scores(q, bounds, rows, *, per_query_head=False)`` -- HiSparse's block scores
   (each head's upper bound of q . k over a listed block's keys) from those bounds read in
   place through each row's list of bounds rows; the GPU backends' select.
+* ``index_scores(index_q, index_w, index_pages, tables, host_index=None, host_tables=None)``
+  -- DSA's lightning-indexer score of every key a token's table lists, the paged indexer
+  keys (and a tiered row's host copies) read in place; the GPU backends' DSA select.
 * ``sparse_mla_decode(q, kv_pages, indices, *, sm_scale, kv_lora_rank, interpret=None)``
   -- DSA models: each query row over its own listed tokens of a paged MLA latent cache
   (``kv_pages [num_blocks, block_size, 1, kv_lora_rank + rope]``, flat token ids,
@@ -50,6 +53,7 @@ Scripts: ``python -m kernels_pallas.bench --out results/kernel_bench_<platform>.
 from kernels_pallas.backend import KernelOps, ops, resolve_backend, resolve_interpret
 from kernels_pallas.block_key_bounds import block_key_bounds, block_key_bounds_reference
 from kernels_pallas.block_scores import block_scores, block_scores_reference
+from kernels_pallas.index_scores import index_scores, index_scores_reference
 from kernels_pallas.paged_attention import (
     merge_attention,
     paged_attention,
@@ -70,6 +74,8 @@ __all__ = [
     "block_key_bounds_reference",
     "block_scores",
     "block_scores_reference",
+    "index_scores",
+    "index_scores_reference",
     "merge_attention",
     "ops",
     "paged_attention",

@@ -194,6 +194,9 @@ class KernelOps(NamedTuple):
   # the GPU backends). None: the indexer gathers the bounds and scores them in jnp (or the
   # C++ select on an XLA:CPU target).
   block_scores: Callable[..., jax.Array] | None = None
+  # DSA's lightning-indexer scores from the paged indexer keys read in place
+  # (kernels_pallas.index_scores; the GPU backends). None: gathered and scored in jnp.
+  index_scores: Callable[..., jax.Array] | None = None
 
 
 @functools.cache  # the same KernelOps (a static argument of the step) per backend
@@ -207,9 +210,10 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   C++ kernel: one program for prompts of any length)."""
   # Imported here: the kernel modules import this module for `resolve_interpret`. By module
   # path, since the package re-exports functions under the same names as the modules.
-  pa, rpa, wkv, bkb, xa, smla, bsc = (importlib.import_module(f"kernels_pallas.{m}") for m in (
-      "paged_attention", "ragged_paged_attention", "write_kv", "block_key_bounds",
-      "xla_attention", "sparse_mla", "block_scores"))
+  pa, rpa, wkv, bkb, xa, smla, bsc, isc = (
+      importlib.import_module(f"kernels_pallas.{m}") for m in (
+          "paged_attention", "ragged_paged_attention", "write_kv", "block_key_bounds",
+          "xla_attention", "sparse_mla", "block_scores", "index_scores"))
 
   name = resolve_backend(backend, platform)
   if name == "pallas":
@@ -217,7 +221,7 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
     return KernelOps(name, bind(pa.paged_attention), bind(rpa.ragged_paged_attention),
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smla.sparse_mla_decode),
-                     block_scores=bind(bsc.block_scores))
+                     block_scores=bind(bsc.block_scores), index_scores=bind(isc.index_scores))
   if name == "pallas_mgpu":
     # The decode kernels on Mosaic GPU (paged: bf16/f16 or 8-bit pages read as either,
     # block_size a multiple of 8; DSA's sparse MLA: bf16/f16, kv_lora_rank a multiple of 64,
@@ -233,7 +237,7 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
     return KernelOps(name, bind(pam.paged_attention_mgpu), ragged,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smlam.sparse_mla_decode_mgpu),
-                     block_scores=bind(bsc.block_scores))
+                     block_scores=bind(bsc.block_scores), index_scores=bind(isc.index_scores))
   if name == "xla":
     cpu_kernels = importlib.import_module("kernels_pallas.cpu_kernels")
     kernel = (pages_dtype == "float32" and target_platform(platform) == "cpu"

@@ -110,10 +110,13 @@ def _tile(num_tokens: int, num_keys: int, index_dim: int) -> int:
 
 
 def select(step: MLAStep, index_pages, host_index, metadata: StepMetadata, row, pos,
-           index_topk: int, kv_dtype) -> jax.Array:
+           index_topk: int, kv_dtype, scores_kernel=None) -> jax.Array:
   """int32 [tokens, k] selected key positions of each token (negative: none), k =
   min(index_topk, table width x block_size). index_pages: the layer's indexer keys
-  (storage dtype); host_index: those of host blocks on the device (HiSparse) or None."""
+  (storage dtype); host_index: those of host blocks on the device (HiSparse) or None.
+  scores_kernel: the GPU backends' `KernelOps.index_scores` (kernels_pallas.index_scores:
+  the keys read in place, a tile of tokens a launch, its scores bounding the tile), else
+  the keys are gathered and scored in jnp (`index_scores`)."""
   tables = metadata.block_tables
   width = tables.shape[1]
   block_size = index_pages.shape[1]
@@ -124,17 +127,24 @@ def select(step: MLAStep, index_pages, host_index, metadata: StepMetadata, row, 
     return jnp.where(keys_pos[None, :] <= pos[:, None], keys_pos[None, :], -1)
   index_q, index_w = step.index_q[0], step.index_w[0]
   num_tokens, _, index_dim = index_q.shape
-  tile = _tile(num_tokens, num_keys, index_dim)
+  # (the kernel writes one float32 score a key, the jnp path gathers index_dim values)
+  tile = _tile(num_tokens, num_keys, 1 if scores_kernel is not None else index_dim)
 
   def tile_topk(i, out):
     toks = i * tile + jnp.arange(tile)
     blocks = tables[row[toks]]  # [tile, width]
-    keys = from_storage(index_pages[blocks], kv_dtype)  # [tile, width, bs, 1, d]
-    if host_index is not None:  # dropped blocks: their keys' device copy by host id
-      host = from_storage(host_index[metadata.host_tables[row[toks]]], kv_dtype)
-      keys = jnp.where((blocks != 0)[:, :, None, None, None], keys, host)
-    keys = keys.reshape(tile, num_keys, index_dim)
-    scores = index_scores(index_q[toks], keys, index_w[toks])  # [tile, keys]
+    if scores_kernel is not None:  # dropped blocks' keys: their device copy by host id
+      scores = scores_kernel(
+          index_q[toks], index_w[toks], from_storage(index_pages, kv_dtype), blocks,
+          *((from_storage(host_index, kv_dtype), metadata.host_tables[row[toks]])
+            if host_index is not None else ()))
+    else:
+      keys = from_storage(index_pages[blocks], kv_dtype)  # [tile, width, bs, 1, d]
+      if host_index is not None:  # dropped blocks: their keys' device copy by host id
+        host = from_storage(host_index[metadata.host_tables[row[toks]]], kv_dtype)
+        keys = jnp.where((blocks != 0)[:, :, None, None, None], keys, host)
+      keys = keys.reshape(tile, num_keys, index_dim)
+      scores = index_scores(index_q[toks], keys, index_w[toks])  # [tile, keys]
     scores = jnp.where(keys_pos[None, :] <= pos[toks][:, None], scores, -jnp.inf)
     values, top = lax.top_k(scores, k)
     top = jnp.where(values > -jnp.inf, top, -1).astype(jnp.int32)
@@ -174,7 +184,7 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, static: DsaStatic, step: MLA
     # (The indexer keys of dropped blocks: only offloaded rows have any.)
     host_index = cache.get("host_index") if metadata.num_sparse_rows else None
     sel = select(step, index_pages, host_index, metadata, row, pos, static.index_topk,
-                 kv_dtype)
+                 kv_dtype, scores_kernel=ops.index_scores)
   elif prev_topk is None:
     raise ValueError("a DSA layer without an indexer needs the previous layer's top-k")
   else:

@@ -177,12 +177,13 @@ def test_a_dsa_model_with_offload_compiles_its_token_loads(host_copy, tmp_path, 
   build, progs = _compile(config, names)
   assert build.is_dsa and build.config.hisparse.indexer == "lightning"
   tiered = progs["tiered_decode"]
+  # (index_scores: the lightning indexer scores the paged keys where they lie)
   if host_copy == "xla":
-    assert tiered.kernels == ("sparse_mla_decode",)
+    assert tiered.kernels == ("index_scores", "sparse_mla_decode")
     assert tiered.host_copies > 0  # the missed tokens cross from the host
     assert progs["decode"].host_copies == 0  # resident rows attend their top-k in place
   else:  # the zero-copy kernel reads the missed tokens' rows from the pinned pool
-    assert set(tiered.kernels) == {"block_copy", "sparse_mla_decode"}
+    assert set(tiered.kernels) == {"block_copy", "index_scores", "sparse_mla_decode"}
     assert tiered.host_copies == 0 and tiered.host_bytes > 0
 
 
@@ -200,7 +201,8 @@ def test_a_dsa_model_on_pallas_mgpu_compiles_the_mosaic_gpu_sparse_mla_decode(tm
                         max_num_batched_tokens=64, host_pool_gib=0.1)
   _, progs = _compile(config, {"decode", "tiered_decode"})
   for name in ("decode", "tiered_decode"):
-    assert progs[name].kernels == ("sparse_mla_decode_mgpu (mosaic_gpu)",), progs[name]
+    assert progs[name].kernels == ("index_scores", "sparse_mla_decode_mgpu (mosaic_gpu)"), (
+        progs[name])
   # The tiny model's own 32 + 16 is refused by name at planning, not deep in a trace.
   transformers.DeepseekV32Config(**DSA_TINY_HF_CONFIG).save_pretrained(tmp_path)
   with pytest.raises(ValueError, match="kv_lora_rank 32, qk_rope_head_dim 16"):

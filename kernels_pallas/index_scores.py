@@ -1,0 +1,170 @@
+"""DSA's lightning-indexer scores, read in place: every query token's score of every key
+its row's block table lists, from the paged indexer keys (and, for a tiered row, the
+device copy of its dropped blocks' keys), with no gathered copy of the keys.
+
+  score[t, p] = sum_h w[t, h] * relu(q[t, h] . k[p] * dim**-0.5)
+  k[p] = index_pages[tables[t, p // bs], p % bs]          where tables[t, p // bs] != 0
+       = host_index[host_tables[t, p // bs], p % bs]      else (with host_index)
+
+  grid (tokens, cdiv(width, blocks_per_program)): program (t, j) gathers its blocks' keys
+  through token t's table ([keys, width], each key read from the one array that holds
+  it: masked loads) and writes their scores with one dot ([heads, width] x [width, keys],
+  float32 accumulation), relu and the weighted sum over heads.
+
+Why a kernel (#54: the select at 64k a small part of the step; DSA's select is this
+indexer and a top-k). The jnp path (hisparse_jax.sparse.dsa_attention.select, the CPU's)
+gathers each token's keys ([tokens, width x bs, dim]; and the host copy's, then a where)
+and scores them with float32 einsums, a few tokens at a time to bound the gathered bytes:
+at DeepSeek-V3.2's indexer (64 heads of 128, bf16 keys) and 64k tokens a decode row's keys
+are 16 MiB, so its tiles hold ONE token and a batch of 32 decode rows is 32 trips of a
+loop, each writing and re-reading 16-32 MiB of gathered keys. The kernel reads each key
+once per query token (the bytes the indexer needs), its dot in bf16 on tensor cores when
+q and the keys are bf16 (exact products, float32 sums; float32 at IEEE precision
+otherwise), every token of a tile in one launch.
+
+Limits: index_q [tokens, heads, dim], index_w float32 [tokens, heads]; index_pages and
+host_index [blocks, block_size, 1, dim] (the engine's `index_k` pools) in float32,
+bfloat16, float16 or uint16 (bfloat16 bits: the CPU's storage); tables / host_tables
+int32 [tokens, width] (each token's row's), in range. A dim that is not a power of 2 is
+tiled at the next one, its padding masked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend, common
+
+KEYS_PER_PROGRAM = 256  # keys a program scores (blocks_per_program = this // block_size)
+
+
+def _gather(ref, ids: jax.Array, dim: int, mask: jax.Array | None) -> jax.Array:
+  """`ref[ids]` of a [blocks, block_size, width] ref: [len(ids), block_size, width], the
+  columns past `dim` and the blocks where `mask` (bool [len(ids)]) is False not read (0)."""
+  _, block_size, width = ref.shape
+  if mask is None and width == dim:
+    return ref[ids]
+  from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+
+  shape = (ids.shape[0], block_size, width)
+  idx = (jnp.broadcast_to(ids[:, None, None], shape), lax.broadcasted_iota(jnp.int32, shape, 1),
+         lax.broadcasted_iota(jnp.int32, shape, 2))
+  ok = common.columns_below(shape, dim)
+  if mask is not None:
+    ok = ok & jnp.broadcast_to(mask[:, None, None], shape)
+  return plgpu.load(ref.at[idx], mask=ok, other=0)
+
+
+def _index_scores_kernel(q_ref, w_ref, dev_ref, host_ref, dev_ids_ref, host_ids_ref, out_ref,
+                         *, dim: int, has_host: bool, dot_dtype):
+  """q [heads_pad, width] (zero rows past the heads), w [heads_pad] float32 (zeros past
+  them), dev / host pages [blocks, block_size, width], ids [blocks_per_program];
+  out [blocks_per_program * block_size] float32."""
+  ids = dev_ids_ref[...]
+  if has_host:
+    keys = (_gather(dev_ref, ids, dim, ids != 0)
+            + _gather(host_ref, host_ids_ref[...], dim, ids == 0))
+  else:
+    keys = _gather(dev_ref, ids, dim, None)
+  keys = keys.reshape(out_ref.shape[0], keys.shape[-1]).astype(dot_dtype)
+  s = jnp.dot(q_ref[...], keys.T, precision=lax.Precision.HIGHEST,
+              preferred_element_type=jnp.float32)  # [heads_pad, keys]
+  s = jnp.maximum(s * dim**-0.5, 0.0)
+  out_ref[...] = (w_ref[...][:, None] * s).sum(axis=0)
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
+def _check(index_q, index_w, index_pages, tables, host_index, host_tables):
+  tokens, heads, dim = index_q.shape
+  if index_w.shape != (tokens, heads):
+    raise ValueError(f"index_w must be [tokens={tokens}, heads={heads}], got {index_w.shape}")
+  for name, pages in (("index_pages", index_pages), ("host_index", host_index)):
+    if pages is not None and (pages.ndim != 4 or pages.shape[2] != 1 or pages.shape[3] != dim):
+      raise ValueError(f"{name} must be [blocks, block_size, 1, dim={dim}], got {pages.shape}")
+  if tables.ndim != 2 or tables.shape[0] != tokens:
+    raise ValueError(f"tables must be [tokens={tokens}, width], got {tables.shape}")
+  if (host_index is None) != (host_tables is None) or (
+      host_tables is not None and host_tables.shape != tables.shape):
+    raise ValueError("host_index and host_tables go together, host_tables shaped as tables "
+                     f"{tables.shape}")
+
+
+def index_scores(index_q: jax.Array, index_w: jax.Array, index_pages: jax.Array,
+                 tables: jax.Array, host_index: jax.Array | None = None,
+                 host_tables: jax.Array | None = None, *, interpret: bool | None = None,
+                 keys_per_program: int = KEYS_PER_PROGRAM) -> jax.Array:
+  """float32 [tokens, width * block_size]: the indexer's score of every listed key (module
+  docstring), what `index_scores_reference` computes, the keys read where they lie.
+  `interpret` None: compiled for a GPU where traced for one (this process's GPU or an
+  abstract GPU context: a deviceless build), interpret mode on CPU."""
+  _check(index_q, index_w, index_pages, tables, host_index, host_tables)
+  if interpret is None:  # (resolved outside the jit: its cache does not see the context)
+    interpret = backend.context_platform() == "cpu"
+  return _index_scores(index_q, index_w, index_pages, tables, host_index, host_tables,
+                       interpret=bool(interpret), keys_per_program=keys_per_program)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "keys_per_program"))
+def _index_scores(index_q, index_w, index_pages, tables, host_index, host_tables, *,
+                  interpret: bool, keys_per_program: int):
+  tokens, heads, dim = index_q.shape
+  index_pages = _bits(index_pages)
+  has_host = host_index is not None
+  host_index = _bits(host_index) if has_host else index_pages
+  host_tables = host_tables if has_host else tables
+  block_size = index_pages.shape[1]
+  width = tables.shape[1]
+  min_rows = backend.min_dot_rows(interpret)
+  dot_dtype = (index_q.dtype if index_q.dtype == index_pages.dtype == host_index.dtype
+               and jnp.dtype(index_q.dtype).itemsize == 2 else jnp.float32)
+  padded_dim = common.padded_head_dim(dim, min_rows)
+  heads_pad = common.next_power_of_2(max(heads, min_rows))
+  per_program = max(1, min(keys_per_program // block_size,
+                           common.next_power_of_2(max(width, min_rows // block_size or 1))))
+  backend.check_triton_sizes(interpret, block_size=block_size, blocks_per_program=per_program)
+  tiles = common.cdiv(width, per_program)
+  pad = ((0, 0), (0, tiles * per_program - width))
+  q = jnp.pad(index_q.astype(dot_dtype),
+              ((0, 0), (0, heads_pad - heads), (0, padded_dim - dim)))
+  w = jnp.pad(index_w.astype(jnp.float32), ((0, 0), (0, heads_pad - heads)))
+  pages_spec = lambda p: pl.BlockSpec((p.shape[0], block_size, None, padded_dim),  # noqa: E731
+                                      lambda t, j: (0, 0, 0, 0))
+  ids_spec = pl.BlockSpec((None, per_program), lambda t, j: (t, j))
+  out = pl.pallas_call(
+      functools.partial(_index_scores_kernel, dim=dim, has_host=has_host, dot_dtype=dot_dtype),
+      grid=(tokens, tiles),
+      in_specs=[pl.BlockSpec((None, heads_pad, padded_dim), lambda t, j: (t, 0, 0)),
+                pl.BlockSpec((None, heads_pad), lambda t, j: (t, 0)),
+                pages_spec(index_pages), pages_spec(host_index), ids_spec, ids_spec],
+      out_specs=pl.BlockSpec((None, per_program * block_size), lambda t, j: (t, j)),
+      out_shape=jax.ShapeDtypeStruct((tokens, tiles * per_program * block_size), jnp.float32),
+      interpret=interpret,
+      compiler_params=backend.compiler_params(interpret),
+      name="index_scores",
+  )(q, w, index_pages, host_index, jnp.pad(tables.astype(jnp.int32), pad),
+    jnp.pad(host_tables.astype(jnp.int32), pad))
+  return out[:, :width * block_size]
+
+
+def index_scores_reference(index_q, index_w, index_pages, tables, host_index=None,
+                           host_tables=None) -> jax.Array:
+  """What `index_scores` computes, over gathered keys in float32 (transformers' order:
+  relu(q . k * dim**-0.5), then the weighted sum over heads)."""
+  _check(index_q, index_w, index_pages, tables, host_index, host_tables)
+  tokens, _, dim = index_q.shape
+  keys = _bits(index_pages)[tables]  # [tokens, width, block_size, 1, dim]
+  if host_index is not None:
+    keys = jnp.where((tables != 0)[..., None, None, None], keys,
+                     _bits(host_index)[host_tables])
+  keys = keys.reshape(tokens, -1, dim).astype(jnp.float32)
+  s = jnp.einsum("thd,tkd->thk", index_q.astype(jnp.float32), keys)
+  s = jax.nn.relu(s * dim**-0.5)
+  return jnp.einsum("th,thk->tk", index_w.astype(jnp.float32), s)
