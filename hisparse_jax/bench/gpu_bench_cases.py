@@ -60,6 +60,8 @@ FULL = {
     "sparse_mla": dict(batch=32, heads=128, rank=512, rope=64, topk=2048, block_size=64,
                        context=32768),
     "select": dict(batch=32, context=65536, top_k_tokens=2048),
+    # DeepSeek-V3.2's indexer (64 heads of 128), the sparse_mla case's batch and top-k
+    "dsa_select": dict(batch=32, context=65536, heads=64, dim=128, block_size=64, topk=2048),
 }
 SMOKE = {
     "model": dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
@@ -71,6 +73,7 @@ SMOKE = {
     "sparse_mla": dict(batch=2, heads=16, rank=64, rope=64, topk=64, block_size=16,
                        context=256),
     "select": dict(batch=2, context=1024, top_k_tokens=256),
+    "dsa_select": dict(batch=2, context=1024, heads=16, dim=64, block_size=16, topk=64),
 }
 CONTIGUOUS = "contiguous KV, no page table"
 # The Triton paged decode's knobs timed beside its defaults at the paged case's first
@@ -481,6 +484,9 @@ def planned_shapes(cfg: dict, kernel: str) -> list[dict]:
   if kernel == "paged_8bit":
     return [dict(batch=b, context=t, kv_dtype=k) for b, t in cfg["paged_8bit"]
             for k in ("int8", "fp8_e4m3")]
+  if kernel == "select":  # llama's block select, then DSA's (gpu_bench_select)
+    return [dict(cfg["select"], selection="union"),
+            dict(cfg["dsa_select"], selection="lightning")]
   return [dict(cfg[kernel])]
 
 

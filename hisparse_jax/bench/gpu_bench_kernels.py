@@ -25,7 +25,9 @@ Kernels (gpu_bench_cases: FULL sizes, SMOKE the same structure at tiny shapes):
   select      HiSparse's block selection at 64k context (bounds scoring + top-k): ours
               (the bounds scored in place by kernels_pallas.block_scores; and the jnp
               path over gathered bounds); `select_over_attention` against ours' paged
-              decode at the same batch over its top-k tokens
+              decode at the same batch over its top-k tokens; and DSA's select at
+              DeepSeek-V3.2's indexer (kernels_pallas.index_scores + top-k) against our
+              sparse MLA decode
 
 Each row: median and min ms, bytes, FLOPs, GB/s, TFLOP/s, their shares of the device's
 peaks (kernels_pallas.bench.DEVICE_PEAKS), the roofline fraction (max(bytes / HBM,
@@ -75,7 +77,7 @@ class Bench:
     from kernels_pallas import bench as kbench  # noqa: PLC0415
 
     self.cases, self.kbench = cases, kbench
-    self.builders = {**cases.BUILDERS, "select": gpu_bench_select.select_cases}
+    self.builders = {**cases.BUILDERS, "select": gpu_bench_select.all_select_cases}
     self.size, self.budget_s, self.reps = size, budget_s, reps
     self.t0 = time.monotonic()
     self.cfg = cases.FULL if size == "full" else cases.SMOKE
@@ -315,8 +317,9 @@ def summarize(rows: list[dict]) -> dict:
   median roofline share. Incorrect rows take no part. paged_8bit: `speedup_vs_bf16`, the
   best bf16 paged time of ours at the same batch and context over the 8-bit one. select:
   `select_over_attention`, its best time of ours over our best paged decode at the same
-  batch and a context of its top-k tokens (the sparse step's attention over what it
-  selected: is the select a small part of the step?)."""
+  batch and a context of its top-k tokens (DSA's: over our sparse MLA decode at its batch
+  and top-k), the sparse step's attention over what it selected: is the select a small
+  part of the step?"""
   groups: dict[tuple, dict] = {}
   for r in rows:
     if r["median_ms"] is None or not r["ok"]:
@@ -324,11 +327,15 @@ def summarize(rows: list[dict]) -> dict:
     key = (r["kernel"], json.dumps(r["shape"], sort_keys=True))
     side = "ours" if r["impl"].startswith("ours") else "peers"
     groups.setdefault(key, {"ours": [], "peers": []})[side].append(r)
-  bf16 = {}
+  bf16, mla = {}, {}  # our best paged decode by (batch, context), sparse MLA by (batch, topk)
   for (kernel, _), g in groups.items():
-    if kernel == "paged" and g["ours"]:
+    if kernel in ("paged", "sparse_mla") and g["ours"]:
       best = min(g["ours"], key=lambda r: r["median_ms"])
-      bf16[(best["shape"]["batch"], best["shape"]["context"])] = best
+      shape = best["shape"]
+      if kernel == "paged":
+        bf16[(shape["batch"], shape["context"])] = best
+      else:
+        mla[(shape["batch"], shape["topk"])] = best
   out: dict[str, dict] = {}
   for (kernel, _), g in groups.items():
     entry = out.setdefault(kernel, {"shapes": []})
@@ -346,7 +353,8 @@ def summarize(rows: list[dict]) -> dict:
       s["speedup_vs_bf16"] = base["median_ms"] / ours["median_ms"] if base else None
     if kernel == "select" and ours:
       shape = ours["shape"]
-      attend = bf16.get((shape["batch"], shape["top_k_blocks"] * shape["block_size"]))
+      attend = (mla.get((shape["batch"], shape["topk"])) if shape["selection"] == "lightning"
+                else bf16.get((shape["batch"], shape["top_k_blocks"] * shape["block_size"])))
       s["sparse_attention_ms"] = attend and attend["median_ms"]
       s["select_over_attention"] = ours["median_ms"] / attend["median_ms"] if attend else None
     entry["shapes"].append(s)
@@ -364,7 +372,7 @@ def format_table(result: dict) -> str:
   def f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
-  lines = [f"{'kernel':<11}{'impl':<20}{'shape':<34}{'med ms':>9}{'GB/s':>8}{'TF/s':>7}"
+  lines = [f"{'kernel':<11}{'impl':<26}{'shape':<34}{'med ms':>9}{'GB/s':>8}{'TF/s':>7}"
            f"{'roof%':>7}{'err':>9} ok"]
   order = {k: i for i, k in enumerate(result["kernels"])}
   for r in sorted(result["rows"], key=lambda r: (order.get(r["kernel"], 99),
@@ -372,7 +380,7 @@ def format_table(result: dict) -> str:
     shape = ",".join(f"{v}" for k, v in r["shape"].items() if k in (
         "batch", "context", "kv_dtype", "seq", "q_lens", "heads", "topk"))
     lines.append(
-        f"{r['kernel']:<11}{r['impl']:<20}{shape[:33]:<34}{f(r['median_ms'], '.3f'):>9}"
+        f"{r['kernel']:<11}{r['impl'][:25]:<26}{shape[:33]:<34}{f(r['median_ms'], '.3f'):>9}"
         f"{f(r['gb_per_s'], '.1f'):>8}{f(r['tflop_per_s'], '.2f'):>7}"
         f"{f(r['roofline_fraction'] and 100 * r['roofline_fraction'], '.1f'):>7}"
         f"{f(r['max_abs_err'], '.1e'):>9} {'yes' if r['ok'] else 'NO'}")

@@ -1,9 +1,10 @@
-"""The `select` case of `gpu_bench_kernels`: HiSparse's block selection (the engine's
+"""The `select` cases of `gpu_bench_kernels`: HiSparse's block selection (the engine's
 "union" of each query head's best blocks, scored from the per-block key bounds) at a long
 context, checked against a plain reference: the elementwise bound (not the engine's single
 matmul) and the union rule written in numpy. Ok when the scores agree to float32 rounding
 and at least 99% of the selected blocks are the reference's (a near tie may swap a
-boundary block: the sums run in another order).
+boundary block: the sums run in another order). And DSA's select (`dsa_select_cases`):
+the lightning indexer's scores of every key and their top-k, at DeepSeek-V3.2's indexer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas import cpu_kernels
 from kernels_pallas.block_scores import block_scores
+from kernels_pallas.index_scores import index_scores, index_scores_reference
 
 
 def _union_reference(scores: np.ndarray, kv_lens: np.ndarray, blocks) -> list[set]:
@@ -124,3 +126,58 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
   yield Case("select", shape, nbounds + q.size * 2, 2 * batch * hq * per_row * 2 * d,
              "float32", Impl(_naive_scores, (q, bounds, rows), "elementwise bound + numpy "
                              "union"), impls, skipped, check=check)
+
+
+def dsa_select_cases(cfg: dict, env: Env, seed: int = 6):
+  """DSA's select of one decode token per row: the indexer's score of every key of the
+  row (its paged keys read in place by kernels_pallas.index_scores, or gathered and scored
+  in jnp, as the CPU engine does) and the top `topk` keys. Ok when the scores agree to
+  float32 rounding and >= 99% of the selected keys are the reference's."""
+  c = cfg["dsa_select"]
+  batch, ctx, heads, dim, bs, k = (c["batch"], c["context"], c["heads"], c["dim"],
+                                   c["block_size"], c["topk"])
+  per_row = ctx // bs
+  kq, kw, kk = _keys(seed, 3)
+  q = _randn(kq, (batch, heads, dim), jnp.bfloat16)
+  w = _randn(kw, (batch, heads), jnp.float32)
+  pages = _randn(kk, (batch * per_row + 1, bs, 1, dim), jnp.bfloat16)
+  tables = _tables(np.random.default_rng(seed), batch * per_row + 1, batch, per_row)
+  args = (q, w, pages, tables)
+
+  def topk(scores):
+    return jax.lax.top_k(scores, k)[1]
+
+  ours = jax.jit(lambda *a: topk(index_scores(*a)))
+  gathered = jax.jit(lambda *a: topk(index_scores_reference(*a)))
+  reference = jax.jit(index_scores_reference)
+
+  def check(out, ref):
+    ref = np.asarray(ref)
+    err = float(np.abs(np.asarray(jax.jit(index_scores)(*args)) - ref).max())
+    want = np.argsort(-ref, axis=1, kind="stable")[:, :k]
+    agree = np.mean([len(set(g) & set(r)) / k for g, r in zip(np.asarray(out), want,
+                                                              strict=True)])
+    scale = float(np.abs(ref).max())
+    ok = err <= 1e-4 * scale and agree >= 0.99
+    return err, scale, ok, f"top-k agreement {agree:.4f} (ok >= 0.99)"
+
+  impls = {"ours-triton": Impl(ours, args, "kernels_pallas.index_scores (the engine's GPU "
+                                           "path: the keys read in place; interpret mode on "
+                                           "CPU) + lax.top_k, jit"),
+           "ours-jnp": Impl(gathered, args, "keys gathered, float32 einsums, lax.top_k (the "
+                                            "CPU engine's path; the GPU's before "
+                                            "index_scores), jit")}
+  skipped = {"cpp-cpu": "the lightning indexer has no C++ select (the CPU engine scores in "
+                        "jnp)"}
+  nbytes = batch * ctx * dim * 2 + q.size * 2 + w.size * 4
+  shape = dict(batch=batch, context=ctx, topk=k, index_heads=heads, index_dim=dim,
+               block_size=bs, keys_dtype="bfloat16", selection="lightning")
+  yield Case("select", shape, nbytes, 2 * batch * heads * ctx * dim, "float32",
+             Impl(reference, args, "gathered keys, float32 (models' index_scores order)"),
+             impls, skipped, check=check)
+
+
+def all_select_cases(cfg: dict, env: Env):
+  """gpu_bench_kernels' `select` kernel: llama's block select, then DSA's."""
+  yield from select_cases(cfg, env)
+  yield from dsa_select_cases(cfg, env)

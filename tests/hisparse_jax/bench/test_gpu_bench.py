@@ -89,11 +89,18 @@ def test_the_kernel_part_every_row_correct_every_impl_accounted_for(run):
     assert s["speedup_vs_bf16"] > 0
   # The select beside the sparse attention over what it selects (paged at its batch and
   # top-k tokens: SMOKE's (2, 256)).
-  (sel,) = result["summary"]["select"]["shapes"]
-  assert (sel["shape"]["batch"], sel["shape"]["top_k_blocks"] * sel["shape"]["block_size"]
-          ) in set(cases.SMOKE["paged"])
-  assert sel["sparse_attention_ms"] > 0
-  assert sel["select_over_attention"] == pytest.approx(sel["ours_ms"] / sel["sparse_attention_ms"])
+  # (DSA's select beside the sparse MLA decode at its batch and top-k: SMOKE's (2, 64).)
+  union, dsa = sorted(result["summary"]["select"]["shapes"],
+                      key=lambda s: s["shape"]["selection"] == "lightning")
+  assert (union["shape"]["batch"],
+          union["shape"]["top_k_blocks"] * union["shape"]["block_size"]) in set(
+              cases.SMOKE["paged"])
+  assert (dsa["shape"]["batch"], dsa["shape"]["topk"]) == (
+      cases.SMOKE["sparse_mla"]["batch"], cases.SMOKE["sparse_mla"]["topk"])
+  for sel in (union, dsa):
+    assert sel["sparse_attention_ms"] > 0
+    assert sel["select_over_attention"] == pytest.approx(
+        sel["ours_ms"] / sel["sparse_attention_ms"])
 
 
 def _rows(result, part):

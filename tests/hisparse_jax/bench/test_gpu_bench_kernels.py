@@ -183,7 +183,7 @@ def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
   env = cases.Env(on_gpu=True, sm90=True, why_not_gpu="", why_not_sm90="")
   # (the kernels whose builders branch on the device; the others build the same anywhere)
   builders = {"paged": cases.paged_cases, "prefill": cases.prefill_cases,
-              "sparse_mla": cases.sparse_mla_cases, "select": gpu_bench_select.select_cases}
+              "sparse_mla": cases.sparse_mla_cases, "select": gpu_bench_select.all_select_cases}
   for kernel, build in builders.items():
     for case in build(cases.SMOKE, env):
       assert set(case.impls) | set(case.skipped) >= EXPECTED[kernel] - {
