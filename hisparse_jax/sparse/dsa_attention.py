@@ -129,15 +129,17 @@ def select(step: MLAStep, index_pages, host_index, metadata: StepMetadata, row, 
   num_tokens, _, index_dim = index_q.shape
   # (the kernel writes one float32 score a key, the jnp path gathers index_dim values)
   tile = _tile(num_tokens, num_keys, 1 if scores_kernel is not None else index_dim)
+  if scores_kernel is not None:  # the kernel's operands, in their logical dtype
+    keys_in_place = (from_storage(index_pages, kv_dtype),) + (
+        () if host_index is None else (from_storage(host_index, kv_dtype),))
 
   def tile_topk(i, out):
     toks = i * tile + jnp.arange(tile)
     blocks = tables[row[toks]]  # [tile, width]
     if scores_kernel is not None:  # dropped blocks' keys: their device copy by host id
-      scores = scores_kernel(
-          index_q[toks], index_w[toks], from_storage(index_pages, kv_dtype), blocks,
-          *((from_storage(host_index, kv_dtype), metadata.host_tables[row[toks]])
-            if host_index is not None else ()))
+      host = () if host_index is None else (metadata.host_tables[row[toks]],)
+      scores = scores_kernel(index_q[toks], index_w[toks], keys_in_place[0], blocks,
+                             *keys_in_place[1:], *host)
     else:
       keys = from_storage(index_pages[blocks], kv_dtype)  # [tile, width, bs, 1, d]
       if host_index is not None:  # dropped blocks: their keys' device copy by host id
