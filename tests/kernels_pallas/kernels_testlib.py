@@ -1,7 +1,8 @@
-"""Builders and independent numpy attention for the kernel tests.
+"""Builders and independent numpy attention for the kernel tests, and the deviceless
+H200 lowering they share (`lower_for_h200`).
 
-Nothing here uses kernels_pallas: the naive attention is plain numpy softmax over
-explicitly gathered tokens, so it checks the references as well as the kernels.
+The naive attention uses nothing of kernels_pallas: plain numpy softmax over explicitly
+gathered tokens, so it checks the references as well as the kernels.
 """
 
 from __future__ import annotations
@@ -104,3 +105,16 @@ def causal_mask(q_len: int, kv_len: int, sliding_window=None) -> np.ndarray:
 
 def max_abs_err(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0))
+
+
+def lower_for_h200(fn, *args):
+  """(the H200 target, fn jitted, traced over `args` and lowered for "cuda" inside the
+  target's kernel context): `target.compile(lowered)` then runs XLA's GPU compiler on it
+  with no GPU (hisparse_jax.engine.gpu_target)."""
+  import jax  # noqa: PLC0415
+
+  from hisparse_jax.engine.gpu_target import load_target  # noqa: PLC0415
+
+  target = load_target("h200")
+  with target.kernel_context():
+    return target, jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

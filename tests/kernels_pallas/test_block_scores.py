@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import kernels_testlib as lib
 import numpy as np
 import pytest
 
@@ -113,19 +114,11 @@ def test_bad_shapes_are_refused_naming_them():
 S = jax.ShapeDtypeStruct
 LLAMA_8B_64K = (S((32, 32, 128), jnp.bfloat16), S((32 * 4096 + 1, 2, 8, 128), jnp.bfloat16),
                 S((32, 4096), jnp.int32))
-
-
-def _lower_for_h200(*args):
-  from hisparse_jax.engine.gpu_target import load_target  # noqa: PLC0415
-
-  target = load_target("h200")
-  with target.kernel_context():
-    fn = functools.partial(block_scores, per_query_head=True)
-    return target, jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+SCORES = functools.partial(block_scores, per_query_head=True)
 
 
 def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy():
-  _, lowered = _lower_for_h200(*LLAMA_8B_64K)
+  _, lowered = lib.lower_for_h200(SCORES, *LLAMA_8B_64K)
   text = lowered.as_text()
   assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
   assert len(re.findall(r'\bname = "block_scores"', text)) == 1
@@ -136,7 +129,7 @@ def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy():
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
                     reason="XLA's GPU compiler is not installed (jax[cuda13])")
 def test_it_compiles_for_an_h200_at_llama_8b_64k_with_small_temporaries():
-  target, lowered = _lower_for_h200(*LLAMA_8B_64K)
+  target, lowered = lib.lower_for_h200(SCORES, *LLAMA_8B_64K)
   executable = target.compile(lowered)
   # Temporaries: the [32, 8, 4, 4096] float32 scores (16 MiB: Triton's 16 dot rows of a
   # group of 4 are not stored) and q's halves; no copy of the 1 GiB of bounds (a gathered

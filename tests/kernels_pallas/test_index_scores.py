@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import kernels_testlib as lib
 import numpy as np
 import pytest
 
@@ -99,16 +100,8 @@ DSA_64K = (S((32, 64, 128), jnp.bfloat16), S((32, 64), jnp.float32),
            S((NB, 64, 1, 128), jnp.bfloat16), S((32, 1024), jnp.int32))
 
 
-def _lower_for_h200(*args):
-  from hisparse_jax.engine.gpu_target import load_target  # noqa: PLC0415
-
-  target = load_target("h200")
-  with target.kernel_context():
-    return target, jax.jit(index_scores).trace(*args).lower(lowering_platforms=("cuda",))
-
-
 def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_keys():
-  _, lowered = _lower_for_h200(*DSA_64K)
+  _, lowered = lib.lower_for_h200(index_scores, *DSA_64K)
   text = lowered.as_text()
   assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
   assert len(re.findall(r'\bname = "index_scores"', text)) == 1
@@ -118,7 +111,7 @@ def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_keys():
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
                     reason="XLA's GPU compiler is not installed (jax[cuda13])")
 def test_it_compiles_for_an_h200_at_deepseek_v32_64k_with_no_temporaries_for_keys():
-  target, lowered = _lower_for_h200(*DSA_64K)
+  target, lowered = lib.lower_for_h200(index_scores, *DSA_64K)
   executable = target.compile(lowered)
   # The output [32, 65,536] float32 (8 MiB) is the program's; its temporaries hold no copy
   # of the keys (a gathered copy of one token's would be 16 MiB, the batch's 512 MiB).

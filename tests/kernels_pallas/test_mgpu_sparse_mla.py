@@ -113,16 +113,8 @@ DSA_ARGS = (S((32, 128, 576), jnp.bfloat16), S((4096, 64, 1, 576), jnp.bfloat16)
             S((32, 2048), jnp.int32))
 
 
-def _lower_for_h200(fn, *args):
-  from hisparse_jax.engine.gpu_target import load_target  # noqa: PLC0415
-
-  target = load_target("h200")
-  with target.kernel_context():
-    return target, jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-
-
 def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call_at_the_dsa_sizes():
-  _, lowered = _lower_for_h200(
+  _, lowered = lib.lower_for_h200(
       functools.partial(sparse_mla_decode_mgpu, sm_scale=SCALE, kv_lora_rank=512), *DSA_ARGS)
   text = lowered.as_text()
   calls = re.findall(r"custom_call @([\w$.]+)\(", text)
@@ -133,7 +125,7 @@ def test_kernel_lowers_for_cuda_to_one_mosaic_gpu_call_at_the_dsa_sizes():
                     reason="XLA's GPU compiler is not installed (jax[cuda13])")
 def test_kernel_compiles_for_an_h200_at_the_dsa_sizes():
   t = time.perf_counter()
-  target, lowered = _lower_for_h200(
+  target, lowered = lib.lower_for_h200(
       functools.partial(sparse_mla_decode_mgpu, sm_scale=SCALE, kv_lora_rank=512), *DSA_ARGS)
   assert target.compile(lowered) is not None
   print(f"lowered + compiled for {target.sm} in {time.perf_counter() - t:.1f} s")
