@@ -3,13 +3,13 @@
 Same contract as :func:`kernels_pallas.paged_attention.paged_attention` (one query
 token per sequence over its block table; a sequence of length 0 yields zeros), a
 different body: the pools stay in GMEM, and each program copies the blocks its row's
-table lists into shared memory with asynchronous (TMA) copies, double-buffered, while
-the warpgroup runs the online softmax on the previous step's blocks.
+table lists into shared memory with asynchronous (TMA) copies, double-buffered (or
+`num_slots` deep), while the warpgroup runs the online softmax on an earlier step's blocks.
 
   grid (batch, num_kv_heads[, num_splits]); one warpgroup per program; T = tokens_per_step
 
   GMEM  k_pages[block_tables[b, i], :, h, :] ──TMA──> k_smem[slot, j*bs:(j+1)*bs]
-        (blocks_per_step copies per step into slot = step % 2, one barrier per slot)
+        (blocks_per_step copies per step into slot = step % num_slots, one barrier a slot)
   SMEM  q_smem [64, head_dim]      query heads of KV head h, zero-padded to 64 rows
         k_smem, v_smem [2, T, head_dim]
         p_smem [64, T]             softmax weights, bf16/f16 (WGMMA's A operand)
@@ -157,7 +157,7 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
   h = lax.axis_index("kv_head")
   split = lax.axis_index("split") if num_splits > 1 else 0
   block_size = k_gmem.shape[1]
-  tokens_per_step = k_smem.shape[1]
+  num_slots, tokens_per_step = k_smem.shape[:2]
   head_dim = qo_smem.shape[1]
   dtype = qo_smem.dtype
 
@@ -186,13 +186,13 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
                               v_barriers.at[slot])
 
   plgpu.copy_gmem_to_smem(q_gmem.at[b, h], qo_smem, smem["q_barrier"])
-  for slot in range(NUM_SLOTS):
+  for slot in range(num_slots):
     pl.when(slot < num_steps)(functools.partial(fetch, slot, slot))
   plgpu.barrier_wait(smem["q_barrier"])
 
   def body(local_step, carry):
     m_prev, l_prev, acc_prev = carry
-    slot = lax.rem(local_step, NUM_SLOTS)
+    slot = lax.rem(local_step, num_slots)
     step = first_step + local_step
 
     plgpu.barrier_wait(k_barriers.at[slot])
@@ -237,8 +237,8 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
 
     pv_out = pl.run_scoped(pv, plgpu.ACC((WGMMA_ROWS, head_dim), jnp.float32))
     acc_next = lax.broadcast_in_dim(alpha, acc_prev.shape, [0]) * acc_prev + pv_out
-    pl.when(local_step + NUM_SLOTS < num_steps)(
-        functools.partial(fetch, local_step + NUM_SLOTS, slot))
+    pl.when(local_step + num_slots < num_steps)(
+        functools.partial(fetch, local_step + num_slots, slot))
     return m_next, l_next, acc_next
 
   m0, l0, (acc0,) = softmax_start(head_dim)
@@ -260,14 +260,15 @@ def _paged_attention_kernel(*refs, sm_scale: float, soft_cap: float | None,
 
 
 def _scratch_types(dtype, values_dtype, head_dim: int, tokens_per_step: int,
-                   blocks_per_step: int, quantized: bool, with_lse: bool) -> dict:
+                   blocks_per_step: int, quantized: bool, with_lse: bool,
+                   num_slots: int = NUM_SLOTS) -> dict:
   """The kernel's SMEM buffers and barriers, by name."""
   transforms = _smem_transforms(head_dim, dtype)
-  slots = (NUM_SLOTS, tokens_per_step, head_dim)
+  slots = (num_slots, tokens_per_step, head_dim)
   kv_slots = plgpu.SMEM(slots, values_dtype,
                         transforms=_smem_transforms(head_dim, values_dtype))
   # One TMA arrival per block copy, and one for the step's scales when quantized.
-  arrivals = plgpu.Barrier(num_arrivals=blocks_per_step + quantized, num_barriers=NUM_SLOTS)
+  arrivals = plgpu.Barrier(num_arrivals=blocks_per_step + quantized, num_barriers=num_slots)
   scratch = dict(
       qo=plgpu.SMEM((WGMMA_ROWS, head_dim), dtype, transforms=transforms),
       k=kv_slots, v=kv_slots,
@@ -276,7 +277,7 @@ def _scratch_types(dtype, values_dtype, head_dim: int, tokens_per_step: int,
       q_barrier=plgpu.Barrier(), k_barriers=arrivals, v_barriers=arrivals)
   if quantized:
     tile = plgpu.SMEM((tokens_per_step, head_dim), dtype, transforms=transforms)
-    scales = plgpu.SMEM((NUM_SLOTS, tokens_per_step), jnp.float32)
+    scales = plgpu.SMEM((num_slots, tokens_per_step), jnp.float32)
     scratch.update(k_tile=tile, v_tile=tile, k_scales=scales, v_scales=scales)
   if with_lse:
     scratch.update(lse=plgpu.SMEM((WGMMA_ROWS,), jnp.float32))
@@ -354,7 +355,8 @@ def combine_splits(o: jax.Array, lse: jax.Array, return_lse: bool = False):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
-                                             "tokens_per_step", "num_splits", "return_lse"))
+                                             "tokens_per_step", "num_splits", "return_lse",
+                                             "num_slots"))
 def paged_attention_mgpu(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -368,6 +370,7 @@ def paged_attention_mgpu(
     tokens_per_step: int = DEFAULT_TOKENS_PER_STEP,
     num_splits: int | None = None,
     return_lse: bool = False,
+    num_slots: int = NUM_SLOTS,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Decode attention of one query token per sequence over its listed blocks.
 
@@ -384,6 +387,9 @@ def paged_attention_mgpu(
     tokens_per_step: keys per pipeline step (per WGMMA), a multiple of 64 up to 256.
     num_splits: programs per (row, KV head), each over one contiguous run of the table's
       steps (split-K), merged by `combine_splits`; None: `default_num_splits`.
+    num_slots: SMEM slots of the K/V pipeline (2: double buffering; more keep more steps'
+      copies in flight while one is computed, at 4 * tokens_per_step * head_dim bytes of
+      SMEM a slot for 16-bit pages); make gpu-bench times 3 beside the default.
     return_lse: also the log-sum-exp [batch, num_q_heads] float32 over each row's keys
       (`paged_attention`'s; the kernel then writes each split's, even of one split).
   """
@@ -401,9 +407,11 @@ def paged_attention_mgpu(
     num_splits = default_num_splits(batch, num_kv_heads, max_steps)
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if num_slots < 1:
+    raise ValueError(f"num_slots must be >= 1, got {num_slots}")
   steps_per_split = common.cdiv(max_steps, num_splits)
-  # (at least NUM_SLOTS steps: the prologue's fetches index them statically, under pl.when)
-  width = max(num_splits * steps_per_split, NUM_SLOTS) * blocks_per_step
+  # (at least num_slots steps: the prologue's fetches index them statically, under pl.when)
+  width = max(num_splits * steps_per_split, num_slots) * blocks_per_step
   tables = jnp.pad(block_tables, ((0, 0), (0, width - max_blocks)))
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
@@ -429,7 +437,7 @@ def paged_attention_mgpu(
       kernel,
       out_type=out_type,
       scratch_types=_scratch_types(dtype, k_values.dtype, head_dim, tokens_per_step,
-                                   blocks_per_step, quantized, with_lse),
+                                   blocks_per_step, quantized, with_lse, num_slots),
       grid=(batch, num_kv_heads, num_splits) if num_splits > 1 else (batch, num_kv_heads),
       grid_names=("batch", "kv_head", "split") if num_splits > 1 else ("batch", "kv_head"),
       compiler_params=plgpu.CompilerParams(),

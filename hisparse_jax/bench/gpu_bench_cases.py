@@ -82,6 +82,9 @@ CONTIGUOUS = "contiguous KV, no page table"
 TRITON_TUNING = {"bps=4": dict(blocks_per_step=4), "bps=8": dict(blocks_per_step=8),
                  "bps=8 warps=8": dict(blocks_per_step=8, num_warps=8),
                  "bps=8 stages=3": dict(blocks_per_step=8, num_stages=3)}
+# The Mosaic GPU decode's: 128 keys a pipeline step, 3 or 4 SMEM slots in its K/V pipeline.
+MGPU_TUNING = {"tps=128": dict(tokens_per_step=128), "slots=3": dict(num_slots=3),
+               "slots=4": dict(num_slots=4)}
 
 
 @dataclasses.dataclass
@@ -257,9 +260,10 @@ def paged_cases(cfg: dict, env: Env, seed: int = 0):
       from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu  # noqa: PLC0415
       impls["ours-mgpu"] = Impl(paged_attention_mgpu, paged_args, "Pallas Mosaic GPU (sm_90)")
       if i == 0:
-        impls["ours-mgpu tps=128"] = Impl(
-            functools.partial(paged_attention_mgpu, tokens_per_step=128), paged_args,
-            "Pallas Mosaic GPU (sm_90), 128 keys a pipeline step (default 64)")
+        impls.update({f"ours-mgpu {name}": Impl(
+            functools.partial(paged_attention_mgpu, **knobs), paged_args,
+            f"Pallas Mosaic GPU (sm_90), {knobs} (defaults: 64 keys a step, 2 slots)")
+            for name, knobs in MGPU_TUNING.items()})
     else:
       skipped["ours-mgpu"] = f"Mosaic GPU kernel: {env.why_not_sm90}"
     if env.on_gpu:

@@ -346,6 +346,29 @@ def test_interpreted_split_k_matches_reference(gpu_interpreter, rng, quantized, 
   assert not gpu_callbacks.get_races().races_found
 
 
+@pytest.mark.parametrize(("num_slots", "quantized", "num_splits"),
+                         [(1, False, 1), (3, False, 1), (3, True, 2), (4, False, 1)])
+def test_interpreted_pipeline_of_any_depth_matches_reference(gpu_interpreter, rng, num_slots,
+                                                             quantized, num_splits):
+  # The K/V pipeline's slots (make gpu-bench's tuning rows time 3): rows of 0 to 10 steps,
+  # so a slot is refilled several times and the prologue's fetches outnumber short rows'
+  # steps; with 8-bit pages each slot's scales ride with it; 1 slot: no overlap, same sums.
+  lengths = [1, 63, 64, 65, 130, 300, 577, 640, 0]
+  if quantized:
+    args = _quantized_case(rng, "int8", 4, 16, 64, jnp.bfloat16, lengths)
+  else:
+    args = _case(rng, 4, 16, 64, jnp.bfloat16, lengths)
+  out = paged_attention_mgpu(*args, interpret=gpu_interpreter, num_slots=num_slots,
+                             num_splits=num_splits)
+  ref = paged_attention_reference(*args)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=2.0**-7)
+  np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
+  assert not gpu_callbacks.get_races().races_found
+  with pytest.raises(ValueError, match="num_slots must be >= 1, got 0"):
+    paged_attention_mgpu(*args, interpret=gpu_interpreter, num_slots=0)
+
+
 def test_split_k_lowers_for_cuda_to_one_mosaic_gpu_call_and_a_combine():
   # Batch 1 over a 32k-token table (8 KV heads, 64-token blocks): the default splits.
   pages = S((NUM_BLOCKS, 64, 8, 128), jnp.bfloat16)

@@ -153,8 +153,9 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
                     reason="XLA's GPU compiler is not installed (jax[cuda13])")
 def test_the_paged_tuning_rows_compile_for_an_h200_at_the_first_shape():
   """The Triton knobs (more keys a step, 8 warps, 3 stages: shared memory grows with
-  them) and the Mosaic GPU kernel at 128 keys a step, compiled by XLA's GPU compiler
-  deviceless at the paged case's first FULL shape, where make gpu-bench times them."""
+  them) and the Mosaic GPU kernel's (128 keys a step, 3 and 4 pipeline slots), compiled by
+  XLA's GPU compiler deviceless at the paged case's first FULL shape, where make
+  gpu-bench times them."""
   from hisparse_jax.engine.gpu_target import load_target
   from kernels_pallas.paged_attention import paged_attention
   from kernels_pallas.paged_attention_mgpu import paged_attention_mgpu
@@ -169,7 +170,9 @@ def test_the_paged_tuning_rows_compile_for_an_h200_at_the_first_shape():
   target = load_target("h200")
   fns = [functools.partial(paged_attention, interpret=False, **knobs)
          for knobs in cases.TRITON_TUNING.values()]
-  for fn in fns + [functools.partial(paged_attention_mgpu, tokens_per_step=128)]:
+  fns += [functools.partial(paged_attention_mgpu, **knobs)
+          for knobs in cases.MGPU_TUNING.values()]
+  for fn in fns:
     with target.kernel_context():
       lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert target.compile(lowered) is not None, fn
