@@ -96,23 +96,28 @@ def store_columns(ref, idx: tuple, value: jax.Array, head_dim: int) -> None:
   plgpu.store(view, value, mask=columns_below(view.shape, head_dim))
 
 
-def load_blocks(pages_ref, block_ids: jax.Array, head_dim: int) -> jax.Array:
+def load_blocks(pages_ref, block_ids: jax.Array, head_dim: int,
+                block_mask: jax.Array | None = None) -> jax.Array:
   """`pages_ref[block_ids]`: [len(block_ids), block_size, width] gathered through the
-  block table, columns past `head_dim` (width padding) not read and returned as 0.
+  block table, columns past `head_dim` (width padding) not read and returned as 0, and
+  with `block_mask` (bool [len(block_ids)]) the blocks where it is False not read (0).
 
   The masked gather spells every axis as an array index: interpret mode's masked load
   (jax 0.10.2) refuses an array index mixed with slices, and the Triton lowering takes
-  both; the unpadded case keeps the plain gather.
+  both; the unmasked, unpadded case keeps the plain gather.
   """
   _, block_size, width = pages_ref.shape
-  if width == head_dim:
+  if width == head_dim and block_mask is None:
     return pages_ref[block_ids]
   from jax.experimental.pallas import triton as plgpu
 
   shape = (block_ids.shape[0], block_size, width)
   idx = (jnp.broadcast_to(block_ids[:, None, None], shape),
          lax.broadcasted_iota(jnp.int32, shape, 1), lax.broadcasted_iota(jnp.int32, shape, 2))
-  return plgpu.load(pages_ref.at[idx], mask=columns_below(shape, head_dim), other=0)
+  mask = columns_below(shape, head_dim)
+  if block_mask is not None:
+    mask = mask & jnp.broadcast_to(block_mask[:, None, None], shape)
+  return plgpu.load(pages_ref.at[idx], mask=mask, other=0)
 
 
 # 8-bit pages (kernels_pallas.quant.QuantizedPages: int8, or fp8_e4m3 bits as uint8, with a

@@ -43,23 +43,6 @@ from kernels_pallas import backend, common
 KEYS_PER_PROGRAM = 256  # keys a program scores (blocks_per_program = this // block_size)
 
 
-def _gather(ref, ids: jax.Array, dim: int, mask: jax.Array | None) -> jax.Array:
-  """`ref[ids]` of a [blocks, block_size, width] ref: [len(ids), block_size, width], the
-  columns past `dim` and the blocks where `mask` (bool [len(ids)]) is False not read (0)."""
-  _, block_size, width = ref.shape
-  if mask is None and width == dim:
-    return ref[ids]
-  from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
-
-  shape = (ids.shape[0], block_size, width)
-  idx = (jnp.broadcast_to(ids[:, None, None], shape), lax.broadcasted_iota(jnp.int32, shape, 1),
-         lax.broadcasted_iota(jnp.int32, shape, 2))
-  ok = common.columns_below(shape, dim)
-  if mask is not None:
-    ok = ok & jnp.broadcast_to(mask[:, None, None], shape)
-  return plgpu.load(ref.at[idx], mask=ok, other=0)
-
-
 def _index_scores_kernel(q_ref, w_ref, dev_ref, host_ref, dev_ids_ref, host_ids_ref, out_ref,
                          *, dim: int, has_host: bool, dot_dtype):
   """q [heads_pad, width] (zero rows past the heads), w [heads_pad] float32 (zeros past
@@ -67,10 +50,10 @@ def _index_scores_kernel(q_ref, w_ref, dev_ref, host_ref, dev_ids_ref, host_ids_
   out [blocks_per_program * block_size] float32."""
   ids = dev_ids_ref[...]
   if has_host:
-    keys = (_gather(dev_ref, ids, dim, ids != 0)
-            + _gather(host_ref, host_ids_ref[...], dim, ids == 0))
+    keys = (common.load_blocks(dev_ref, ids, dim, ids != 0)
+            + common.load_blocks(host_ref, host_ids_ref[...], dim, ids == 0))
   else:
-    keys = _gather(dev_ref, ids, dim, None)
+    keys = common.load_blocks(dev_ref, ids, dim)
   keys = keys.reshape(out_ref.shape[0], keys.shape[-1]).astype(dot_dtype)
   s = jnp.dot(q_ref[...], keys.T, precision=lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32)  # [heads_pad, keys]
