@@ -22,18 +22,32 @@ previous owner's keys.
 loads a block's values and scales and dequantizes them as the attention does).
 
 Bounds dtype: float32, bfloat16 (half the bytes: the engine keeps the bounds of every
-host block on the device), or the keys' own dtype. Narrowing rounds outward (min toward
--inf, max toward +inf, `round_bounds`), so ``min <= k <= max`` still holds for every
-valid key and the indexer's score stays an upper bound of q . k. On CPU the reference
-scatters a bfloat16 ``bounds`` through its uint16 view (XLA:CPU converts a whole bf16
-array to scatter into it, DESIGN.md). ``bounds`` is donated and updated in place. A head_dim that is
-not a power of 2 is tiled at the next one, the padding columns of the pages and of
-``bounds`` masked (see common.padded_head_dim); neither array is copied.
+host block on the device), int8 (`QuantizedBounds`: a quarter of float32's bytes plus a
+float32 scale per block, side and KV head), or the keys' own dtype. Narrowing rounds
+outward (min toward -inf, max toward +inf, `round_bounds`, `quantize_bounds`), so
+``min <= k <= max`` still holds for every valid key and the indexer's score stays an
+upper bound of q . k.
+
+int8 bounds: ``QuantizedBounds(values int8 [num_blocks, 2, num_kv_heads, head_dim],
+scales float32 [num_blocks, 2, num_kv_heads, 1])``; bound = values * scales, the scale of
+a (block, side, KV head) its largest magnitude / 127 (a hair more, so no value passes
+127), the minima floored and the maxima ceiled. At head_dim 128 a block's bounds are 264
+bytes a KV head against bfloat16's 512 (1.94x fewer: the bytes the select reads at long
+contexts and the device bytes of every host block's bounds); the score factors as
+``scale_max * (q+ . values_max) + scale_min * (q- . values_min)`` (block_scores.py), and
+the quantization's rounding can only raise it (a looser bound, never a missed key).
+
+On CPU the reference scatters a bfloat16 ``bounds`` through its uint16 view (XLA:CPU
+converts a whole bf16 array to scatter into it, DESIGN.md). ``bounds`` is donated and
+updated in place. A head_dim that is not a power of 2 is tiled at the next one, the
+padding columns of the pages and of ``bounds`` masked (see common.padded_head_dim);
+neither array is copied.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +57,66 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend, common
 
 MIN, MAX = 0, 1
-BOUNDS_DTYPES = ("float32", "bfloat16")  # besides the keys' own dtype
+BOUNDS_DTYPES = ("float32", "bfloat16", "int8")  # besides the keys' own dtype
+INT8_MAX = 127
+# The scale of a (block, side, KV head): its largest magnitude / 127 times this hair, so
+# the division by it stays below 127 after float32 rounding (no value clips).
+_SCALE_MARGIN = 1.0 + 2.0 ** -12
+_MIN_SCALE = 1e-30  # all-zero bounds: values 0 (any positive scale)
+
+
+class QuantizedBounds(NamedTuple):
+  """int8 key bounds (module docstring): bound = values * scales, rounded outward."""
+
+  values: jax.Array  # int8 [num_blocks, 2, num_kv_heads, head_dim]
+  scales: jax.Array  # float32 [num_blocks, 2, num_kv_heads, 1]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.values.nbytes) + int(self.scales.nbytes)
+
+  def dequantize(self) -> jax.Array:
+    """float32 bounds (gathered rows of this are what the jnp paths score)."""
+    return self.values.astype(jnp.float32) * self.scales
+
+  def rows(self, index) -> QuantizedBounds:
+    """`bounds[index]` of both arrays (a gather of block rows)."""
+    return QuantizedBounds(self.values[index], self.scales[index])
+
+
+def quantize_bounds(k_min: jax.Array, k_max: jax.Array) -> QuantizedBounds:
+  """float [..., num_kv_heads, head_dim] minima and maxima -> int8 bounds ([..., 2,
+  num_kv_heads, head_dim] values, [..., 2, num_kv_heads, 1] scales) rounded outward:
+  values_min * scale_min <= k_min and values_max * scale_max >= k_max in float32, every
+  element."""
+
+  def side(x, up: bool):
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.maximum(amax, _MIN_SCALE) * (_SCALE_MARGIN / INT8_MAX)
+    v = jnp.ceil(x / scale) if up else jnp.floor(x / scale)
+    # Where float32's division rounded the quotient onto the wrong integer, one more step.
+    short = (v * scale < x) if up else (v * scale > x)
+    v = jnp.where(short, v + (1 if up else -1), v)
+    return jnp.clip(v, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+  lo, lo_scale = side(k_min, up=False)
+  hi, hi_scale = side(k_max, up=True)
+  axis = k_min.ndim - 2  # the side axis goes before the KV heads
+  return QuantizedBounds(jnp.stack([lo, hi], axis=axis),
+                         jnp.stack([lo_scale, hi_scale], axis=axis))
+
+
+def empty_bounds(shape: tuple[int, ...], dtype) -> jax.Array | QuantizedBounds:
+  """Zero bounds of [rows, 2, num_kv_heads, head_dim] in `dtype` (int8: QuantizedBounds)."""
+  if jnp.dtype(dtype) == jnp.int8:
+    return QuantizedBounds(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1),
+                                                                 jnp.float32))
+  return jnp.zeros(shape, dtype)
 
 
 def _bfloat16_outward(x: jax.Array, up: bool) -> jax.Array:
@@ -166,13 +239,20 @@ def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret, max_touched=
 def _check(bounds, k_pages, slot_ids):
   num_blocks, _, num_kv_heads, head_dim = common.check_pages(k_pages, k_pages)
   want = (num_blocks, 2, num_kv_heads, head_dim)
-  if (bounds.ndim != 4 or bounds.shape[1:] != want[1:] or bounds.shape[0] < num_blocks):
+  if (len(bounds.shape) != 4 or bounds.shape[1:] != want[1:] or bounds.shape[0] < num_blocks):
     raise ValueError(
         f"bounds must be [num_blocks (or more rows), 2, num_kv_heads, head_dim] = {want} "
         f"for k_pages shape {k_pages.shape}, got {bounds.shape}")
-  if bounds.dtype not in (k_pages.dtype, *map(jnp.dtype, BOUNDS_DTYPES)):
-    raise ValueError(f"bounds dtype must be float32, bfloat16 or the keys' {k_pages.dtype}, "
-                     f"got {bounds.dtype}")
+  if isinstance(bounds, QuantizedBounds):
+    if (bounds.values.dtype != jnp.int8 or bounds.scales.dtype != jnp.float32
+        or bounds.scales.shape != (*bounds.shape[:3], 1)):
+      raise ValueError(f"QuantizedBounds must be int8 values {bounds.shape} and float32 "
+                       f"scales {(*bounds.shape[:3], 1)}, got {bounds.values.dtype} "
+                       f"{bounds.values.shape} and {bounds.scales.dtype} "
+                       f"{bounds.scales.shape}")
+  elif bounds.dtype not in (k_pages.dtype, *map(jnp.dtype, BOUNDS_DTYPES[:2])):
+    raise ValueError(f"bounds dtype must be float32, bfloat16 or the keys' {k_pages.dtype} "
+                     f"(int8: QuantizedBounds), got {bounds.dtype}")
   if slot_ids.ndim != 1:
     raise ValueError(f"slot_ids must be int32 [num_tokens], got shape {slot_ids.shape}")
   common.check_int32("slot_ids", slot_ids, slot_ids.shape)
@@ -199,15 +279,15 @@ def block_key_bounds(
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_touched"), donate_argnums=(0,))
 def block_key_bounds_reference(
-    bounds: jax.Array,  # [num_blocks, 2, num_kv_heads, head_dim], donated
+    bounds: jax.Array | QuantizedBounds,  # [num_blocks, 2, num_kv_heads, head_dim], donated
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_ids: jax.Array,  # int32 [num_tokens]; < 0 skipped
     *,
     interpret: bool | None = None,
     max_touched: int | None = None,
-) -> jax.Array:
+) -> jax.Array | QuantizedBounds:
   """Pure-jnp reference (the "xla" backend): masked min/max of the touched blocks (see
-  `block_key_bounds` for `max_touched`)."""
+  `block_key_bounds` for `max_touched`); int8 `QuantizedBounds` quantized outward."""
   del interpret
   _check(bounds, k_pages, slot_ids)
   num_blocks, block_size = k_pages.shape[:2]
@@ -219,8 +299,12 @@ def block_key_bounds_reference(
   valid = valid[:, :, None, None]
   k_min = jnp.where(valid, k, jnp.inf).min(axis=1)
   k_max = jnp.where(valid, k, -jnp.inf).max(axis=1)
-  new = jnp.stack(round_bounds(k_min, k_max, bounds.dtype), axis=1)  # [entries, 2, h, d]
   dst = jnp.where(touched, block_id, bounds.shape[0])
+  if isinstance(bounds, QuantizedBounds):  # [entries, 2, h, d] values, [entries, 2, h, 1]
+    new = quantize_bounds(k_min, k_max)
+    return QuantizedBounds(bounds.values.at[dst].set(new.values, mode="drop"),
+                           bounds.scales.at[dst].set(new.scales, mode="drop"))
+  new = jnp.stack(round_bounds(k_min, k_max, bounds.dtype), axis=1)  # [entries, 2, h, d]
   if bounds.dtype == jnp.bfloat16:  # scatter the bits: XLA:CPU converts a bf16 array whole
     bits = lax.bitcast_convert_type(bounds, jnp.uint16).at[dst].set(
         lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
