@@ -47,7 +47,8 @@ neither array is copied.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,12 +112,18 @@ def quantize_bounds(k_min: jax.Array, k_max: jax.Array) -> QuantizedBounds:
                          jnp.stack([lo_scale, hi_scale], axis=axis))
 
 
+def bounds_arrays(shape: tuple[int, ...], dtype, make: Callable[[tuple[int, ...], Any], Any]):
+  """Bounds of [rows, 2, num_kv_heads, head_dim] in `dtype` built by `make(shape, dtype)`
+  (an array, or an abstract one): int8 gives QuantizedBounds of its two arrays."""
+  if jnp.dtype(dtype) == jnp.int8:
+    return QuantizedBounds(make(tuple(shape), jnp.dtype(jnp.int8)),
+                           make((*shape[:-1], 1), jnp.dtype(jnp.float32)))
+  return make(tuple(shape), jnp.dtype(dtype))
+
+
 def empty_bounds(shape: tuple[int, ...], dtype) -> jax.Array | QuantizedBounds:
   """Zero bounds of [rows, 2, num_kv_heads, head_dim] in `dtype` (int8: QuantizedBounds)."""
-  if jnp.dtype(dtype) == jnp.int8:
-    return QuantizedBounds(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1),
-                                                                 jnp.float32))
-  return jnp.zeros(shape, dtype)
+  return bounds_arrays(shape, dtype, jnp.zeros)
 
 
 def _bfloat16_outward(x: jax.Array, up: bool) -> jax.Array:

@@ -64,6 +64,7 @@ from hisparse_jax.kv_cache.kv_pool import (
   storage_dtype,
 )
 from hisparse_jax.kv_cache.tiers import pool_io
+from kernels_pallas.block_key_bounds import bounds_arrays
 
 ID_BUCKET = 16  # ids of one swap / tier / copy program (the engine pads to powers of two)
 
@@ -134,9 +135,11 @@ class AotModelRunner(_AotRunnerMixin, ModelRunner):
   def _sparse_state(self):
     pool, spec = self.pool, self.pool.spec
     shape = (pool.num_blocks + self.host_pool.num_blocks, 2, spec.num_kv_heads, spec.head_dim)
-    bounds = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(self.hisparse.bounds_dtype),
-                                        sharding=pool.sharding)
-                   for _ in range(spec.num_layers))
+    bounds = tuple(
+        bounds_arrays(shape, self.hisparse.bounds_dtype,
+                      lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                                sharding=pool.sharding))
+        for _ in range(spec.num_layers))
     return bounds, self._hot_state(self.hisparse_blocks.hot_buffer_blocks,
                                    self.max_blocks_per_seq)
 

@@ -55,6 +55,7 @@ from hisparse_jax.sparse import resolver
 from hisparse_jax.sparse.attention import COUNT_FIELDS  # noqa: F401 (re-exported)
 from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas import cpu_kernels, packed
+from kernels_pallas.block_key_bounds import bounds_arrays
 
 
 def packed_step_weights(model: nnx.Module, ops: kernels_pallas.KernelOps, mesh=None
@@ -231,9 +232,13 @@ class ModelRunner:
     bounds_shape = (device_pool.num_blocks + self.host_pool.num_blocks, 2, spec.num_kv_heads,
                     spec.head_dim)
     # bfloat16 bounds are stored as uint16 on CPU, as the pools' bf16 (kv_pool).
+    # int8: QuantizedBounds (int8 values and float32 scales) per layer.
     bounds_storage = storage_dtype(self.hisparse.bounds_dtype, device_pool.device.platform)
-    bounds = tuple(device_full_fn(bounds_shape, bounds_storage, 0, device_pool.sharding)()
-                   for _ in range(spec.num_layers))
+    bounds = tuple(
+        bounds_arrays(bounds_shape, bounds_storage,
+                      lambda shape, dtype: device_full_fn(shape, dtype, 0,
+                                                          device_pool.sharding)())
+        for _ in range(spec.num_layers))
     return bounds, self._hot_state(self.hisparse_blocks.hot_buffer_blocks,
                                    self.max_blocks_per_seq)
 
@@ -278,7 +283,7 @@ class ModelRunner:
 
   def reserved_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays of `reserved_bytes` (their shards: the capacity lines per device)."""
-    return (*self.bounds, *(self.hot_state or ()))
+    return (*jax.tree.leaves(self.bounds), *(self.hot_state or ()))
 
   def hot_state_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The hot-buffer state read back, each kind stacked over the layers: (slot blocks,

@@ -34,8 +34,9 @@ from hisparse_jax.engine.sampling import (
   token_logprobs,
 )
 from hisparse_jax.engine.step_batch import SamplerExtras, StepMetadata
-from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
+from hisparse_jax.kv_cache.kv_pool import from_storage
 from hisparse_jax.kv_cache.transfer import hop_free
+from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.attention import SparseStatic, attend
 from hisparse_jax.sparse.config import HiSparseBlocks
 from hisparse_jax.sparse.dsa_attention import DsaStatic
@@ -196,8 +197,9 @@ def refresh_program(ops: kernels_pallas.KernelOps, kv_dtype: str, block_size: in
     keys = (tuple(QuantizedPages(k, s, kv_dtype) for k, s in zip(k_arrays, k_scales))
             if k_scales else tuple(from_storage(k, jnp.dtype(kv_dtype)) for k in k_arrays))
     return tuple(
-        to_storage(ops.block_key_bounds(from_storage(b, bounds_dtype), k, slots),
-                   bounds_dtype, b.dtype)
+        indexer.bounds_storage(
+            ops.block_key_bounds(indexer.bounds_view(b, bounds_dtype), k, slots),
+            bounds_dtype, b)
         for b, k in zip(bounds, keys))
 
   return jax.jit(refresh, donate_argnums=(0,))
@@ -243,7 +245,8 @@ def sharded_attend(attn_fn, mesh, sparse: bool, q, k, v, *, layer_idx, kv_cache,
 
 
 def _copy_blocks(arrays, src, dst):
-  return tuple(a.at[dst].set(a[src], mode="drop") for a in arrays)
+  # (int8 key bounds are QuantizedBounds: both arrays' rows move.)
+  return jax.tree.map(lambda a: a.at[dst].set(a[src], mode="drop"), tuple(arrays))
 
 
 def _forward(graphdef, params_def, attn_fn, layout, params, head, kv_arrays, bounds,

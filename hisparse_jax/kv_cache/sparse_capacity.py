@@ -76,9 +76,11 @@ def limited_by(report, running: int, tokens_per_request: int) -> str:
 
 def bounds_bytes_per_block(spec: KVCacheSpec, bounds_dtype: str = "float32") -> int:
   """Device bytes of the key bounds of one block id over all layers (min and max, each
-  [num_kv_heads, head_dim] of `bounds_dtype`)."""
-  return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * jnp.dtype(
-      bounds_dtype).itemsize
+  [num_kv_heads, head_dim] of `bounds_dtype`; int8 adds a float32 scale per side and KV
+  head: kernels_pallas.block_key_bounds.QuantizedBounds)."""
+  scale_bytes = 4 if bounds_dtype == "int8" else 0
+  return spec.num_layers * 2 * spec.num_kv_heads * (
+      spec.head_dim * jnp.dtype(bounds_dtype).itemsize + scale_bytes)
 
 
 def num_hot_rows(max_num_seqs: int, num_device_blocks: int, hot_buffer_blocks: int) -> int:

@@ -177,13 +177,13 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, storage_dtype,
   # The step's rows write consecutive positions each: the bounds' work follows the blocks
   # they touch (a prefill chunk's tokens / block_size), not the tokens.
   bounds = ops.block_key_bounds(
-      from_storage(cache["bounds"], sparse.bounds_dtype), k_view, metadata.slot_ids,
+      indexer.bounds_view(cache["bounds"], sparse.bounds_dtype), k_view, metadata.slot_ids,
       max_touched=max_touched_blocks(metadata.slot_ids.shape[0], metadata.kv_lens.shape[0],
                                      k_view.shape[1]))
   # The selection reads the bounds in their storage dtype (bfloat16 as uint16 bits on CPU,
   # which the C++ kernel takes as they are: a bfloat16 operand would cost the program a
   # converted copy of the whole array per layer).
-  bounds = to_storage(bounds, sparse.bounds_dtype, cache["bounds"].dtype)
+  bounds = indexer.bounds_storage(bounds, sparse.bounds_dtype, cache["bounds"])
   out, pages, state, (counts, loaded) = _hisparse_attention(
       ops, sparse, kv_dtype, q[0], pages, bounds, cache, metadata, config)
   return out[None], dict(pages=pages, bounds=bounds, state=state, counts=counts,

@@ -30,8 +30,9 @@ MAX_DEFAULT_LOCAL_TOKENS = 256  # default local_tokens: min(this, top_k_tokens /
 MIN_DEFAULT_TOP_K_BLOCKS = 4
 SELECTIONS = ("union", "shared", "per_kv_head", "per_query_head")
 # Dtype of the indexer's key bounds (kept on the device for every device AND host block):
-# bfloat16 halves their bytes (rounded outward, so a block's score stays an upper bound).
-BOUNDS_DTYPES = ("bfloat16", "float32")
+# bfloat16 halves their bytes, int8 (a float32 scale per block, side and KV head) halves
+# them again (both rounded outward, so a block's score stays an upper bound).
+BOUNDS_DTYPES = ("bfloat16", "float32", "int8")
 
 # How a streamed prompt's prefill chunk (a prompt longer than the device pool, some of its
 # earlier blocks on the host only) attends over its earlier blocks: "exact" over all of
@@ -91,9 +92,9 @@ class HiSparseConfig:
   top_k_tokens; else they attend densely, exactly as without HiSparse, for a platform
   where the sparse path's fixed cost outweighs what it skips; a step with an offloaded
   row always takes it; 0: resident long rows always decode sparse);
-  `thrash_window_steps >= 0`; `bounds_dtype`
-  in ("bfloat16", "float32"): the dtype of the indexer's key bounds (WORKSPACE.md has
-  the selection accuracy of each); `streamed_prefill` in STREAMED_PREFILLS (default
+  `thrash_window_steps >= 0`; `bounds_dtype` in BOUNDS_DTYPES ("bfloat16", "float32",
+  "int8"): the dtype of the indexer's key bounds (WORKSPACE.md has the selection accuracy
+  of each); `streamed_prefill` in STREAMED_PREFILLS (default
   "exact": a prompt longer than the device pool prefills as dense attention would);
   `admission` in ADMISSIONS (default "offload": running sparse decoders make room for a
   waiting request, which may itself stream in; "wait": it waits for free blocks).

@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
 from hisparse_jax.sparse.config import SELECTIONS, HiSparseBlocks
 from kernels_pallas import cpu_kernels
+from kernels_pallas.block_key_bounds import QuantizedBounds
 
 PAD = -1  # logical id of padding in a selection
 
@@ -299,8 +301,9 @@ def _per_query_head(selection: str) -> bool:
 
 def select_rows(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
-    bounds: jax.Array,  # [rows, 2, num_kv_heads, head_dim]: every block's key bounds
-    # (float32, bfloat16, or uint16: bfloat16 bits, which the C++ kernel reads in place)
+    bounds: jax.Array | QuantizedBounds,  # [rows, 2, num_kv_heads, head_dim]: every
+    # block's key bounds (float32, bfloat16, uint16: bfloat16 bits, which the C++ kernel
+    # reads in place, or int8 QuantizedBounds)
     bounds_rows: jax.Array,  # int32 [batch, max_blocks]: each logical block's row
     kv_lens: jax.Array,  # int32 [batch]
     blocks: HiSparseBlocks,
@@ -319,6 +322,7 @@ def select_rows(
   come from it, the bounds read in place; otherwise from the gathered bounds; then
   `select`."""
   if (cpu_kernel and selection == "union" and axis_name is None
+      and not isinstance(bounds, QuantizedBounds)
       and jnp.dtype(bounds.dtype).name in cpu_kernels.UNION_SELECT_BOUNDS_TARGETS
       and cpu_kernels.available()):
     ids, num, lens = cpu_kernels.union_select_bounds(
@@ -329,9 +333,26 @@ def select_rows(
   scores = gathered = None
   if scores_kernel is not None:
     scores = scores_kernel(q, bounds, bounds_rows, per_query_head=_per_query_head(selection))
+  elif isinstance(bounds, QuantizedBounds):  # int8: the gathered rows dequantized
+    gathered = bounds.rows(bounds_rows).dequantize()
   else:
     if bounds.dtype == jnp.uint16:  # bfloat16 bits (the engine's storage on CPU)
       bounds = lax.bitcast_convert_type(bounds, jnp.bfloat16)
     gathered = bounds[bounds_rows]
   return select(q, gathered, kv_lens, blocks, selection, axis_name=axis_name,
                 kv_head_repeat=kv_head_repeat, cpu_kernel=cpu_kernel, scores=scores)
+
+
+def bounds_view(stored, bounds_dtype: str):
+  """A layer's key bounds as block_key_bounds takes them: the logical dtype of a stored
+  array (bfloat16 from its uint16 bits on CPU), or int8 QuantizedBounds as they are."""
+  if isinstance(stored, QuantizedBounds):
+    return stored
+  return from_storage(stored, bounds_dtype)
+
+
+def bounds_storage(bounds, bounds_dtype: str, stored):
+  """The inverse of `bounds_view`: `bounds` in the storage dtype of `stored`."""
+  if isinstance(bounds, QuantizedBounds):
+    return bounds
+  return to_storage(bounds, bounds_dtype, stored.dtype)

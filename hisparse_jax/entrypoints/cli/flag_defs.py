@@ -144,10 +144,11 @@ flags.DEFINE_integer("resident_sparse_min_tokens", None, "HiSparse: a step whose
                      "only if together they skip at least this many tokens of attention "
                      "(kv_len - top-k each); else densely (exact, for where the sparse "
                      "path's cost outweighs what it skips). Default 0: always sparse.")
-flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32"],
+flags.DEFINE_enum("bounds_dtype", None, ["bfloat16", "float32", "int8"],
                   "HiSparse: dtype of the indexer's key bounds, kept on the device for every "
-                  "device and host block (bfloat16: half the bytes of float32, rounded "
-                  "outward so scores stay upper bounds). Default: bfloat16.")
+                  "device and host block (bfloat16: half the bytes of float32; int8: about "
+                  "half of bfloat16's, a float32 scale per block, side and KV head; both "
+                  "rounded outward so scores stay upper bounds). Default: bfloat16.")
 flags.DEFINE_enum("selection", None, ["union", "shared", "per_kv_head", "per_query_head"],
                   "HiSparse: how the indexer picks blocks. union: one set for all heads, "
                   "the union of each query head's best-ranked blocks; shared: one set from "

@@ -44,7 +44,8 @@ import models
 from hisparse_jax import HiSparseConfig
 from hisparse_jax.engine.sampling import SamplingParams
 from hisparse_jax.kv_cache import transfer
-from hisparse_jax.kv_cache.kv_pool import KVCacheSpec, from_storage
+from hisparse_jax.kv_cache.kv_pool import KVCacheSpec
+from hisparse_jax.sparse import indexer
 from models import data
 
 
@@ -63,28 +64,33 @@ def _assert_bounds_exact(engine):
   engine.transfer.wait()
   num_device_blocks = engine.device_pool.num_blocks
   bounds_dtype = engine.config.hisparse.bounds_dtype
-  logical = [from_storage(b, bounds_dtype) for b in engine.runner.bounds]
+  logical = [indexer.bounds_view(b, bounds_dtype) for b in engine.runner.bounds]
+  # (int8 bounds: their values and scales both, each exactly.)
+  arrays = lambda b: [np.asarray(a) for a in jax.tree.leaves(b)]  # noqa: E731
   for layer, bounds in enumerate(logical):
-    host_bounds = np.asarray(bounds)[num_device_blocks:]  # host block j: row nd + j
+    host_bounds = jax.tree.map(lambda a: a[num_device_blocks:], bounds)  # host j: nd + j
     host_k = jnp.asarray(np.asarray(engine.host_pool.k[layer]))
     full = jnp.asarray(np.arange(host_k.shape[0], dtype=np.int32) * bs + bs - 1)
-    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(host_bounds), host_k,
-                                                         full)
-    np.testing.assert_array_equal(host_bounds[host_ids], np.asarray(expected)[host_ids])
+    expected = kernels_pallas.block_key_bounds_reference(
+        jax.tree.map(jnp.zeros_like, host_bounds), host_k, full)
+    for got, want in zip(arrays(host_bounds), arrays(expected)):
+      np.testing.assert_array_equal(got[host_ids], want[host_ids])
   padded = np.full(num_device_blocks, -1, np.int32)
   padded[:len(slots)] = slots
   ids = np.array(slots, np.int64) // bs
   for layer, bounds in enumerate(logical):
     k_pages = engine.device_pool.k[layer]
-    device_bounds = jnp.asarray(np.asarray(bounds)[:num_device_blocks])
-    expected = kernels_pallas.block_key_bounds_reference(jnp.zeros_like(device_bounds),
-                                                         k_pages, jnp.asarray(padded))
-    np.testing.assert_array_equal(np.asarray(device_bounds)[ids], np.asarray(expected)[ids])
+    device_bounds = jax.tree.map(lambda a: a[:num_device_blocks], bounds)
+    expected = kernels_pallas.block_key_bounds_reference(
+        jax.tree.map(jnp.zeros_like, device_bounds), k_pages, jnp.asarray(padded))
+    for got, want in zip(arrays(device_bounds), arrays(expected)):
+      np.testing.assert_array_equal(got[ids], want[ids])
   return len(slots) + len(host_ids)
 
 
 @pytest.mark.parametrize(("bounds_dtype", "num_device_blocks", "selection"),
-                         [("bfloat16", 14, "union"), ("float32", 11, "shared")])
+                         [("bfloat16", 14, "union"), ("float32", 11, "shared"),
+                          ("int8", 15, "union")])
 def test_full_top_k_gives_the_dense_tokens_with_blocks_from_the_host(reference, bounds_dtype,
                                                                      num_device_blocks,
                                                                      selection):

@@ -140,14 +140,15 @@ def test_a_step_without_a_miss_runs_no_host_gather():
 
 
 @pytest.mark.parametrize(("bounds_dtype", "itemsize", "storage", "num_device_blocks"),
-                         [("float32", 4, np.float32, 11), ("bfloat16", 2, np.uint16, 14)])
+                         [("float32", 4, np.float32, 11), ("bfloat16", 2, np.uint16, 14),
+                          ("int8", 1, np.int8, 15)])
 def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, storage,
                                                        num_device_blocks):
   engine = make_engine(dataclasses.replace(FULL, bounds_dtype=bounds_dtype))
   spec = engine.device_pool.spec
   spec_bytes = bounds_bytes_per_block(spec, bounds_dtype)
-  # layers x (min, max) x kv heads x head_dim x itemsize
-  assert spec_bytes == 2 * 2 * 2 * 8 * itemsize
+  # layers x (min, max) x kv heads x (head_dim x itemsize + int8's float32 scale)
+  assert spec_bytes == 2 * 2 * 2 * (8 * itemsize + (4 if bounds_dtype == "int8" else 0))
   # Half-size bounds leave room for more device blocks in the same budget.
   assert engine.device_pool.num_blocks == num_device_blocks
   num_blocks = engine.device_pool.num_blocks + engine.host_pool.num_blocks
@@ -158,8 +159,13 @@ def test_hisparse_device_bytes_are_reserved_and_logged(bounds_dtype, itemsize, s
   assert engine.runner.num_hot_rows == 1
   assert engine.runner.reserved_bytes == num_blocks * spec_bytes + 2 * 1 * (2 * 8 + 8) * 4
   assert engine.capacity["device"].reserved_bytes == engine.runner.reserved_bytes
+  rows = num_device_blocks + engine.host_pool.num_blocks
   for bounds in engine.runner.bounds:  # device blocks' rows, then host blocks'
-    assert bounds.shape == (num_device_blocks + engine.host_pool.num_blocks, 2, 2, 8)
+    if bounds_dtype == "int8":  # QuantizedBounds: int8 values, a scale per side and head
+      assert bounds.scales.shape == (rows, 2, 2, 1) and bounds.scales.dtype == np.float32
+      assert bounds.scales.sharding.memory_kind == "device"
+      bounds = bounds.values
+    assert bounds.shape == (rows, 2, 2, 8)
     assert bounds.dtype == storage  # bfloat16 as its uint16 bits on CPU
     assert bounds.sharding.memory_kind == "device"
   lines = engine.capacity.log_lines(MAX_MODEL_LEN)
@@ -236,9 +242,11 @@ def test_cli_flags_build_the_hisparse_config():
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--bounds_dtype=float32"])
     assert generate_cmd.hisparse_from_flags().bounds_dtype == "float32"
+    flags.FLAGS(["prog", "--hisparse", "--top_k_tokens=256", "--bounds_dtype=int8"])
+    assert generate_cmd.hisparse_from_flags().bounds_dtype == "int8"
     assert HiSparseConfig().bounds_dtype == "bfloat16"
   with pytest.raises(ValueError, match="HiSparseConfig.bounds_dtype must be one of"):
-    HiSparseConfig(bounds_dtype="int8")
+    HiSparseConfig(bounds_dtype="float16")
   with flagsaver.flagsaver():
     flags.FLAGS(["prog", "--bounds_dtype=float32"])
     with pytest.raises(ValueError, match="--bounds_dtype is a HiSparse setting"):
