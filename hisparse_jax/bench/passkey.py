@@ -134,6 +134,7 @@ class Size:
   streamed_lengths: tuple[int, ...] = ()
   # HiSparseConfig.streamed_prefill of the streamed rows: one row per mode.
   streamed_prefills: tuple[str, ...] = ("exact",)
+  bounds_dtype: str = "bfloat16"  # HiSparseConfig.bounds_dtype of the HiSparse rows
 
   def depths_of(self, length: int) -> tuple[float, ...]:
     return dict(self.depths_by_length).get(length, self.depths)
@@ -162,6 +163,11 @@ SIZES = {
     "8k_b32": Size(model="smollm2-135m-instruct", lengths=(8192,), depths=(0.1, 0.5, 0.9),
                    top_ks=(256, 512, 1024, 2048), block_sizes=(32,), device_requests=1.5,
                    agreement_prompts=0, agreement_tokens=0, agreement_rows=()),
+    # 8k_b32 with int8 key bounds (HiSparseConfig.bounds_dtype="int8"): the same answers?
+    "8k_b32_int8": Size(model="smollm2-135m-instruct", lengths=(8192,),
+                        depths=(0.1, 0.5, 0.9), top_ks=(256, 512, 1024, 2048),
+                        block_sizes=(32,), device_requests=1.5, agreement_prompts=0,
+                        agreement_tokens=0, agreement_rows=(), bounds_dtype="int8"),
     # Two prompts: the second one's admission offloads the first (host loads).
     "smoke": Size(model="hisparse-tiny", lengths=(256,), depths=(0.25, 0.75), top_ks=(64, 256),
                   block_sizes=(16,), device_requests=1.5, agreement_prompts=2,
@@ -223,7 +229,8 @@ def _length_rows(bundle, size: Size, length: int) -> list[dict]:
         # resident_sparse_min_tokens=0: every decode row past top-k is selected, resident
         # or not (the suite measures the selection, not the engine's cost choice).
         hisparse = HiSparseConfig(top_k_tokens=top_k, hot_buffer_tokens=top_k,
-                                  sparse_threshold_tokens=top_k, resident_sparse_min_tokens=0)
+                                  sparse_threshold_tokens=top_k, resident_sparse_min_tokens=0,
+                                  bounds_dtype=size.bounds_dtype)
         try:
           row = _passkey_row(bundle, size, length, prompts, len(tail), block_size, hisparse)
         except Exception as e:  # noqa: BLE001 (an engine error is a finding of this row)

@@ -57,7 +57,7 @@ from flax import nnx
 from hisparse_jax.bench import common
 from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseBlocks, HiSparseConfig
-from kernels_pallas.block_key_bounds import round_bounds
+from kernels_pallas.block_key_bounds import quantize_bounds, round_bounds
 from models.attention import dense_causal_attention
 from models.llama import LlamaForCausalLM
 
@@ -90,7 +90,8 @@ def block_bounds(k: jax.Array, kv_lens: jax.Array, block_size: int,
   valid keys (position < kv_lens); blocks without a valid key get 0 (the indexer masks
   them as invalid anyway). k: [batch, capacity, num_kv_heads, head_dim]. `bounds_dtype`:
   what the engine stores (HiSparseConfig.bounds_dtype), rounded outward as
-  kernels_pallas.block_key_bounds does."""
+  kernels_pallas.block_key_bounds does (int8: the QuantizedBounds' values x scales, in
+  float32: what the engine's scores read)."""
   batch, capacity, num_kv_heads, head_dim = k.shape
   blocks = k.reshape(batch, capacity // block_size, block_size, num_kv_heads, head_dim)
   pos = jnp.arange(capacity).reshape(1, -1, block_size, 1, 1)
@@ -98,7 +99,11 @@ def block_bounds(k: jax.Array, kv_lens: jax.Array, block_size: int,
   k_min = jnp.where(valid, blocks, jnp.inf).min(axis=2)
   k_max = jnp.where(valid, blocks, -jnp.inf).max(axis=2)
   any_valid = valid.any(axis=2)
-  bounds = jnp.stack(round_bounds(k_min, k_max, bounds_dtype), axis=2)
+  if bounds_dtype == "int8":
+    k_min, k_max = (jnp.where(any_valid, x, 0) for x in (k_min, k_max))
+    bounds = quantize_bounds(k_min, k_max).dequantize()
+  else:
+    bounds = jnp.stack(round_bounds(k_min, k_max, bounds_dtype), axis=2)
   return jnp.where(any_valid[:, :, None], bounds, 0).astype(bounds.dtype)
 
 

@@ -3,7 +3,7 @@
 Usage::
 
   hisparse-jax bench [--suite=NAME|all] [--out=FILE.json]
-      [--bench_size=full|smoke|streamed|8k_b32|sweep|workload|long|long_6k|long_2k_8k]
+      [--bench_size=full|smoke|streamed|8k_b32|8k_b32_int8|sweep|workload|long|long_6k|long_2k_8k]
       [--bench_plot=FILE.png]
       [--block_size=16 (decode_sparse_vs_dense)]
 

@@ -191,12 +191,13 @@ flags.DEFINE_enum("kernel_backend", None, ["auto", "pallas", "pallas_mgpu", "xla
 flags.DEFINE_list("programs", [], "compile: only these programs (by the table's names; "
                   "default: all).")
 flags.DEFINE_enum("bench_size", "full",
-                  ["full", "smoke", "streamed", "8k_b32", "sweep", "workload", "long", "long_6k",
-                   "long_2k_8k"],
+                  ["full", "smoke", "streamed", "8k_b32", "8k_b32_int8", "sweep", "workload",
+                   "long", "long_6k", "long_2k_8k"],
                   "bench: problem sizes; smoke = tiny, seconds per suite (tests); "
                   "streamed (passkey only): the 8k rows at top-k 1,024, all-resident and "
                   "streamed through a device pool of 45% of a prompt; 8k_b32 (passkey "
-                  "only): the 8k rows at block 32, top-k 256-2,048; sweep "
+                  "only): the 8k rows at block 32, top-k 256-2,048 (8k_b32_int8: with int8 "
+                  "key bounds); sweep "
                   "(hisparse_throughput only): its concurrency sweep alone; workload "
                   "(hisparse_throughput only): its workload rows alone (vLLM's too).")
 flags.DEFINE_string("bench_plot", None, "bench: write the PNG plot of decode step time "

@@ -291,3 +291,12 @@ def test_bfloat16_bounds_hold_more_device_tokens_beside_a_larger_host_pool():
   assert _hisparse_device_tokens("bfloat16", 4) == 4628
   f32, bf16 = _hisparse_device_tokens("float32", 2), _hisparse_device_tokens("bfloat16", 2)
   assert (f32, bf16) == (4164, 6944) and bf16 >= 1.6 * f32
+
+
+def test_int8_bounds_hold_more_device_tokens_than_bfloat16_ones():
+  # int8 bounds of head_dim 32: 32 values + a float32 scale per side and KV head, 36 bytes
+  # against bfloat16's 64: an 8x host pool still fits a 0.01 GiB device budget.
+  assert _hisparse_device_tokens("bfloat16", 8) is None
+  int8 = {r: _hisparse_device_tokens("int8", r) for r in (2, 4, 8)}
+  assert int8 == {2: 8352, 4: 6992, 8: 4252}
+  assert int8[2] > 1.2 * 6944 and int8[4] > 1.5 * 4628  # bfloat16's, above

@@ -101,6 +101,17 @@ def test_bfloat16_block_bounds_enclose_the_float32_ones():
   np.testing.assert_allclose(bf16, f32, rtol=2 ** -7)  # within one bf16 step
 
 
+def test_int8_block_bounds_enclose_the_float32_ones():
+  # HiSparseConfig.bounds_dtype="int8": values x a scale per (block, side, KV head), outward.
+  k = jnp.asarray(np.random.default_rng(3).normal(size=(2, 16, 2, 8)), jnp.float32)
+  lens = jnp.array([13, 16], jnp.int32)
+  f32 = np.asarray(sa.block_bounds(k, lens, 4))
+  q8 = np.asarray(sa.block_bounds(k, lens, 4, "int8"))
+  assert (q8[:, :, 0] <= f32[:, :, 0]).all() and (q8[:, :, 1] >= f32[:, :, 1]).all()
+  step = np.abs(f32).max(-1, keepdims=True) / 127  # one int8 step of the side's scale
+  assert (q8 - f32 <= step * 1.001).all() and (f32 - q8 <= step * 1.001).all()
+
+
 def test_evaluate_rejects_a_non_dense_reference():
   with pytest.raises(ValueError, match="modes\\[0\\] must be dense"):
     sa.evaluate(tiny_model(), None, 64, 1, 0, [sa.Mode("shared", _blocks(3))], BLOCK, 1)
