@@ -202,8 +202,15 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
       loaded.append(result.loaded_block_layers)
       return result.tokens
 
-    times = common.interleaved({"dense": functools.partial(dense.execute, batch_dense),
-                                "sparse": sparse_step}, size.reps)
+    steps = {"dense": functools.partial(dense.execute, batch_dense), "sparse": sparse_step}
+    if context == max_context:  # the same sparse step over int8 key bounds beside it
+      int8_hisparse = dataclasses.replace(hisparse, bounds_dtype="int8")
+      int8_setup = tiered.tiered_decode(model, spec, int8_hisparse, size.batch, context, seed)
+      int8_setup.runner.collect(int8_setup.runner.dispatch(int8_setup.batch))
+      steps["sparse_int8_bounds"] = functools.partial(
+          lambda setup: setup.runner.collect(setup.runner.dispatch(setup.batch)).tokens,
+          int8_setup)
+    times = common.interleaved(steps, size.reps)
     dense_s, sparse_s = common.median(times["dense"]), common.median(times["sparse"])
     h2d = int(np.median(loaded)) * sparse_setup.block_bytes
     row = {"context": context, "dense_ms": dense_s * 1e3, "sparse_ms": sparse_s * 1e3,
@@ -215,6 +222,13 @@ def run(size_name: str = "full", block_size: int = 16, seed: int = 0) -> dict:
            **kv_bytes(spec, context, size.batch, size.top_k_tokens, h2d,
                       hisparse.bounds_dtype)}
     row["fraction_of_bound"] = row["dense_over_sparse"] / row["bytes_bound"]
+    if "sparse_int8_bounds" in times:
+      int8_s = common.median(times["sparse_int8_bounds"])
+      row["int8_bounds"] = {
+          "sparse_ms": int8_s * 1e3, "dense_over_sparse": dense_s / int8_s,
+          "sparse_over_bfloat16_bounds": int8_s / sparse_s,
+          **kv_bytes(spec, context, size.batch, size.top_k_tokens, h2d, "int8")}
+      del int8_setup
     rows.append(row)
     if context == max_context:
       profile = _profile(dense, sparse, batch_dense, batch_sparse, size.reps,
@@ -261,6 +275,12 @@ def format_table(result: dict) -> str:
   lines.append("with the weights read too (" + f"{result['weight_bytes_per_step'] / 1e6:.1f} "
                "MB a step), a memory-bound step could reach: " + ", ".join(
                    f"{r['bytes_bound_with_weights']:.1f}" for r in result["rows"]))
+  int8 = result["rows"][-1].get("int8_bounds")
+  if int8:
+    lines.append(f"int8 key bounds at {result['rows'][-1]['context']} tokens: sparse "
+                 f"{int8['sparse_ms']:.2f} ms ({int8['sparse_over_bfloat16_bounds']:.2f}x "
+                 f"the bfloat16 bounds' step), dense/sparse {int8['dense_over_sparse']:.2f}, "
+                 f"bytes_bound {int8['bytes_bound']:.1f}")
   lines.append(f"block_size {result['block_size']}, batch {result['batch']}, top_k_tokens "
                f"{result['top_k_tokens']}, backend {result['kernel_backend']}; goal met: "
                f"{result['goal_met']}")

@@ -22,10 +22,10 @@ from hisparse_jax.kv_cache.kv_pool import (
   KVCacheSpec,
   KVPool,
   from_storage,
-  to_storage,
 )
+from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
-from kernels_pallas.block_key_bounds import round_bounds
+from kernels_pallas.block_key_bounds import quantize_bounds, round_bounds
 from models.llama import LlamaForCausalLM
 
 
@@ -69,10 +69,13 @@ def decode_chunks(contexts_len: int, tables: np.ndarray, block_size: int, vocab:
 
 
 @functools.partial(jax.jit, static_argnames=("bounds_dtype",))
-def host_bounds(k_host: jax.Array, bounds_dtype: str = "float32") -> jax.Array:
+def host_bounds(k_host: jax.Array, bounds_dtype: str = "float32"):
   """[blocks, 2, kv heads, head_dim]: min and max over each block's tokens (all full), in
-  `bounds_dtype` rounded outward as kernels_pallas.block_key_bounds stores them."""
+  `bounds_dtype` rounded outward as kernels_pallas.block_key_bounds stores them (int8:
+  QuantizedBounds)."""
   k = k_host.astype(jnp.float32)
+  if bounds_dtype == "int8":
+    return quantize_bounds(k.min(axis=1), k.max(axis=1))
   return jnp.stack(round_bounds(k.min(axis=1), k.max(axis=1), bounds_dtype), axis=1)
 
 
@@ -126,9 +129,9 @@ def tiered_decode(model: LlamaForCausalLM, spec: KVCacheSpec, hisparse: HiSparse
   nd = device_pool.num_blocks
   bounds_dtype = runner.hisparse.bounds_dtype
   runner.bounds = tuple(
-      b.at[nd:].set(to_storage(host_bounds(from_storage(to_device(k, device_pool.sharding),
-                                                        spec.dtype), bounds_dtype),
-                               bounds_dtype, b.dtype))
+      jax.tree.map(lambda whole, rows: whole.at[nd:].set(rows), b, indexer.bounds_storage(
+          host_bounds(from_storage(to_device(k, device_pool.sharding), spec.dtype),
+                      bounds_dtype), bounds_dtype, b))
       for b, k in zip(runner.bounds, host_pool.arrays()[:spec.num_layers]))
   runner.refresh_bounds(dst)
   rng = np.random.default_rng(seed)

@@ -81,6 +81,12 @@ def test_decode_fields(smoke):
     assert r["cold_step_h2d_bytes"] > 0 and r["h2d_bytes_per_step"] == 0
   assert set(d["bytes_bound_by_block_size"]) == {str(b) for b in decode.BOUND_BLOCK_SIZES}
   assert len(d["profile"]) == 4 and isinstance(d["goal_met"], bool)
+  # The longest context's sparse step again over int8 key bounds: fewer bound bytes.
+  int8 = d["rows"][-1]["int8_bounds"]
+  assert positive(int8["sparse_ms"], int8["dense_over_sparse"])
+  assert int8["indexer_bytes"] < d["rows"][-1]["indexer_bytes"]
+  assert int8["bytes_bound"] > d["rows"][-1]["bytes_bound"]
+  assert all("int8_bounds" not in r for r in d["rows"][:-1])
 
 
 def test_hot_buffer_moves_the_misses(smoke):
