@@ -89,24 +89,33 @@ class QuantizedBounds(NamedTuple):
     return QuantizedBounds(self.values[index], self.scales[index])
 
 
+def _quantize_side(x: jax.Array, up: bool) -> tuple[jax.Array, jax.Array]:
+  """One side of `quantize_bounds` over the last axis: (int8 values, float32 scale [..., 1]).
+  The kernel runs this same code on a block's padded row (its padding columns are 0, so
+  they change neither the amax nor anything stored): the same values and scale."""
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  scale = jnp.maximum(amax, _MIN_SCALE) * (_SCALE_MARGIN / INT8_MAX)
+  step = 1.0 if up else -1.0
+  v = jnp.ceil(x / scale) if up else jnp.floor(x / scale)
+  # The division is only near the quotient (float32 rounding; a GPU's may be approximate):
+  # v is then the tightest outward integer (up: the least with v * scale >= x), one step
+  # each way, so every division that lands within one of it gives the same v.
+  short = (v * scale < x) if up else (v * scale > x)
+  v = jnp.where(short, v + step, v)
+  back = v - step
+  loose = (back * scale >= x) if up else (back * scale <= x)
+  v = jnp.where(loose, back, v)
+  return jnp.clip(v, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
 def quantize_bounds(k_min: jax.Array, k_max: jax.Array) -> QuantizedBounds:
   """float [..., num_kv_heads, head_dim] minima and maxima -> int8 bounds ([..., 2,
   num_kv_heads, head_dim] values, [..., 2, num_kv_heads, 1] scales) rounded outward:
   values_min * scale_min <= k_min and values_max * scale_max >= k_max in float32, every
-  element."""
-
-  def side(x, up: bool):
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.maximum(amax, _MIN_SCALE) * (_SCALE_MARGIN / INT8_MAX)
-    v = jnp.ceil(x / scale) if up else jnp.floor(x / scale)
-    # Where float32's division rounded the quotient onto the wrong integer, one more step.
-    short = (v * scale < x) if up else (v * scale > x)
-    v = jnp.where(short, v + (1 if up else -1), v)
-    return jnp.clip(v, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
-
-  lo, lo_scale = side(k_min, up=False)
-  hi, hi_scale = side(k_max, up=True)
+  element, each value the tightest such integer."""
+  lo, lo_scale = _quantize_side(k_min, up=False)
+  hi, hi_scale = _quantize_side(k_max, up=True)
   axis = k_min.ndim - 2  # the side axis goes before the KV heads
   return QuantizedBounds(jnp.stack([lo, hi], axis=axis),
                          jnp.stack([lo_scale, hi_scale], axis=axis))
@@ -155,16 +164,18 @@ def round_bounds(k_min: jax.Array, k_max: jax.Array, dtype) -> tuple[jax.Array, 
 def _block_key_bounds_kernel(
     slot_ids_ref,  # [1] int32, -1 unless this token is its block's last write
     k_pages_ref,  # [num_blocks, block_size, width] (one KV head; columns >= head_dim masked)
-    *refs,  # (k_scales_ref [num_blocks, block_size] when `dtype` is set: 8-bit keys),
-    # bounds_in_ref (aliased to bounds_ref), bounds_ref [num_blocks, 2, width] (one KV
-    # head; columns >= head_dim masked)
+    *refs,  # (k_scales_ref [num_blocks, block_size] when `dtype` is set: 8-bit keys), the
+    # bounds' inputs (aliased to the outputs, the same buffers), then the outputs:
+    # bounds_ref [num_blocks, 2, width] (one KV head; columns >= head_dim masked), or with
+    # `quantized` values_ref int8 [num_blocks, 2, width] and scales_ref [num_blocks, 2, 1]
     head_dim: int,  # width = head_dim padded to a power of 2
     dtype=None,  # the keys' dtype when the pages are 8-bit (dequantized as loaded)
+    quantized: bool = False,  # int8 bounds (QuantizedBounds)
 ):
   k_scales_ref = None
   if dtype is not None:
     k_scales_ref, *refs = refs
-  _, bounds_ref = refs  # the first is bounds_ref's input, the same buffer
+  outs = refs[len(refs) // 2:]  # the first half are the outputs' inputs
   num_blocks, block_size, width = k_pages_ref.shape
   slot = slot_ids_ref[0]
 
@@ -178,6 +189,14 @@ def _block_key_bounds_kernel(
     valid = lax.broadcasted_iota(jnp.int32, (block_size, width), 0) < num_valid
     k_min = jnp.where(valid, k, jnp.array(jnp.inf, k.dtype)).min(axis=0)
     k_max = jnp.where(valid, k, jnp.array(-jnp.inf, k.dtype)).max(axis=0)
+    if quantized:  # (the padding columns loaded as 0: 0 in k_min and k_max, not stored)
+      values_ref, scales_ref = outs
+      for side, x in ((MIN, k_min), (MAX, k_max)):
+        values, scale = _quantize_side(x, up=side == MAX)
+        common.store_columns(values_ref, (block_id, side), values, head_dim)
+        scales_ref[block_id, side] = scale
+      return
+    (bounds_ref,) = outs
     k_min, k_max = round_bounds(k_min, k_max, bounds_ref.dtype)
     common.store_columns(bounds_ref, (block_id, MIN), k_min, head_dim)
     common.store_columns(bounds_ref, (block_id, MAX), k_max, head_dim)
@@ -223,24 +242,30 @@ def _block_key_bounds_call(bounds, k_pages, slot_ids, *, interpret, max_touched=
     scales_specs = [pl.BlockSpec((num_blocks, block_size, None), lambda t, h: (0, 0, h))]
   last_slots = _touched_slots(slot_ids, num_blocks, block_size, max_touched)
   width = common.padded_head_dim(head_dim)
-  bounds_spec = pl.BlockSpec((num_blocks, 2, None, width), lambda t, h: (0, 0, h, 0))
-  return pl.pallas_call(
+  quantized = isinstance(bounds, QuantizedBounds)
+  arrays = tuple(bounds) if quantized else (bounds,)  # int8: (values, scales)
+  specs = [pl.BlockSpec((num_blocks, 2, None, width), lambda t, h: (0, 0, h, 0))]
+  if quantized:
+    specs.append(pl.BlockSpec((num_blocks, 2, None, 1), lambda t, h: (0, 0, h, 0)))
+  first = 2 + len(scales)  # the bounds' inputs, each aliased to its output
+  out = pl.pallas_call(
       functools.partial(_block_key_bounds_kernel, head_dim=head_dim,
-                        dtype=dtype if scales else None),
+                        dtype=dtype if scales else None, quantized=quantized),
       grid=(last_slots.shape[0], num_kv_heads),
       in_specs=[
           pl.BlockSpec((1,), lambda t, h: (t,)),
           pl.BlockSpec((num_blocks, block_size, None, width), lambda t, h: (0, 0, h, 0)),
           *scales_specs,
-          bounds_spec,
+          *specs,
       ],
-      out_specs=bounds_spec,
-      out_shape=jax.ShapeDtypeStruct(bounds.shape, bounds.dtype),
-      input_output_aliases={2 + len(scales): 0},
+      out_specs=specs,
+      out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+      input_output_aliases={first + i: i for i in range(len(arrays))},
       interpret=interpret,
       compiler_params=backend.compiler_params(interpret, num_warps=1, num_stages=1),
       name="block_key_bounds",
-  )(last_slots, k_pages, *scales, bounds)
+  )(last_slots, k_pages, *scales, *arrays)
+  return QuantizedBounds(*out) if quantized else out[0]
 
 
 def _check(bounds, k_pages, slot_ids):
@@ -267,14 +292,15 @@ def _check(bounds, k_pages, slot_ids):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "max_touched"), donate_argnums=(0,))
 def block_key_bounds(
-    bounds: jax.Array,  # [num_blocks, 2, num_kv_heads, head_dim], donated
+    bounds: jax.Array | QuantizedBounds,  # [num_blocks, 2, num_kv_heads, head_dim], donated
     k_pages: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_ids: jax.Array,  # int32 [num_tokens], the slots write_kv just wrote; < 0 skipped
     *,
     interpret: bool | None = None,
     max_touched: int | None = None,
-) -> jax.Array:
-  """Returns `bounds` with every block touched by `slot_ids` recomputed (in place).
+) -> jax.Array | QuantizedBounds:
+  """Returns `bounds` with every block touched by `slot_ids` recomputed (in place; int8
+  `QuantizedBounds`: both arrays, quantized in the kernel as `quantize_bounds` does).
   `max_touched`: at most this many distinct blocks are touched (`max_touched_blocks` of
   the step's shape); the work then scales with it instead of the slots' count."""
   _check(bounds, k_pages, slot_ids)

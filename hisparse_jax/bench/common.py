@@ -26,6 +26,10 @@ class Impl:
   fn: Callable  # called as fn(*args); a jitted function (or a partial of one)
   args: tuple | Callable[[], tuple]  # or a thunk giving them (built when the impl runs)
   note: str = ""
+  # gpu-bench: what this impl moves and its check(out, ref) when not its case's (an impl
+  # over another storage of the same inputs: the select over int8 bounds)
+  bytes: int | None = None
+  check: Callable | None = None
 
 
 def block(out):

@@ -146,10 +146,11 @@ class Bench:
       self.failures.append(f"{kernel} {impl} {shape}: " + (
           note if err is None else f"max_abs_err {err} (ref max {ref_max})"))
 
-  def _compare(self, case, out) -> tuple[float, float, bool, str]:
+  def _compare(self, case, out, check=None) -> tuple[float, float, bool, str]:
     jax, jnp = _jax(), _jax().numpy
-    if case.check is not None:
-      return case.check(out, self._ref)
+    check = check or case.check  # (an impl's own check first)
+    if check is not None:
+      return check(out, self._ref)
     a, b = (jnp.asarray(x, jnp.float32) for x in (out, self._ref))
     if a.shape != b.shape:
       return math.inf, math.nan, False, f"shape {a.shape} != reference {b.shape}"
@@ -186,14 +187,14 @@ class Bench:
       try:
         args = spec.args() if callable(spec.args) else spec.args
         out = self._ref if impl == case.reference_impl else jax.block_until_ready(fn(*args))
-        err, scale, ok, extra = self._compare(case, out)
+        err, scale, ok, extra = self._compare(case, out, spec.check)
         del out
         times, timer = self.measure(fn, args)
       except Exception as e:  # noqa: BLE001 (one impl's failure never stops the run)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         if impl.startswith("ours"):  # (the row, not ok, counts as the failure)
-          self.row(case.kernel, impl, case.shape, [], "-", case.bytes, case.flops, None, None,
-                   False, f"FAILED: {reason}")
+          self.row(case.kernel, impl, case.shape, [], "-", spec.bytes or case.bytes,
+                   case.flops, None, None, False, f"FAILED: {reason}")
         else:
           self.skip(case.kernel, impl, case.shape, f"failed here: {reason}")
         continue
@@ -201,8 +202,8 @@ class Bench:
         args = None
       note = "; ".join(x for x in (spec.note, extra, "the correctness reference"
                                    if impl == case.reference_impl else "") if x)
-      self.row(case.kernel, impl, case.shape, times, timer, case.bytes, case.flops, err,
-               scale, ok, note)
+      self.row(case.kernel, impl, case.shape, times, timer, spec.bytes or case.bytes,
+               case.flops, err, scale, ok, note)
     self._ref = None
 
   def run_kernels(self, kernels) -> None:

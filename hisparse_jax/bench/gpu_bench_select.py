@@ -3,7 +3,11 @@
 context, checked against a plain reference: the elementwise bound (not the engine's single
 matmul) and the union rule written in numpy. Ok when the scores agree to float32 rounding
 and at least 99% of the selected blocks are the reference's (a near tie may swap a
-boundary block: the sums run in another order). And DSA's select (`dsa_select_cases`):
+boundary block: the sums run in another order). The select over int8 bounds
+(`ours-triton-int8`: block_scores over `QuantizedBounds` of the same keys, then the same
+top-k) is checked against the elementwise bound of its dequantized bounds (the bytes it
+reads: int8 values and float32 scales), its agreement with the bfloat16 bounds' selection
+in its note. And DSA's select (`dsa_select_cases`):
 the lightning indexer's scores of every key and their top-k, at DeepSeek-V3.2's indexer.
 """
 
@@ -17,6 +21,7 @@ from hisparse_jax.bench.gpu_bench_cases import Case, Env, Impl, _keys, _randn, _
 from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas import cpu_kernels
+from kernels_pallas.block_key_bounds import QuantizedBounds, quantize_bounds
 from kernels_pallas.block_scores import block_scores
 from kernels_pallas.index_scores import index_scores, index_scores_reference
 
@@ -46,13 +51,16 @@ def _union_reference(scores: np.ndarray, kv_lens: np.ndarray, blocks) -> list[se
 @jax.jit
 def _naive_scores(q, bounds, rows):
   """[B, Hq, M]: sum_d max(q_d min_d, q_d max_d) of each query head's own KV head, one
-  sequence at a time (the elementwise bound, not the engine's single matmul)."""
+  sequence at a time (the elementwise bound, not the engine's single matmul; int8
+  `QuantizedBounds`: of the sequence's rows dequantized)."""
   hq, hkv = q.shape[1], bounds.shape[2]
 
   def one(args):
     qb, r = args  # [Hq, D], [M]
-    lo = bounds[r, 0].astype(jnp.float32)[:, jnp.arange(hq) * hkv // hq]  # [M, Hq, D]
-    hi = bounds[r, 1].astype(jnp.float32)[:, jnp.arange(hq) * hkv // hq]
+    quantized = isinstance(bounds, QuantizedBounds)
+    g = bounds.rows(r).dequantize() if quantized else bounds[r].astype(jnp.float32)
+    lo = g[:, 0][:, jnp.arange(hq) * hkv // hq]  # [M, Hq, D]
+    hi = g[:, 1][:, jnp.arange(hq) * hkv // hq]
     qf = qb.astype(jnp.float32)[None]
     return jnp.maximum(qf * lo, qf * hi).sum(-1).T  # [Hq, M]
 
@@ -69,9 +77,13 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
   q = _randn(kq, (batch, hq, d), jnp.bfloat16)
   raw = _randn(kb, (batch * per_row + 1, 2, hkv, d), jnp.float32)
   bounds = jnp.stack([raw.min(1), raw.max(1)], axis=1).astype(jnp.bfloat16)  # min <= max
+  qbounds = quantize_bounds(raw.min(1), raw.max(1))  # the same keys' int8 bounds
+  del raw
   rows = _tables(np.random.default_rng(seed), batch * per_row + 1, batch, per_row)
   lens = jnp.full((batch,), ctx, jnp.int32)
   args = (q, bounds, rows, lens)
+  nbounds = batch * per_row * 2 * hkv * d * 2  # the bounds read: bfloat16
+  nbounds8 = batch * per_row * 2 * hkv * (d + 4)  # int8 values and float32 scales
 
   @jax.jit
   def ours(q, bounds, rows, lens):
@@ -90,25 +102,46 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
   def kernel_scores(q, bounds, rows):
     return block_scores(q, bounds, rows, per_query_head=True)
 
+  def agreement(out, want_scores) -> float:
+    """The share of the union reference's blocks (of `want_scores`) that `out` selected."""
+    want = _union_reference(np.asarray(want_scores), np.asarray(lens), blocks)
+    got = [set(int(i) for i in row if i >= 0) for row in np.asarray(out)]
+    return float(np.mean([len(g & w) / max(len(w), 1) for g, w in zip(got, want,
+                                                                      strict=True)]))
+
   def check(out, ref):
     ref = np.asarray(ref)
     # (both scoring paths' error: the jnp one over gathered bounds, the kernel in place)
     err = max(float(np.abs(np.asarray(fn(q, bounds, rows)) - ref).max())
               for fn in (ours_scores, kernel_scores))
-    want = _union_reference(ref, np.asarray(lens), blocks)
-    got = [set(int(i) for i in row if i >= 0) for row in np.asarray(out)]
-    agree = np.mean([len(g & w) / max(len(w), 1) for g, w in zip(got, want, strict=True)])
-    scale = float(np.abs(ref).max())
+    agree, scale = agreement(out, ref), float(np.abs(ref).max())
     ok = err <= 1e-4 * scale and agree >= 0.99
     return err, scale, ok, f"selection agreement {agree:.4f} (ok >= 0.99)"
 
+  def check_int8(out, ref):
+    """Against the elementwise bound of the int8 bounds dequantized (what it scores)."""
+    ref8 = np.asarray(_naive_scores(q, qbounds, rows))
+    err = float(np.abs(np.asarray(kernel_scores(q, qbounds, rows)) - ref8).max())
+    agree, scale = agreement(out, ref8), float(np.abs(ref8).max())
+    ok = err <= 1e-4 * scale and agree >= 0.99
+    return err, scale, ok, (f"selection agreement {agree:.4f} (ok >= 0.99) with the int8 "
+                            f"bounds' reference; {agreement(out, ref):.4f} with the bfloat16 "
+                            "bounds' (the int8 bound is looser)")
+
+  args8 = (q, qbounds, rows, lens)
   impls = {"ours-triton": Impl(ours_kernel, args, "indexer.select_rows 'union' with "
                               "kernels_pallas.block_scores (the engine's GPU path: the bounds "
                               "scored in place by a Triton kernel; interpret mode on CPU), "
                               "then XLA's top-k ranking, jit"),
            "ours-jnp": Impl(ours, args, "indexer.select_rows 'union' over gathered bounds "
                             "(bounds gather, one float32 matmul, lax.top_k: the engine's "
-                            "GPU path before block_scores), jit")}
+                            "GPU path before block_scores), jit"),
+           "ours-triton-int8": Impl(ours_kernel, args8, "indexer.select_rows 'union' with "
+                                    "kernels_pallas.block_scores over int8 bounds "
+                                    "(QuantizedBounds of the same keys: int8 values, a float32 "
+                                    "scale per block, side and KV head; ~0.52x the bfloat16 "
+                                    "bounds' bytes), then the same top-k, jit",
+                                    bytes=nbounds8 + q.size * 2, check=check_int8)}
   skipped = {}
   if not env.on_gpu and cpu_kernels.available():
     def cpp(q, bounds, rows, lens):
@@ -119,7 +152,6 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
   else:
     skipped["cpp-cpu"] = ("the C++ select is an XLA:CPU custom call (the GPU runs "
                           "block_scores)" if env.on_gpu else "the C++ CPU kernels did not build")
-  nbounds = batch * per_row * 2 * hkv * d * 2
   shape = dict(batch=batch, context=ctx, blocks=per_row, top_k_blocks=blocks.top_k_blocks,
                num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                bounds_dtype="bfloat16", selection="union")
@@ -168,7 +200,8 @@ def dsa_select_cases(cfg: dict, env: Env, seed: int = 6):
                                             "CPU engine's path; the GPU's before "
                                             "index_scores), jit")}
   skipped = {"cpp-cpu": "the lightning indexer has no C++ select (the CPU engine scores in "
-                        "jnp)"}
+                        "jnp)",
+             "ours-triton-int8": "the lightning indexer scores its keys, not int8 block bounds"}
   nbytes = batch * ctx * dim * 2 + q.size * 2 + w.size * 4
   shape = dict(batch=batch, context=ctx, topk=k, index_heads=heads, index_dim=dim,
                block_size=bs, keys_dtype="bfloat16", selection="lightning")

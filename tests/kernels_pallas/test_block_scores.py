@@ -1,7 +1,8 @@
 """HiSparse's block scores read in place (kernels_pallas/block_scores.py): the kernel in
 interpret mode against its elementwise reference and against the indexer's gathered jnp
 path, the selection it feeds equal to the jnp path's, and the kernel lowered and compiled
-for an H200 (no GPU) at Llama-3.1-8B's shape at 64k tokens."""
+for an H200 (no GPU) at Llama-3.1-8B's shape at 64k tokens; the same over int8 bounds
+(`QuantizedBounds`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 import kernels_pallas
 from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
+from kernels_pallas.block_key_bounds import QuantizedBounds, quantize_bounds
 from kernels_pallas.block_scores import block_scores, block_scores_reference
 
 
@@ -28,6 +30,8 @@ def _inputs(seed, batch, num_q_heads, num_kv_heads, head_dim, num_rows, max_bloc
   keys = rng.standard_normal((num_rows, 4, num_kv_heads, head_dim)).astype(np.float32)
   bounds = jnp.asarray(np.stack([keys.min(1), keys.max(1)], axis=1), bounds_dtype)
   rows = jnp.asarray(rng.integers(0, num_rows, (batch, max_blocks)), jnp.int32)
+  if bounds_dtype == jnp.int8:
+    bounds = quantize_bounds(jnp.asarray(keys.min(1)), jnp.asarray(keys.max(1)))
   return q, bounds, rows
 
 
@@ -77,7 +81,10 @@ def test_an_upper_bound_of_every_keys_dot_product():
   assert bool((scores[:, :, None] >= dots - 1e-4).all())
 
 
-@pytest.mark.parametrize("selection", ["union", "shared", "per_kv_head", "per_query_head"])
+SELECTIONS = ["union", "shared", "per_kv_head", "per_query_head"]
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
 def test_the_selection_from_the_kernels_scores_is_the_gathered_paths(selection):
   q, bounds, rows = _inputs(3, 3, 8, 2, 64, 200, 64, jnp.float32, jnp.bfloat16)
   lens = jnp.asarray([64 * 4, 37 * 4 + 1, 9 * 4], jnp.int32)  # block 4; one row short
@@ -109,8 +116,74 @@ def test_bad_shapes_are_refused_naming_them():
     block_scores(q[:, :4, :16], bounds, rows)
 
 
+# -- int8 bounds (QuantizedBounds): int8 values, a float32 scale per row, side and KV head --
+INT8_CASES = [  # batch, q heads, KV heads, head_dim, bounds rows, max_blocks, q dtype
+    (2, 8, 2, 128, 40, 37, jnp.bfloat16),  # GQA 4:1, the GPU engine's bfloat16 q
+    (2, 8, 2, 64, 40, 37, jnp.float32),    # GQA 4:1, float32 q (float32 dots)
+    (3, 4, 4, 96, 20, 5, jnp.bfloat16),    # MHA, head_dim padded to 128
+    (1, 16, 2, 64, 50, 130, jnp.float32),  # group 8, two tiles of blocks
+    (2, 12, 2, 128, 30, 16, jnp.bfloat16),  # group 6 (padded rows)
+]
+
+
+@pytest.mark.parametrize("case", INT8_CASES)
+@pytest.mark.parametrize("per_query_head", [True, False])
+def test_int8_scores_equal_the_reference_and_the_dequantized_gathered_scores(case,
+                                                                            per_query_head):
+  q, qb, rows = _inputs(5, *case, jnp.int8)
+  assert isinstance(qb, QuantizedBounds)
+  got = block_scores(q, qb, rows, per_query_head=per_query_head)  # interpret mode
+  want = block_scores_reference(q, qb, rows, per_query_head=per_query_head)
+  heads = q.shape[1] if per_query_head else qb.shape[2]
+  assert got.shape == want.shape == (q.shape[0], heads, rows.shape[1])
+  assert got.dtype == jnp.float32
+  scale = float(jnp.abs(want).max())
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * scale)
+  gathered = indexer.block_scores(q, qb.rows(rows).dequantize(), per_query_head=per_query_head)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_int8_scores_bound_every_keys_dot_product(head_dim):
+  rng = np.random.default_rng(6)
+  keys = rng.standard_normal((6, 16, 2, head_dim)) * rng.choice([0.01, 1.0, 30.0], head_dim)
+  keys = jnp.asarray(keys, jnp.bfloat16)  # 6 blocks of 16, outlier channels
+  kf = keys.astype(jnp.float32)
+  qb = quantize_bounds(kf.min(1), kf.max(1))
+  q = jnp.asarray(rng.standard_normal((1, 8, head_dim)), jnp.bfloat16)
+  rows = jnp.arange(6, dtype=jnp.int32)[None]
+  scores = block_scores(q, qb, rows, per_query_head=True)[0]  # [8, 6]
+  dots = jnp.einsum("hd,mthd->hmt", q[0].astype(jnp.float32), kf[:, :, jnp.arange(8) // 4])
+  assert bool((scores[:, :, None] >= dots - 1e-4 * float(jnp.abs(dots).max())).all())
+  # (and the bfloat16 bounds' score is at most it: the int8 bound is looser, not wrong)
+  tight = block_scores_reference(q, jnp.stack([kf.min(1), kf.max(1)], 1), rows,
+                                 per_query_head=True)[0]
+  assert bool((scores >= tight - 1e-4 * float(jnp.abs(tight).max())).all())
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_the_selection_from_int8_scores_is_the_dequantized_gathered_paths(selection):
+  q, qb, rows = _inputs(7, 3, 8, 2, 64, 200, 64, jnp.bfloat16, jnp.int8)
+  lens = jnp.asarray([64 * 4, 37 * 4 + 1, 9 * 4], jnp.int32)  # block 4; one row short
+  blocks = HiSparseConfig(top_k_tokens=40, sink_tokens=4, local_tokens=8,
+                          hot_buffer_tokens=96).blocks(4)
+  per_query_head = selection in ("union", "per_query_head")
+  want = indexer.select(q, qb.rows(rows).dequantize(), lens, blocks, selection)
+  got = indexer.select(q, None, lens, blocks, selection, scores=block_scores(
+      q, qb, rows, per_query_head=per_query_head))
+  for name in ("logical_ids", "num_selected", "kv_lens"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                  np.asarray(getattr(want, name)), err_msg=name)
+
+
+def test_bad_int8_bounds_are_refused():
+  q, qb, rows = _inputs(8, 2, 4, 2, 32, 8, 4, jnp.float32, jnp.int8)
+  with pytest.raises(ValueError, match="QuantizedBounds must be int8 values"):
+    block_scores(q, QuantizedBounds(qb.values, qb.scales[..., 0]), rows)
+
+
 # Llama-3.1-8B's attention (GQA 32:8, head_dim 128), block 16, 64k tokens = 4,096 blocks a
-# row, batch 32; the bounds of 32 such rows plus the null row, bfloat16.
+# row, batch 32; the bounds of 32 such rows plus the null row, bfloat16 (or int8).
 S = jax.ShapeDtypeStruct
 LLAMA_8B_64K = (S((32, 32, 128), jnp.bfloat16), S((32 * 4096 + 1, 2, 8, 128), jnp.bfloat16),
                 S((32, 4096), jnp.int32))
@@ -126,13 +199,32 @@ def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy():
   assert not re.search(r"stablehlo\.gather.*tensor<32x4096x2x8x128", text)
 
 
+LLAMA_8B_64K_INT8 = (LLAMA_8B_64K[0],
+                     QuantizedBounds(S((32 * 4096 + 1, 2, 8, 128), jnp.int8),
+                                     S((32 * 4096 + 1, 2, 8, 1), jnp.float32)),
+                     LLAMA_8B_64K[2])
+
+
+def test_it_lowers_over_int8_bounds_to_one_triton_call_with_no_gathered_copy():
+  _, lowered = lib.lower_for_h200(SCORES, *LLAMA_8B_64K_INT8)
+  text = lowered.as_text()
+  assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
+  assert len(re.findall(r'\bname = "block_scores"', text)) == 1
+  assert not re.search(r"stablehlo\.gather.*tensor<32x4096x2x8x", text)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
                     reason="XLA's GPU compiler is not installed (jax[cuda13])")
-def test_it_compiles_for_an_h200_at_llama_8b_64k_with_small_temporaries():
-  target, lowered = lib.lower_for_h200(SCORES, *LLAMA_8B_64K)
+@pytest.mark.parametrize("args", [LLAMA_8B_64K, LLAMA_8B_64K_INT8], ids=["bf16", "int8"])
+def test_it_compiles_for_an_h200_at_llama_8b_64k_with_small_temporaries(args):
+  target, lowered = lib.lower_for_h200(SCORES, *args)
   executable = target.compile(lowered)
-  # Temporaries: the [32, 8, 4, 4096] float32 scores (16 MiB: Triton's 16 dot rows of a
-  # group of 4 are not stored) and q's halves; no copy of the 1 GiB of bounds (a gathered
-  # copy alone would be 512 MiB).
+  # Temporaries (2.5 MiB, bf16 and int8 alike): q's halves padded to Triton's 16 dot rows
+  # (2 x 32 x 8 x 16 x 128 bf16, 2 MiB) and the clamped row ids (0.5 MiB); the [32, 8, 4,
+  # 4096] float32 scores are the output (the padding rows are not stored). No copy of the
+  # bounds (a gathered copy alone would be 512 MiB in bfloat16, 264 MiB in int8 with its
+  # scales); int8: the scales' [rows, 2, 8] view of [rows, 2, 8, 1] is a bitcast.
   temp = executable.get_compiled_memory_stats().temp_size_in_bytes
+  print(f"block_scores {'int8' if isinstance(args[1], QuantizedBounds) else 'bf16'} "
+        f"temporaries: {temp} B")
   assert temp < 20 * 2**20, temp

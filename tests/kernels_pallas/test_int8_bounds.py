@@ -1,5 +1,12 @@
-"""int8 key bounds (`QuantizedBounds`): outward quantization, the block_key_bounds update."""
+"""int8 key bounds (`QuantizedBounds`): outward quantization, the block_key_bounds update
+(the Pallas kernel in interpret mode and compiled deviceless for an H200, and the jnp
+reference)."""
 
+import functools
+import importlib.util
+import re
+
+import jax
 import jax.numpy as jnp
 import kernels_testlib as lib
 import numpy as np
@@ -15,7 +22,7 @@ from kernels_pallas.quant import QuantizedPages, quantize
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 10, 8, 2, 64
 BOUNDS = {"pallas": block_key_bounds, "xla": block_key_bounds_reference}
-IMPLS = ["xla"]  # TODO(pallas)
+IMPLS = ["pallas", "xla"]
 
 
 def _keys(rng, shape):
@@ -41,6 +48,11 @@ def test_quantized_bounds_contain_every_key_and_are_tight(rng):
   assert (k_min - lo <= step[:, 0, :, None] * 1.0001).all()
   assert (hi - k_max <= step[:, 1, :, None] * 1.0001).all()
   np.testing.assert_allclose(step[:, 1], np.abs(k_max).max(-1) / 127, rtol=1e-3)
+  # Each value is the tightest outward integer: one step inward would cut a key off.
+  s = np.asarray(q.scales, np.float32)
+  inward_lo = (values[:, 0] + 1) * s[:, 0]
+  inward_hi = (values[:, 1] - 1) * s[:, 1]
+  assert (inward_lo > k_min).all() and (inward_hi < k_max).all()
 
 
 def test_quantized_bounds_of_edge_values(rng):
@@ -109,3 +121,44 @@ def test_quantized_bounds_of_the_wrong_layout_are_refused(rng):
   with pytest.raises(ValueError, match="int8: QuantizedBounds"):
     block_key_bounds_reference(jnp.zeros((NUM_BLOCKS, 2, NUM_KV_HEADS, HEAD_DIM), jnp.int8),
                                k, jnp.zeros((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int8_bounds_at_a_head_dim_that_is_not_a_power_of_2(rng, impl):
+  # The kernel tiles head_dim 96 at 128: the padding columns are neither read (they would
+  # change the amax, hence every value) nor written (the next KV head's row on a GPU).
+  head_dim = 96
+  k = jnp.asarray(_keys(rng, (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim)), jnp.bfloat16)
+  k_np = np.asarray(k.astype(jnp.float32))
+  sentinel = QuantizedBounds(jnp.full((NUM_BLOCKS, 2, NUM_KV_HEADS, head_dim), 5, jnp.int8),
+                             jnp.full((NUM_BLOCKS, 2, NUM_KV_HEADS, 1), 0.5, jnp.float32))
+  slots = np.array([3 * 8 + 0, 3 * 8 + 1, -1, 79, 9], np.int32)  # blocks 3 (2), 9 (8), 1 (2)
+  out = BOUNDS[impl](sentinel, k, jnp.asarray(slots))
+  assert out.values.shape == (NUM_BLOCKS, 2, NUM_KV_HEADS, head_dim)
+  for block_id, num_valid in [(3, 2), (9, 8), (1, 2)]:
+    keys = k_np[block_id, :num_valid]
+    want = quantize_bounds(jnp.asarray(keys.min(0)), jnp.asarray(keys.max(0)))
+    np.testing.assert_array_equal(np.asarray(out.values[block_id]), np.asarray(want.values))
+    np.testing.assert_array_equal(np.asarray(out.scales[block_id]), np.asarray(want.scales))
+  untouched = [0, 2, 4, 5, 6, 7, 8]
+  np.testing.assert_array_equal(np.asarray(out.values)[untouched], 5)
+  np.testing.assert_array_equal(np.asarray(out.scales)[untouched], 0.5)
+
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="XLA's GPU compiler is not installed (jax[cuda13])")
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_the_int8_update_compiles_for_an_h200_as_one_triton_call_in_place(head_dim):
+  bounds = QuantizedBounds(S((4097, 2, 8, head_dim), jnp.int8), S((4097, 2, 8, 1), jnp.float32))
+  args = (bounds, S((4096, 16, 8, head_dim), jnp.bfloat16), S((32,), jnp.int32))
+  target, lowered = lib.lower_for_h200(functools.partial(block_key_bounds, interpret=False),
+                                       *args)
+  text = lowered.as_text()
+  assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
+  # Both arrays are the kernel's outputs aliased to its inputs (updated in place).
+  assert text.count("stablehlo.output_operand_alias<") == 2
+  executable = target.compile(lowered)
+  assert executable.get_compiled_memory_stats().temp_size_in_bytes < 2**20

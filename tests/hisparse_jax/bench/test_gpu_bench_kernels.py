@@ -25,6 +25,7 @@ from hisparse_jax.bench import gpu_bench_peers as peers
 from hisparse_jax.sparse import indexer
 from hisparse_jax.sparse.config import HiSparseConfig
 from kernels_pallas import backend
+from kernels_pallas.block_key_bounds import QuantizedBounds
 from kernels_pallas.block_scores import block_scores
 
 
@@ -141,12 +142,47 @@ def test_the_gpu_impls_lower_for_an_h200_at_the_full_sizes():
          S((c["batch"] * c["context"] // c["block_size"] + 1, c["block_size"], 1, width), bf),
          S((c["batch"], c["topk"]), i32))
   # The select's GPU path: the bounds scored in place (Triton), then XLA's top-k ranking.
+  for args in _select_args():  # ours-triton's, then ours-triton-int8's
+    _lower(_select(), *args)
+
+
+def _select():
   sel = cases.FULL["select"]
-  blocks = HiSparseConfig(top_k_tokens=sel["top_k_tokens"]).blocks(bs)
-  per_row = sel["context"] // bs
-  _lower(lambda *a: indexer.select_rows(*a, blocks, "union", scores_kernel=block_scores),
-         S((sel["batch"], hq, d), bf), S((sel["batch"] * per_row + 1, 2, hkv, d), bf),
-         S((sel["batch"], per_row), i32), S((sel["batch"],), i32))
+  blocks = HiSparseConfig(top_k_tokens=sel["top_k_tokens"]).blocks(
+      cases.FULL["model"]["block_size"])
+  return lambda *a: indexer.select_rows(*a, blocks, "union", scores_kernel=block_scores)
+
+
+def _select_args():
+  """The llama union select's GPU impls' arguments at FULL: bfloat16 bounds (ours-triton),
+  int8 QuantizedBounds (ours-triton-int8)."""
+  m, sel = cases.FULL["model"], cases.FULL["select"]
+  hq, hkv, d, bf = m["num_q_heads"], m["num_kv_heads"], m["head_dim"], jnp.bfloat16
+  per_row = sel["context"] // m["block_size"]
+  num_rows = sel["batch"] * per_row + 1
+  rest = (S((sel["batch"], per_row), jnp.int32), S((sel["batch"],), jnp.int32))
+  q = S((sel["batch"], hq, d), bf)
+  return [(q, S((num_rows, 2, hkv, d), bf), *rest),
+          (q, QuantizedBounds(S((num_rows, 2, hkv, d), jnp.int8),
+                              S((num_rows, 2, hkv, 1), jnp.float32)), *rest)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason="XLA's GPU compiler is not installed (jax[cuda13])")
+def test_the_select_rows_compile_for_an_h200_at_the_full_size():
+  """ours-triton and ours-triton-int8 of the llama union select (block_scores in place,
+  then XLA's top-k), compiled deviceless at FULL: one Triton call each, no gathered
+  bounds among the temporaries (a gathered copy would be >= 264 MiB)."""
+  from hisparse_jax.engine.gpu_target import load_target
+
+  target = load_target("h200")
+  for impl, args in zip(("ours-triton", "ours-triton-int8"), _select_args(), strict=True):
+    with target.kernel_context():
+      lowered = jax.jit(_select()).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, impl
+    temp = target.compile(lowered).get_compiled_memory_stats().temp_size_in_bytes
+    print(f"select {impl}: temporaries {temp} B")
+    assert temp < 128 * 2**20, (impl, temp)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
@@ -196,9 +232,12 @@ def test_on_a_hopper_gpu_every_impl_is_built_but_the_decode_attention_mgpu():
       absent = {impl for lib, impls in LIBRARY_IMPLS.items() if peers.library(lib)[0] is None
                 for impl in impls} & EXPECTED[kernel]
       assert all("does not import" in case.skipped[i] for i in absent), case.skipped
+      # (DSA's select has no int8 block bounds: it scores the keys)
+      dsa = kernel == "select" and case.shape["selection"] == "lightning"
       assert skipped - absent == {
           "paged": {"jax-mgpu-attention", "jla-mgpu-attention"}, "prefill": set(),
-          "sparse_mla": {"jla-dsa"}, "select": {"cpp-cpu"}}[kernel] - absent, (
+          "sparse_mla": {"jla-dsa"},
+          "select": {"cpp-cpu", *(("ours-triton-int8",) if dsa else ())}}[kernel] - absent, (
               kernel, case.skipped)
 
 
