@@ -11,6 +11,7 @@ through the CLI (tests/hisparse_jax/entrypoints/test_compile_cli.py).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -80,6 +81,23 @@ def test_hisparse_with_int8_kv_compiles_its_in_step_host_loads():
   assert p.host_copies > 0  # the misses cross from pinned_host inside the step
   assert p.host_bytes > 0  # the host pool (int8 values + float32 scales) is an argument
   assert progs["refresh_bounds"].kernels == ("block_key_bounds",)
+
+
+def test_hisparse_with_int8_key_bounds_compiles_its_kernels_over_them():
+  # --bounds_dtype=int8: QuantizedBounds (int8 values, a float32 scale per block, side and
+  # KV head) written by block_key_bounds and scored in place by block_scores.
+  hisparse = dataclasses.replace(HISPARSE, bounds_dtype="int8")
+  config = EngineConfig(hisparse=hisparse, dtype="bfloat16", host_pool_gib=0.5, **SMALL)
+  build, progs = _compile(config, {"tiered_decode", "refresh_bounds", "bounds_to_host_index"})
+  assert {"block_key_bounds", "block_scores"} <= set(progs["tiered_decode"].kernels)
+  assert progs["refresh_bounds"].kernels == ("block_key_bounds",)
+  spec, plan = build.spec, build.plan
+  rows = plan.num_device_blocks + plan.num_host_blocks
+  # The bounds are the copy program's whole argument: rows x layers x 2 sides x KV heads
+  # x (head_dim int8 values + a float32 scale), donated.
+  int8_bytes = rows * spec.num_layers * 2 * spec.num_kv_heads * (spec.head_dim + 4)
+  assert progs["bounds_to_host_index"].argument_bytes - 2 * 4 * aot.ID_BUCKET == int8_bytes
+  assert progs["bounds_to_host_index"].alias_bytes == int8_bytes
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
