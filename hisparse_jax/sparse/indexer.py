@@ -319,7 +319,7 @@ def select_rows(
   come from it, the bounds read in place; otherwise from the gathered bounds; then
   `select`."""
   if (cpu_kernel and selection == "union" and axis_name is None
-      and jnp.dtype(bounds.dtype).name in cpu_kernels.UNION_SELECT_BOUNDS_TARGETS
+      and cpu_kernels.union_select_bounds_target(bounds) is not None
       and cpu_kernels.available()):
     ids, num, lens = cpu_kernels.union_select_bounds(
         q, bounds, bounds_rows, kv_lens, k=min(blocks.top_k_blocks, bounds_rows.shape[1]),
