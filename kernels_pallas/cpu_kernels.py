@@ -10,8 +10,9 @@ per row) is what xla_attention's decode rows call when `available()`, `ragged_pr
 prefill rows. `cpu_matmul.cc`: the matmul over packed weights (`kernels_pallas.packed`),
 what the engine's step multiplies float32 weights with on CPU. `cpu_select.cc`: HiSparse's
 "union" block selection (`union_select` from scores; `union_select_bounds` scores the key
-bounds in place too: what the engine's sparse rows call on CPU). `cpu_resolve.cc`: the
-hot-buffer resolve (`resolve`, what `resolver.resolve` calls on CPU).
+bounds in place too, float32, bfloat16 or int8 `QuantizedBounds`: what the engine's
+sparse rows call on CPU). `cpu_resolve.cc`: the hot-buffer resolve (`resolve`, what
+`resolver.resolve` calls on CPU).
 
 Build: the sources are compiled (into one library) once per source / jaxlib / compiler into
 $HISPARSE_CACHE_DIR (default ~/.cache/hisparse_jax) with the system C++ compiler ($CXX,
@@ -37,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.block_key_bounds import QuantizedBounds
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, f"cpu_{name}.cc")
                 for name in ("attention", "matmul", "select", "resolve"))
@@ -50,6 +53,8 @@ RESOLVE_TARGET = "hisparse_resolve"
 UNION_SELECT_BOUNDS_TARGETS = {"float32": "hisparse_union_select_bounds_f32",
                                "bfloat16": "hisparse_union_select_bounds_bf16",
                                "uint16": "hisparse_union_select_bounds_u16"}
+# int8 bounds (block_key_bounds.QuantizedBounds): the values and their scales.
+UNION_SELECT_BOUNDS_INT8_TARGET = "hisparse_union_select_bounds_i8"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -133,6 +138,9 @@ def available() -> bool:
                         ("uint16", "HisparseUnionSelectBoundsU16")):
     jax.ffi.register_ffi_target(UNION_SELECT_BOUNDS_TARGETS[dtype],
                                 jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+  jax.ffi.register_ffi_target(UNION_SELECT_BOUNDS_INT8_TARGET,
+                              jax.ffi.pycapsule(lib.HisparseUnionSelectBoundsI8),
+                              platform="cpu")
   return True
 
 
@@ -194,28 +202,42 @@ def union_select(scores, kv_lens, *, k: int, block_size: int, sink_blocks: int,
               local_blocks=np.int64(local_blocks))
 
 
+def union_select_bounds_target(bounds) -> str | None:
+  """The FFI target `union_select_bounds` scores `bounds` with: by dtype name for an
+  array (float32, bfloat16, uint16: bfloat16 bits), the int8 target for a
+  `QuantizedBounds` (int8 values, float32 scales); None for any other bounds."""
+  if isinstance(bounds, QuantizedBounds):
+    ok = (jnp.dtype(bounds.values.dtype) == jnp.int8
+          and jnp.dtype(bounds.scales.dtype) == jnp.float32)
+    return UNION_SELECT_BOUNDS_INT8_TARGET if ok else None
+  return UNION_SELECT_BOUNDS_TARGETS.get(jnp.dtype(bounds.dtype).name)
+
+
 def union_select_bounds(q, bounds, bounds_rows, kv_lens, *, k: int, block_size: int,
                         sink_blocks: int, local_blocks: int
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`union_select` with the scores computed from the key bounds where they lie: q [B, Hq,
-  D], bounds [R, 2, Hkv, D] (float32, bfloat16, or uint16: bfloat16 bits), bounds_rows
-  int32 [B, NB] (each logical block's row of `bounds`), kv_lens [B]. The selection
-  `indexer.select(q, bounds[bounds_rows], kv_lens, blocks, "union")` makes, without the
-  gathered copy (scores equal up to float32 rounding: the sums run in another order).
-  k <= NB."""
+  D], bounds [R, 2, Hkv, D] (float32, bfloat16, uint16: bfloat16 bits, or int8: a
+  `QuantizedBounds`, values [R, 2, Hkv, D] and float32 scales [R, 2, Hkv, 1]),
+  bounds_rows int32 [B, NB] (each logical block's row of `bounds`), kv_lens [B]. The
+  selection `indexer.select(q, bounds[bounds_rows], kv_lens, blocks, "union")` makes
+  (int8: of `bounds.rows(bounds_rows).dequantize()`), without the gathered copy (scores
+  equal up to float32 rounding: the sums run in another order, and int8's scale
+  multiplies each side's sum instead of each value). k <= NB."""
   batch, max_blocks = bounds_rows.shape
   if not 1 <= k <= max_blocks:
     raise ValueError(f"union_select_bounds: k={k} must be in [1, {max_blocks}]")
   _require()
-  target = UNION_SELECT_BOUNDS_TARGETS.get(jnp.dtype(bounds.dtype).name)
+  target = union_select_bounds_target(bounds)
   if target is None:
-    raise ValueError(f"union_select_bounds: bounds must be float32, bfloat16 or uint16 "
-                     f"(bfloat16 bits), got "
-                     f"{bounds.dtype}")
+    raise ValueError("union_select_bounds: bounds must be float32, bfloat16, uint16 "
+                     "(bfloat16 bits) or QuantizedBounds (int8 values, float32 scales), "
+                     f"got {jax.tree.map(lambda x: x.dtype, bounds)}")
+  operands = tuple(bounds) if isinstance(bounds, QuantizedBounds) else (bounds,)
   out = (jax.ShapeDtypeStruct((batch, k), jnp.int32),
          jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
   call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
-  return call(q.astype(jnp.float32), bounds, bounds_rows.astype(jnp.int32),
+  return call(q.astype(jnp.float32), *operands, bounds_rows.astype(jnp.int32),
               kv_lens.astype(jnp.int32), block_size=np.int64(block_size),
               sink_blocks=np.int64(sink_blocks), local_blocks=np.int64(local_blocks))
 

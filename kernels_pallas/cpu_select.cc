@@ -16,7 +16,7 @@
 //   at that level by their highest score in any head; what is left stays unfilled by
 //   listed blocks and takes the lowest-numbered valid blocks (lax.top_k's tie order).
 //
-// HisparseUnionSelectBounds{F32,BF16}: the same selection from the query and the key
+// HisparseUnionSelectBounds{F32,BF16,U16}: the same selection from the query and the key
 // bounds where they lie: q [B, Hq, D], the bounds array [R, 2, Hkv, D] (0 = min, 1 = max;
 // float32, or bfloat16 as the engine stores them by default), the bounds row of each
 // logical block [B, NB] and kv_lens [B]. Each query head's score of a valid block is
@@ -24,6 +24,11 @@
 // summed in vector lanes), computed here in place: the jnp path first gathers every row's bounds
 // into a [B, NB, 2, Hkv, D] copy (32 MB a layer at 8 x 4,096 blocks), then multiplies.
 // Blocks past a row's kv_len are not read.
+//
+// HisparseUnionSelectBoundsI8: int8 bounds (block_key_bounds.QuantizedBounds) as two
+// buffers, the values int8 [R, 2, Hkv, D] and their scales float32 [R, 2, Hkv, 1] (bound =
+// value * scale); the score factors as scale_min * (q- . values_min) + scale_max * (q+ .
+// values_max) (float32 sums of the int8 values converted once a row: no scaled copy).
 //
 // Why C++: XLA:CPU runs the jnp form as a top-k per head, a scatter-min into [B, NB], a
 // second top-k and the final top-k and sort, each a pass over [B, (H,) NB] in small ops:
@@ -153,11 +158,15 @@ inline float Sum(v16 a) {
 }
 
 // Blocks [j0, j1) of row b: scores[h, j] for every query head h. qn, qp: min(q, 0) and
-// max(q, 0) of the row's heads [Hq, D].
+// max(q, 0) of the row's heads [Hq, D]. T: float32 bounds, bfloat16 bits, or int8 values
+// with `scales` [R, 2, Hkv] (else null): a row's int8 values are converted to float32 once
+// (into `buf`, unscaled) and each side's sum is scaled, scale_min * (q- . values_min) +
+// scale_max * (q+ . values_max), the bounds' factored form (no scaled copy of the row).
 template <typename T>
-void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const int32_t* rows,
-                 int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB, int64_t j0,
-                 int64_t j1, float* scores) {
+void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const float* scales,
+                 const int32_t* rows, int64_t R, int64_t Hq, int64_t Hkv, int64_t D,
+                 int64_t NB, int64_t j0, int64_t j1, float* scores) {
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   const int64_t group = Hq / Hkv;
   const int64_t width = 2 * Hkv * D;
   std::vector<float> buf(width);
@@ -165,15 +174,20 @@ void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const int32_
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t r = std::clamp<int64_t>(rows[j], 0, R - 1);
     if (j + kPrefetch < j1) {  // rows are scattered (block tables): fetch ahead
-      const char* next = reinterpret_cast<const char*>(
-          bounds + std::clamp<int64_t>(rows[j + kPrefetch], 0, R - 1) * width);
+      const int64_t next_row = std::clamp<int64_t>(rows[j + kPrefetch], 0, R - 1);
+      const char* next = reinterpret_cast<const char*>(bounds + next_row * width);
       for (int64_t c = 0; c < static_cast<int64_t>(width * sizeof(T)); c += 64) {
         __builtin_prefetch(next + c);
       }
+      if constexpr (kInt8) __builtin_prefetch(scales + next_row * 2 * Hkv);
     }
     const float* b;
     if constexpr (std::is_same_v<T, float>) {
       b = bounds + r * width;
+    } else if constexpr (kInt8) {
+      const int8_t* bj = bounds + r * width;
+      for (int64_t x = 0; x < width; ++x) buf[x] = static_cast<float>(bj[x]);
+      b = buf.data();
     } else {
       const T* bj = bounds + r * width;  // bfloat16 bits: the high half of a float32's
       for (int64_t x = 0; x < width; ++x) bits[x] = static_cast<uint32_t>(bj[x]) << 16;
@@ -187,16 +201,35 @@ void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const int32_
       const float* qnh = qn + h * D;
       const float* qph = qp + h * D;
       int64_t d = 0;
-      float acc = 0.0f;
-      if (D >= 16) {
-        v16 a{};
-        for (; d + 16 <= D; d += 16) {
-          a += Load(qnh + d) * Load(mn + d) + Load(qph + d) * Load(mx + d);
+      if constexpr (kInt8) {  // the sides apart: each has its own scale
+        float lo = 0.0f, hi = 0.0f;
+        if (D >= 16) {
+          v16 a{}, c{};
+          for (; d + 16 <= D; d += 16) {
+            a += Load(qnh + d) * Load(mn + d);
+            c += Load(qph + d) * Load(mx + d);
+          }
+          lo = Sum(a);
+          hi = Sum(c);
         }
-        acc = Sum(a);
+        for (; d < D; ++d) {
+          lo += qnh[d] * mn[d];
+          hi += qph[d] * mx[d];
+        }
+        const float* sc = scales + r * 2 * Hkv;  // [2, Hkv]: minima's, then maxima's
+        scores[h * NB + j] = sc[g] * lo + sc[Hkv + g] * hi;
+      } else {
+        float acc = 0.0f;
+        if (D >= 16) {
+          v16 a{};
+          for (; d + 16 <= D; d += 16) {
+            a += Load(qnh + d) * Load(mn + d) + Load(qph + d) * Load(mx + d);
+          }
+          acc = Sum(a);
+        }
+        for (; d < D; ++d) acc += qnh[d] * mn[d] + qph[d] * mx[d];
+        scores[h * NB + j] = acc;
       }
-      for (; d < D; ++d) acc += qnh[d] * mn[d] + qph[d] * mx[d];
-      scores[h * NB + j] = acc;
     }
   }
 }
@@ -205,15 +238,17 @@ void ScoreBlocks(const float* qn, const float* qp, const T* bounds, const int32_
 // request's row uses the whole pool).
 constexpr int64_t kBlocksPerTask = 512;
 
-template <ffi::DataType DT>
-ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                 ffi::Buffer<DT> bounds, ffi::Buffer<ffi::S32> rows,
-                                 ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::S32> ids,
-                                 ffi::ResultBuffer<ffi::S32> num_selected,
-                                 ffi::ResultBuffer<ffi::S32> sel_lens, int64_t block_size,
-                                 int64_t sink_blocks, int64_t local_blocks) {
+// The selection from bounds `bp` [R, 2, Hkv, D] (bd: their dimensions) and, for int8
+// values, their scales [R, 2, Hkv, 1] (else null): scores in place, then SelectRow.
+template <typename T>
+ffi::Error SelectFromBounds(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                            ffi::Span<const int64_t> bd, const T* bp, const float* scales,
+                            ffi::Buffer<ffi::S32>& rows, ffi::Buffer<ffi::S32>& kv_lens,
+                            ffi::ResultBuffer<ffi::S32>& ids,
+                            ffi::ResultBuffer<ffi::S32>& num_selected,
+                            ffi::ResultBuffer<ffi::S32>& sel_lens, int64_t block_size,
+                            int64_t sink_blocks, int64_t local_blocks) {
   const auto qd = q.dimensions();  // [B, Hq, D]
-  const auto bd = bounds.dimensions();  // [R, 2, Hkv, D]
   const auto rd = rows.dimensions();  // [B, NB]
   const auto id = ids->dimensions();  // [B, K]
   if (qd.size() != 3 || bd.size() != 4 || rd.size() != 2 || id.size() != 2 ||
@@ -228,7 +263,6 @@ ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("union_select_bounds: shapes do not match");
   }
   const float* qp = q.typed_data();
-  const auto* bp = bounds.typed_data();
   const int32_t* rp = rows.typed_data();
   const int32_t* lp = kv_lens.typed_data();
   auto valid = [=](int64_t b) {
@@ -248,8 +282,8 @@ ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t b = i / chunks, j0 = (i % chunks) * kBlocksPerTask;
     const int64_t j1 = std::min(valid(b), j0 + kBlocksPerTask);
     if (j0 < j1) {
-      ScoreBlocks(qn + b * Hq * D, qx + b * Hq * D, bp, rp + b * NB, R, Hq, Hkv, D, NB, j0,
-                  j1, sp + b * Hq * NB);
+      ScoreBlocks(qn + b * Hq * D, qx + b * Hq * D, bp, scales, rp + b * NB, R, Hq, Hkv, D,
+                  NB, j0, j1, sp + b * Hq * NB);
     }
   });
   int32_t* ip = ids->typed_data();
@@ -260,6 +294,38 @@ ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
               ip + b * K, np + b, kp + b);
   });
   return ffi::Error::Success();
+}
+
+template <ffi::DataType DT>
+ffi::Error UnionSelectBoundsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                 ffi::Buffer<DT> bounds, ffi::Buffer<ffi::S32> rows,
+                                 ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::S32> ids,
+                                 ffi::ResultBuffer<ffi::S32> num_selected,
+                                 ffi::ResultBuffer<ffi::S32> sel_lens, int64_t block_size,
+                                 int64_t sink_blocks, int64_t local_blocks) {
+  return SelectFromBounds(pool, q, bounds.dimensions(), bounds.typed_data(),
+                          static_cast<const float*>(nullptr), rows, kv_lens, ids,
+                          num_selected, sel_lens, block_size, sink_blocks, local_blocks);
+}
+
+// int8 bounds: values [R, 2, Hkv, D] and float32 scales [R, 2, Hkv, 1].
+ffi::Error UnionSelectBoundsI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   ffi::Buffer<ffi::S8> values, ffi::Buffer<ffi::F32> scales,
+                                   ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::ResultBuffer<ffi::S32> ids,
+                                   ffi::ResultBuffer<ffi::S32> num_selected,
+                                   ffi::ResultBuffer<ffi::S32> sel_lens, int64_t block_size,
+                                   int64_t sink_blocks, int64_t local_blocks) {
+  const auto vd = values.dimensions();
+  const auto cd = scales.dimensions();
+  if (vd.size() != 4 || cd.size() != 4 || cd[0] != vd[0] || cd[1] != vd[1] ||
+      cd[2] != vd[2] || cd[3] != 1) {
+    return ffi::Error::InvalidArgument(
+        "union_select_bounds: int8 values [R, 2, Hkv, D] need scales [R, 2, Hkv, 1]");
+  }
+  return SelectFromBounds(pool, q, vd, values.typed_data(), scales.typed_data(), rows,
+                          kv_lens, ids, num_selected, sel_lens, block_size, sink_blocks,
+                          local_blocks);
 }
 
 ffi::Error UnionSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores,
@@ -323,3 +389,18 @@ HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsBF16, ffi::BF16)
 // bfloat16 bounds as XLA:CPU stores them (their uint16 bits; DESIGN.md): taking the bits
 // saves the program a bitcast-convert copy of the whole bounds array per layer.
 HISPARSE_UNION_SELECT_BOUNDS(HisparseUnionSelectBoundsU16, ffi::U16)
+// int8 bounds (`QuantizedBounds`): values and scales as two buffers.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseUnionSelectBoundsI8, UnionSelectBoundsI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("sink_blocks")
+                                  .Attr<int64_t>("local_blocks"));

@@ -315,15 +315,14 @@ def select_rows(
 ) -> Selection:
   """`select(q, bounds[bounds_rows], ...)`: the selection from the bounds array the step
   holds and each logical block's row of it. With `cpu_kernel` (XLA:CPU), "union" without
-  tensor parallelism and float32 / bfloat16 bounds, the C++ kernel scores the bounds in
-  place (`cpu_kernels.union_select_bounds`: no [batch, max_blocks, 2, heads, head_dim]
+  tensor parallelism and float32 / bfloat16 / int8 bounds, the C++ kernel scores the
+  bounds in place (`cpu_kernels.union_select_bounds`: no [batch, max_blocks, 2, heads, head_dim]
   gathered copy; scores equal up to float32 rounding). Else with `scores_kernel` (the GPU
   backends' `KernelOps.block_scores`: kernels_pallas.block_scores' signature) the scores
   come from it, the bounds read in place; otherwise from the gathered bounds; then
   `select`."""
   if (cpu_kernel and selection == "union" and axis_name is None
-      and not isinstance(bounds, QuantizedBounds)
-      and jnp.dtype(bounds.dtype).name in cpu_kernels.UNION_SELECT_BOUNDS_TARGETS
+      and cpu_kernels.union_select_bounds_target(bounds) is not None
       and cpu_kernels.available()):
     ids, num, lens = cpu_kernels.union_select_bounds(
         q, bounds, bounds_rows, kv_lens, k=min(blocks.top_k_blocks, bounds_rows.shape[1]),
