@@ -16,8 +16,9 @@ fails or runs out of time:
                   on a GPU writes the device's XLA GpuTargetConfig beside the JSON
                   (gpu_target_<device>.textproto: `hisparse-jax compile --target=FILE`)
   matrix          the compile matrix's engines (tests/hisparse_jax/engine/test_gpu_matrix.py:
-                  dense bfloat16, HiSparse int8, streamed prefill, Mosaic GPU decode, DSA
-                  offload; smallest first) on the device, greedy tokens vs the CPU engine's
+                  dense bfloat16, HiSparse int8 (KV and key bounds), streamed prefill,
+                  Mosaic GPU decode, DSA offload; smallest first) on the device, greedy
+                  tokens vs the CPU engine's
   selfcheck       kernels_pallas.selfcheck: every compiled kernel against its reference
   kernel_bench    `bench --suite=kernel`: GB/s and % of the device's HBM peak
   transfer        `bench --suite=transfer`: host<->device over pinned_host, GB/s and % of

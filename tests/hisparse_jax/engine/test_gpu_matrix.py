@@ -13,6 +13,7 @@ is meant to (offloads, host loads, streamed chunks) on the CPU; the GPU comparis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,8 +40,9 @@ def _configs():
   # name -> (EngineConfig fields, device blocks, what must happen on the way)
   return {
       "dense_bfloat16": (dict(common, dtype="bfloat16"), 40, set()),
-      "hisparse_int8": (dict(common, hisparse=sparse, kv_cache_dtype="int8"), 17,
-                        {"host_loads"}),
+      # int8 KV and int8 key bounds (QuantizedBounds: block_key_bounds / block_scores).
+      "hisparse_int8": (dict(common, hisparse=dataclasses.replace(sparse, bounds_dtype="int8"),
+                             kv_cache_dtype="int8"), 14, {"host_loads"}),
       "streamed_prefill": (dict(common, hisparse=sparse), 8, {"host_loads", "streamed"}),
       "mosaic_gpu": (dict(common, hisparse=sparse, dtype="bfloat16",
                           kernel_backend="pallas_mgpu"), 17, {"host_loads"}),
