@@ -43,19 +43,41 @@ CASES = [  # batch, q heads, KV heads, head_dim, bounds rows, max_blocks, q dtyp
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
+INT8_CASES = [  # batch, q heads, KV heads, head_dim, bounds rows, max_blocks, q dtype
+    (2, 8, 2, 128, 40, 37, jnp.bfloat16),  # GQA 4:1, the GPU engine's bfloat16 q
+    (2, 8, 2, 64, 40, 37, jnp.float32),    # GQA 4:1, float32 q (float32 dots)
+    (3, 4, 4, 96, 20, 5, jnp.bfloat16),    # MHA, head_dim padded to 128
+    (1, 16, 2, 64, 50, 130, jnp.float32),  # group 8, two tiles of blocks
+    (2, 12, 2, 128, 30, 16, jnp.bfloat16),  # group 6 (padded rows)
+]
+# (int8: the q dtype, then the bounds' int8; looser: the scales' products round apart.)
+ALL_CASES = ([pytest.param(c, 1e-6, id=f"float{i}") for i, c in enumerate(CASES)]
+             + [pytest.param((*c, jnp.int8), 1e-5, id=f"int8_{i}")
+                for i, c in enumerate(INT8_CASES)])
+
+
+def _gathered(bounds, rows):
+  """`bounds[rows]` as the indexer's jnp path scores them (int8: dequantized)."""
+  if isinstance(bounds, QuantizedBounds):
+    return bounds.rows(rows).dequantize()
+  return bounds[rows]
+
+
+@pytest.mark.parametrize(("case", "atol"), ALL_CASES)
 @pytest.mark.parametrize("per_query_head", [True, False])
-def test_scores_equal_the_reference_and_the_indexers_gathered_scores(case, per_query_head):
+def test_scores_equal_the_reference_and_the_indexers_gathered_scores(case, atol,
+                                                                     per_query_head):
   q, bounds, rows = _inputs(0, *case)
+  assert isinstance(bounds, QuantizedBounds) == (case[-1] == jnp.int8)
   got = block_scores(q, bounds, rows, per_query_head=per_query_head)  # interpret mode
   want = block_scores_reference(q, bounds, rows, per_query_head=per_query_head)
   heads = q.shape[1] if per_query_head else bounds.shape[2]
   assert got.shape == want.shape == (q.shape[0], heads, rows.shape[1])
   assert got.dtype == jnp.float32
   scale = float(jnp.abs(want).max())
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6 * scale)
-  gathered = indexer.block_scores(q, bounds[rows], per_query_head=per_query_head)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=0, atol=1e-6 * scale)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=atol * scale)
+  gathered = indexer.block_scores(q, _gathered(bounds, rows), per_query_head=per_query_head)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=0, atol=atol * scale)
 
 
 def test_uint16_bits_and_out_of_range_rows_read_as_the_jnp_gather_does():
@@ -85,8 +107,12 @@ SELECTIONS = ["union", "shared", "per_kv_head", "per_query_head"]
 
 
 @pytest.mark.parametrize("selection", SELECTIONS)
-def test_the_selection_from_the_kernels_scores_is_the_gathered_paths(selection):
-  q, bounds, rows = _inputs(3, 3, 8, 2, 64, 200, 64, jnp.float32, jnp.bfloat16)
+@pytest.mark.parametrize(("q_dtype", "bounds_dtype"), [(jnp.float32, jnp.bfloat16),
+                                                        (jnp.bfloat16, jnp.int8)])
+def test_the_selection_from_the_kernels_scores_is_the_gathered_paths(selection, q_dtype,
+                                                                      bounds_dtype):
+  # (int8: select_rows' jnp path scores the dequantized gathered rows)
+  q, bounds, rows = _inputs(3, 3, 8, 2, 64, 200, 64, q_dtype, bounds_dtype)
   lens = jnp.asarray([64 * 4, 37 * 4 + 1, 9 * 4], jnp.int32)  # block 4; one row short
   blocks = HiSparseConfig(top_k_tokens=40, sink_tokens=4, local_tokens=8,
                           hot_buffer_tokens=96).blocks(4)
@@ -117,30 +143,6 @@ def test_bad_shapes_are_refused_naming_them():
 
 
 # -- int8 bounds (QuantizedBounds): int8 values, a float32 scale per row, side and KV head --
-INT8_CASES = [  # batch, q heads, KV heads, head_dim, bounds rows, max_blocks, q dtype
-    (2, 8, 2, 128, 40, 37, jnp.bfloat16),  # GQA 4:1, the GPU engine's bfloat16 q
-    (2, 8, 2, 64, 40, 37, jnp.float32),    # GQA 4:1, float32 q (float32 dots)
-    (3, 4, 4, 96, 20, 5, jnp.bfloat16),    # MHA, head_dim padded to 128
-    (1, 16, 2, 64, 50, 130, jnp.float32),  # group 8, two tiles of blocks
-    (2, 12, 2, 128, 30, 16, jnp.bfloat16),  # group 6 (padded rows)
-]
-
-
-@pytest.mark.parametrize("case", INT8_CASES)
-@pytest.mark.parametrize("per_query_head", [True, False])
-def test_int8_scores_equal_the_reference_and_the_dequantized_gathered_scores(case,
-                                                                            per_query_head):
-  q, qb, rows = _inputs(5, *case, jnp.int8)
-  assert isinstance(qb, QuantizedBounds)
-  got = block_scores(q, qb, rows, per_query_head=per_query_head)  # interpret mode
-  want = block_scores_reference(q, qb, rows, per_query_head=per_query_head)
-  heads = q.shape[1] if per_query_head else qb.shape[2]
-  assert got.shape == want.shape == (q.shape[0], heads, rows.shape[1])
-  assert got.dtype == jnp.float32
-  scale = float(jnp.abs(want).max())
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * scale)
-  gathered = indexer.block_scores(q, qb.rows(rows).dequantize(), per_query_head=per_query_head)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])
@@ -159,21 +161,6 @@ def test_int8_scores_bound_every_keys_dot_product(head_dim):
   tight = block_scores_reference(q, jnp.stack([kf.min(1), kf.max(1)], 1), rows,
                                  per_query_head=True)[0]
   assert bool((scores >= tight - 1e-4 * float(jnp.abs(tight).max())).all())
-
-
-@pytest.mark.parametrize("selection", SELECTIONS)
-def test_the_selection_from_int8_scores_is_the_dequantized_gathered_paths(selection):
-  q, qb, rows = _inputs(7, 3, 8, 2, 64, 200, 64, jnp.bfloat16, jnp.int8)
-  lens = jnp.asarray([64 * 4, 37 * 4 + 1, 9 * 4], jnp.int32)  # block 4; one row short
-  blocks = HiSparseConfig(top_k_tokens=40, sink_tokens=4, local_tokens=8,
-                          hot_buffer_tokens=96).blocks(4)
-  per_query_head = selection in ("union", "per_query_head")
-  want = indexer.select(q, qb.rows(rows).dequantize(), lens, blocks, selection)
-  got = indexer.select(q, None, lens, blocks, selection, scores=block_scores(
-      q, qb, rows, per_query_head=per_query_head))
-  for name in ("logical_ids", "num_selected", "kv_lens"):
-    np.testing.assert_array_equal(np.asarray(getattr(got, name)),
-                                  np.asarray(getattr(want, name)), err_msg=name)
 
 
 def test_bad_int8_bounds_are_refused():
