@@ -106,6 +106,8 @@ def plan_engine_capacity(config: EngineConfig, spec: KVCacheSpec, *, is_dsa: boo
     plan_args["streamed_device_blocks"] = streamed_device_blocks(
         config.hisparse, spec.block_size, config.max_num_batched_tokens)
     plan_args["chunk_is_smallest"] = chunk_is_smallest
+  if not is_dsa:  # (a refusal names --bounds_dtype=int8 where the bounds are wider)
+    plan_args["bounds_dtype"] = config.hisparse.bounds_dtype
   return plan_capacity_reserving(
       spec, lambda d, h: hisparse_capacity_for(config, spec, d, h, num_devices).reserved_bytes,
       **plan_args)

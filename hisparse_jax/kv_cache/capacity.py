@@ -95,7 +95,8 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
                   device_memory_fraction: float = DEFAULT_DEVICE_MEMORY_FRACTION,
                   num_devices: int = 1,
                   streamed_device_blocks: int | None = None,  # noqa: F811 (the count)
-                  check_host_ram: bool = True, chunk_is_smallest: bool = False) -> CapacityPlan:
+                  check_host_ram: bool = True, chunk_is_smallest: bool = False,
+                  bounds_dtype: str | None = None) -> CapacityPlan:
   """Plans the block counts of both tiers; `ValueError` naming the flag when refused.
 
   streamed_device_blocks: with HiSparse (and chunked prefill) one request's KV lives in
@@ -110,7 +111,10 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
   planning for another machine, `hisparse-jax compile --target`).
 
   chunk_is_smallest: the streamed prefill chunk is already one block (the engine chose
-  it, engine/planning.resolve_config): a refusal does not suggest a smaller one."""
+  it, engine/planning.resolve_config): a refusal does not suggest a smaller one.
+
+  bounds_dtype: HiSparse's key-bounds dtype (llama models): where wider than int8, a
+  refusal over the reserved bytes also suggests --bounds_dtype=int8."""
   device = device if device is not None else jax.local_devices()[0]  # (this process's)
   if max_model_len <= 0:
     raise ValueError(f"--max_model_len must be positive, got {max_model_len}")
@@ -160,7 +164,10 @@ def plan_capacity(spec: KVCacheSpec, *, max_model_len: int, host_pool_gib: float
         + ((" or --hot_buffer_tokens" if chunk_is_smallest
             else ", --hot_buffer_tokens or --max_num_batched_tokens") if device_need
            < blocks_per_request else "")
-        + (" (or lower --host_pool_gib or raise --block_size: the indexer keeps the "
+        + (" (or lower --host_pool_gib"
+           + (" or raise --block_size" if bounds_dtype in (None, "int8")
+              else ", raise --block_size or set --bounds_dtype=int8")
+           + ": the indexer keeps the "
            f"{'indexer keys' if spec.is_mla else 'key bounds'} of every host block on the "
            "device)" if device_reserved_bytes else ""))
 

@@ -304,8 +304,9 @@ def test_capacity_refusals_name_the_flag(good_checkpoint, capsys):
       "0.31 MiB (--device_kv_gib) holds 63 usable blocks after the null block and 255,563 "
       "bytes reserved for the indexer and hot buffers, but one request of --max_model_len=256 "
       "tokens needs 64 blocks of 4 tokens (65,536 bytes); raise --device_kv_gib or lower "
-      "--max_model_len (or lower --host_pool_gib or raise --block_size: the indexer keeps the "
-      "key bounds of every host block on the device)"))
+      "--max_model_len (or lower --host_pool_gib, raise --block_size or set "
+      "--bounds_dtype=int8: the indexer keeps the key bounds of every host block on the "
+      "device)"))
 
 
 def test_unknown_command_and_flag(capsys):
