@@ -160,8 +160,11 @@ def test_a_device_pool_below_the_streamed_working_set_is_refused():
     _engine(device_kv_gib=gib_for_blocks(tiny_model().config, 7 + 1 + 4))
 
 
-@pytest.mark.parametrize("mode", ["exact", "sparse"])
-def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeypatch, mode):
+@pytest.mark.parametrize(("mode", "bounds_dtype"), [("exact", "bfloat16"),
+                                                     ("sparse", "bfloat16"),
+                                                     ("sparse", "int8")])
+def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeypatch, mode,
+                                                                         bounds_dtype):
   # The engine's streamed path end to end, made exact: a 100-token prompt streamed in
   # 16-token chunks, offloaded before every chunk (its computed blocks written through and
   # dropped: every chunk reads its earlier blocks back from the host pool), with a top-k
@@ -180,7 +183,7 @@ def test_offloaded_chunks_over_every_earlier_block_give_the_dense_tokens(monkeyp
   monkeypatch.setattr(Scheduler, "_extend_streamed", offload_first)
   covering = HiSparseConfig(top_k_tokens=MAX_MODEL_LEN, hot_buffer_tokens=MAX_MODEL_LEN,
                             sink_tokens=8, local_tokens=8, sparse_threshold_tokens=256,
-                            streamed_prefill=mode)
+                            streamed_prefill=mode, bounds_dtype=bounds_dtype)
   engine = _engine(covering, device_kv_gib=gib_for_blocks(tiny_model().config, 80))
   seen = _record_rows(engine)
   prompt = random_prompts([100], seed=3)[0]
