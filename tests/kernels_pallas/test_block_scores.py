@@ -177,26 +177,19 @@ LLAMA_8B_64K = (S((32, 32, 128), jnp.bfloat16), S((32 * 4096 + 1, 2, 8, 128), jn
 SCORES = functools.partial(block_scores, per_query_head=True)
 
 
-def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy():
-  _, lowered = lib.lower_for_h200(SCORES, *LLAMA_8B_64K)
-  text = lowered.as_text()
-  assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
-  assert len(re.findall(r'\bname = "block_scores"', text)) == 1
-  # Nothing of the bounds' size ([blocks, 2, 8, 128]) is gathered outside the kernel.
-  assert not re.search(r"stablehlo\.gather.*tensor<32x4096x2x8x128", text)
-
-
 LLAMA_8B_64K_INT8 = (LLAMA_8B_64K[0],
                      QuantizedBounds(S((32 * 4096 + 1, 2, 8, 128), jnp.int8),
                                      S((32 * 4096 + 1, 2, 8, 1), jnp.float32)),
                      LLAMA_8B_64K[2])
 
 
-def test_it_lowers_over_int8_bounds_to_one_triton_call_with_no_gathered_copy():
-  _, lowered = lib.lower_for_h200(SCORES, *LLAMA_8B_64K_INT8)
+@pytest.mark.parametrize("args", [LLAMA_8B_64K, LLAMA_8B_64K_INT8], ids=["bf16", "int8"])
+def test_it_lowers_for_cuda_to_one_triton_call_with_no_gathered_copy(args):
+  _, lowered = lib.lower_for_h200(SCORES, *args)
   text = lowered.as_text()
   assert re.findall(r"custom_call @([\w$.]+)\(", text) == ["__gpu$xla.gpu.triton"]
   assert len(re.findall(r'\bname = "block_scores"', text)) == 1
+  # Nothing of the bounds' size ([blocks, 2, 8, 128]) is gathered outside the kernel.
   assert not re.search(r"stablehlo\.gather.*tensor<32x4096x2x8x", text)
 
 
