@@ -19,6 +19,10 @@ Three contenders, each the engine's own jitted step (`DsaModelRunner.build_batch
                selection (a decode step selects mostly what the last one did); "cold": it
                starts empty every step (every selected token loaded from the host)
 
+and `resident_8bit`: the resident step over 8-bit indexer keys (`--index_cache_dtype`,
+int8 on CPU: the indexer reads 132 bytes a key and layer instead of float32's 512 here,
+bf16's 256 on a GPU), its own device pool (the same latent entries).
+
 Contexts 4k to 64k tokens; the contenders alternate (medians of one run). Per context the
 JSON gives the step times, `dense_over_offloaded` (warm) and `dense_over_offloaded_cold`,
 the tokens the cold step loaded, and `bytes_bound` = the cache bytes a dense step reads /
@@ -101,7 +105,7 @@ def kv_bytes(spec: MLACacheSpec, context: int, batch: int, index_topk: int,
           "bytes_bound": dense / (index + selected + 2 * h2d_bytes)}
 
 
-def run(size_name: str = "full", seed: int = 0) -> dict:
+def run(size_name: str = "full", seed: int = 0, index_cache_dtype: str = "int8") -> dict:
   size = SIZES[size_name]
   config = model_config(size, size.index_topk)
   model = ds.DeepseekV32ForCausalLM(config, seed=seed)
@@ -118,6 +122,11 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
   # The dense and resident runners share the device pool (their steps alternate).
   dense = DsaModelRunner(dense_model, pool, **runner_args)
   resident = DsaModelRunner(model, pool, **runner_args)
+  spec8 = MLACacheSpec.from_model_config(config, size.dtype, size.block_size,
+                                         index_cache_dtype=index_cache_dtype)
+  pool8 = KVPool(spec8, pool.num_blocks, DEVICE)
+  tiered.fill_kinds(pool8, seed)
+  resident8 = DsaModelRunner(model, pool8, **runner_args)
   all_tables = 1 + np.arange(size.batch)[:, None] * max_blocks + np.arange(max_blocks)
   rng = np.random.default_rng(seed)
   rows = []
@@ -126,6 +135,7 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
     chunks = tiered.decode_chunks(context, tables, size.block_size, size.vocab_size, rng)
     batch_dense = dense.build_batch(chunks, tables)
     batch_resident = resident.build_batch(chunks, tables)
+    batch_resident8 = resident8.build_batch(chunks, tables)
     hisparse = HiSparseConfig(indexer="lightning", hot_buffer_tokens=2 * size.index_topk,
                               sparse_threshold_tokens=size.index_topk).for_index_topk(
                                   size.index_topk, context)
@@ -145,13 +155,17 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
     times = common.interleaved({
         "dense": functools.partial(dense.execute, batch_dense),
         "resident": functools.partial(resident.execute, batch_resident),
+        "resident_8bit": functools.partial(resident8.execute, batch_resident8),
         "offloaded": functools.partial(offloaded_step, True),
         "offloaded_cold": functools.partial(offloaded_step, False)}, size.reps)
     ms = {name: common.median(t) * 1e3 for name, t in times.items()}
     h2d = int(np.median(loaded["warm"])) * setup.block_bytes
     row = {"context": context, "dense_ms": ms["dense"], "resident_ms": ms["resident"],
            "offloaded_ms": ms["offloaded"], "offloaded_cold_ms": ms["offloaded_cold"],
+           "resident_8bit_ms": ms["resident_8bit"],
            "dense_over_resident": ms["dense"] / ms["resident"],
+           "resident_over_resident_8bit": ms["resident"] / ms["resident_8bit"],
+           "indexer_bytes_8bit": size.batch * context * spec8.index_bytes_per_token,
            "dense_over_offloaded": ms["dense"] / ms["offloaded"],
            "dense_over_offloaded_cold": ms["dense"] / ms["offloaded_cold"],
            "cold_step_tokens_loaded": int(cold.loaded_block_layers),
@@ -165,18 +179,22 @@ def run(size_name: str = "full", seed: int = 0) -> dict:
           "hot_buffer_tokens": 2 * size.index_topk, "kernel_backend": dense.ops.backend,
           "model": dataclasses.asdict(config), "kv_dtype": size.dtype,
           "latent_bytes_per_token": spec.latent_bytes_per_token,
-          "index_bytes_per_token": spec.index_bytes_per_token, "reps": size.reps,
+          "index_bytes_per_token": spec.index_bytes_per_token,
+          "index_cache_dtype_8bit": index_cache_dtype,
+          "index_bytes_per_token_8bit": spec8.index_bytes_per_token, "reps": size.reps,
           "rows": rows}
 
 
 def format_table(result: dict) -> str:
-  rows = [(r["context"], r["dense_ms"], r["resident_ms"], r["offloaded_ms"],
-           r["offloaded_cold_ms"], r["dense_over_offloaded"], r["dense_over_offloaded_cold"],
-           r["bytes_bound"], r["cold_step_tokens_loaded"])
+  rows = [(r["context"], r["dense_ms"], r["resident_ms"], r.get("resident_8bit_ms"),
+           r["offloaded_ms"], r["offloaded_cold_ms"], r["dense_over_offloaded"],
+           r["dense_over_offloaded_cold"], r["bytes_bound"], r["cold_step_tokens_loaded"])
           for r in result["rows"]]
+  eight = result.get("index_cache_dtype_8bit", "8-bit")
   lines = [common.format_table(
-      ["context", "dense ms", "DSA resident ms", "DSA offloaded ms (warm)", "cold ms",
-       "dense/offloaded", "dense/cold", "bytes_bound", "cold tokens loaded"], rows)]
+      ["context", "dense ms", "DSA resident ms", f"resident, {eight} indexer keys ms",
+       "DSA offloaded ms (warm)", "cold ms", "dense/offloaded", "dense/cold", "bytes_bound",
+       "cold tokens loaded"], rows)]
   lines.append(f"batch {result['batch']}, {result['model']['num_hidden_layers']} layers, "
                f"index_topk {result['index_topk']}, hot buffer {result['hot_buffer_tokens']} "
                f"tokens, block {result['block_size']}, backend {result['kernel_backend']}; "

@@ -235,8 +235,14 @@ def dsa_decode_lines(d: dict) -> list[str]:
            "| context | dense MLA ms | DSA resident ms | DSA offloaded ms | cold ms "
            "| dense / offloaded | dense / cold | bytes_bound | cold tokens loaded |",
            "|---|---|---|---|---|---|---|---|---|"]
+  eight = d.get("index_cache_dtype_8bit")
+  if eight:  # (the resident step over 8-bit indexer keys, since session 38)
+    lines[-2] = lines[-2].replace("| DSA offloaded", f"| resident, {eight} indexer keys ms "
+                                  "| DSA offloaded")
+    lines[-1] += "---|"
   lines += [f"| {r['context']:,} | {_fmt(r['dense_ms'])} | {_fmt(r['resident_ms'])} | "
-            f"{_fmt(r['offloaded_ms'])} | {_fmt(r['offloaded_cold_ms'])} | "
+            + (f"{_fmt(r['resident_8bit_ms'])} | " if eight else "")
+            + f"{_fmt(r['offloaded_ms'])} | {_fmt(r['offloaded_cold_ms'])} | "
             f"{_fmt(r['dense_over_offloaded'])} | {_fmt(r['dense_over_offloaded_cold'])} | "
             f"{_fmt(r['bytes_bound'])} | {r['cold_step_tokens_loaded']:,} |"
             for r in d["rows"]]

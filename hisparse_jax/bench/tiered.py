@@ -43,8 +43,22 @@ def to_device(x: jax.Array, sharding) -> jax.Array:
 
 
 @functools.cache
-def random_fn(shape, dtype, sharding):
-  return jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
+def random_fn(shape, dtype, sharding, positive: bool = False):
+  """A jitted maker of random values: normal floats (their magnitude when `positive`: a
+  quantized cache's scales), int8 in [-127, 127], uint8 as fp8_e4m3 bits of normal
+  values (kernels_pallas.quant's 8-bit layouts), made where `sharding` says."""
+  dtype = jnp.dtype(dtype)
+
+  def make(key):
+    if dtype == jnp.int8:
+      return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(jnp.int8)
+    if dtype == jnp.uint8:
+      values = jax.random.normal(key, shape, jnp.float32).astype(jnp.float8_e4m3fn)
+      return jax.lax.bitcast_convert_type(values, jnp.uint8)
+    values = jax.random.normal(key, shape, dtype)
+    return jnp.abs(values) if positive else values
+
+  return jax.jit(make, out_shardings=sharding)
 
 
 def fill(pool: KVPool, seed: int) -> None:
@@ -157,7 +171,8 @@ def fill_kinds(pool: KVPool, seed: int) -> None:
   keys = iter(jax.random.split(jax.random.key(seed), len(pool.arrays())))
   arrays = []
   for kind in pool.kinds:
-    make = random_fn(pool.kind_shape(kind), jnp.dtype(pool.kind_dtype(kind)), pool.sharding)
+    make = random_fn(pool.kind_shape(kind), jnp.dtype(pool.kind_dtype(kind)), pool.sharding,
+                     positive=kind.name.endswith("scale"))
     arrays += [make(next(keys)) for _ in range(kind.count)]
   pool.set_arrays(tuple(arrays))
 
@@ -198,7 +213,8 @@ def dsa_tiered_decode(model, spec, hisparse: HiSparseConfig, batch_size: int, co
       d.at[dst].set(to_device(h, device_pool.sharding)[src])
       for d, h in zip(device_pool.arrays(), host_pool.arrays())))
   # The indexer keys of every host block, on the device (written through as blocks fill).
-  runner.bounds = tuple(to_device(k, device_pool.sharding) for k in host_pool.index_k)
+  runner.bounds = jax.tree.map(lambda k: to_device(k, device_pool.sharding),
+                               host_pool.index_keys())
   rng = np.random.default_rng(seed)
   chunks = decode_chunks(context, device_tables, spec.block_size, model.config.vocab_size,
                          rng)

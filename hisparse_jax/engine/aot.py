@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, make_single_device_sharding
 import kernels_pallas
 from hisparse_jax.distributed import parallel
 from hisparse_jax.engine.config import EngineConfig
-from hisparse_jax.engine.dsa_runner import DsaModelRunner
+from hisparse_jax.engine.dsa_runner import DsaModelRunner, host_index_arrays
 from hisparse_jax.engine.gpu_target import GpuTarget
 from hisparse_jax.engine.planning import (
   check_model_fits,
@@ -146,11 +146,10 @@ class AotModelRunner(_AotRunnerMixin, ModelRunner):
 
 class AotDsaRunner(_AotRunnerMixin, DsaModelRunner):
   def _sparse_state(self):
-    spec, host = self.spec, self.host_pool
-    shape = (host.num_blocks, spec.block_size, 1, spec.index_head_dim)
-    host_index = tuple(jax.ShapeDtypeStruct(shape, self.pool.storage_dtype,
-                                            sharding=self.pool.sharding)
-                       for _ in spec.index_layers)
+    spec = self.spec
+    host_index = host_index_arrays(
+        spec, self.host_pool.num_blocks, self.pool.storage_dtype,
+        lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self.pool.sharding))
     blocks = self.hisparse_blocks
     return host_index, self._hot_state(blocks.hot_buffer_blocks * spec.block_size,
                                        self.max_blocks_per_seq * spec.block_size)
@@ -208,8 +207,9 @@ class AotBuild:
     self.model_config = model_config
     self.weight_bytes = _bytes_per_device(self.model, tp)
     spec_cls = MLACacheSpec if self.is_dsa else KVCacheSpec
-    self.spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
-                                           config.kv_cache_dtype)
+    self.spec = spec_cls.from_model_config(
+        model_config, config.dtype, config.block_size, config.kv_cache_dtype,
+        **({"index_cache_dtype": config.index_cache_dtype} if self.is_dsa else {}))
     device = TargetDevice(target, self.weight_bytes)
     config = self.config = resolve_config(config, self.spec, is_dsa=self.is_dsa,
                                           num_devices=tp, device=device, check_host_ram=False)
@@ -243,6 +243,8 @@ class AotBuild:
     c, t = self.config, self.target
     what = [c.model or "hisparse-tiny", c.dtype, f"block {c.block_size}",
             f"KV {c.kv_cache_dtype}", f"kernels {self.backend}"]
+    if c.index_cache_dtype != "auto":
+      what.insert(4, f"indexer keys {c.index_cache_dtype}")
     if c.hisparse is not None:
       what.append("HiSparse")
     if c.tensor_parallel_size > 1:
@@ -341,7 +343,7 @@ class AotBuild:
       from hisparse_jax.engine.dsa_runner import _copy_index_keys  # noqa: PLC0415
 
       progs.append(Program("index_keys_to_host", "copy", _copy_index_keys,
-                           (tuple(self.device_pool.index_k), runner.bounds, ids, ids),
+                           (self.device_pool.index_keys(), runner.bounds, ids, ids),
                            detail="indexer keys of blocks written to pinned_host"))
       return progs
     from hisparse_jax.engine.step_program import refresh_program  # noqa: PLC0415

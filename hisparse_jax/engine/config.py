@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from hisparse_jax.kv_cache.kv_pool import check_kv_cache_dtype
+from hisparse_jax.kv_cache.kv_pool import KV_CACHE_DTYPES, check_kv_cache_dtype
 from hisparse_jax.sparse.config import HiSparseConfig
 
 
@@ -41,6 +41,10 @@ class EngineConfig:
   # What the KV cache stores: "auto" (the model's dtype) or "int8" (int8 values and a
   # float32 scale per token and KV head, dequantized where attention reads them).
   kv_cache_dtype: str = "auto"
+  # What a DSA model's indexer-key cache stores: "auto" (the model's dtype) or "int8" /
+  # "fp8_e4m3" (8-bit values of the Hadamard-rotated keys and a float32 scale per token,
+  # DeepSeek-V3.2's fp8 indexer cache: kv_cache.cache_spec.MLACacheSpec).
+  index_cache_dtype: str = "auto"
   # None: default_block_size, resolved when the engine is built (128 on CPU, 16 otherwise).
   block_size: int | None = None
   device_kv_gib: float | None = None
@@ -104,6 +108,9 @@ class EngineConfig:
     if self.dtype not in ("auto", "float32", "bfloat16"):
       raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
     check_kv_cache_dtype(self.kv_cache_dtype)
+    if self.index_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(f"index_cache_dtype must be auto, int8 or fp8_e4m3, got "
+                       f"{self.index_cache_dtype!r}")
     if self.host_pool_gib is not None and self.host_pool_gib < 0:
       raise ValueError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
     if self.device_kv_gib is not None and self.device_kv_gib <= 0:

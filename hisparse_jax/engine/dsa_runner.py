@@ -58,10 +58,10 @@ class DsaModelRunner(ModelRunner):
     return self.pool.spec
 
   def _sparse_state(self):
-    spec, host = self.spec, self.host_pool
-    shape = (host.num_blocks, spec.block_size, 1, spec.index_head_dim)
-    host_index = tuple(device_full_fn(shape, self.pool.storage_dtype, 0, self.pool.sharding)()
-                       for _ in spec.index_layers)
+    spec = self.spec
+    host_index = host_index_arrays(
+        spec, self.host_pool.num_blocks, self.pool.storage_dtype,
+        lambda shape, dtype: device_full_fn(shape, dtype, 0, self.pool.sharding)())
     blocks = self.hisparse_blocks
     return host_index, self._hot_state(blocks.hot_buffer_blocks * spec.block_size,
                                        self.max_blocks_per_seq * spec.block_size)
@@ -87,7 +87,7 @@ class DsaModelRunner(ModelRunner):
   @property
   def indexer_bytes(self) -> int:
     """Device bytes of the indexer keys of host blocks (HiSparse)."""
-    return sum(int(b.nbytes) for b in self.bounds)
+    return sum(int(b.nbytes) for b in jax.tree.leaves(self.bounds))
 
   @property
   def load_unit_bytes(self) -> int:
@@ -104,7 +104,7 @@ class DsaModelRunner(ModelRunner):
     dst = np.full(n, self.host_pool.num_blocks, np.int32)  # padding: out of range, dropped
     src[:len(device_ids)] = device_ids
     dst[:len(device_ids)] = np.asarray(host_ids)
-    self.bounds = _copy_index_keys(tuple(self.pool.index_k), self.bounds, src, dst)
+    self.bounds = _copy_index_keys(self.pool.index_keys(), self.bounds, src, dst)
 
   def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
     """Copy-on-write: device block src -> dst of both caches, every layer."""
@@ -126,7 +126,7 @@ class DsaModelRunner(ModelRunner):
       if i == 0:
         out.append(self._copy.lower(self.pool.arrays(), ids, ids))
       if self.bounds:
-        out.append(_copy_index_keys.lower(tuple(self.pool.index_k), self.bounds, ids, ids))
+        out.append(_copy_index_keys.lower(self.pool.index_keys(), self.bounds, ids, ids))
     return out
 
   def refresh_bounds(self, device_ids: np.ndarray) -> None:
@@ -135,8 +135,22 @@ class DsaModelRunner(ModelRunner):
     del device_ids
 
 
+def host_index_arrays(spec, num_host_blocks: int, storage_dtype, make) -> tuple:
+  """The device copy of the host blocks' indexer keys (`DsaModelRunner.bounds`), one entry
+  per layer with an indexer: make(shape, dtype) of [num_host_blocks, block_size, 1,
+  index_head_dim] in the pool's storage dtype, or with 8-bit indexer keys a (values,
+  float32 scales [..., 1]) pair (the pool's index_k / index_scale layout)."""
+  shape = (num_host_blocks, spec.block_size, 1, spec.index_head_dim)
+  if not spec.index_quantized:
+    return tuple(make(shape, storage_dtype) for _ in spec.index_layers)
+  return tuple((make(shape, spec.index_dtype), make((*shape[:3], 1), "float32"))
+               for _ in spec.index_layers)
+
+
 def _copy_index_keys_fn(device_keys, host_index, src, dst):
-  return tuple(h.at[dst].set(d[src], mode="drop") for d, h in zip(device_keys, host_index))
+  # (each layer's keys: an array, or an 8-bit (values, scales) pair: the same copy of each)
+  return jax.tree.map(lambda d, h: h.at[dst].set(d[src], mode="drop"), tuple(device_keys),
+                      tuple(host_index))
 
 
 _copy_index_keys = jax.jit(_copy_index_keys_fn, donate_argnums=(1,))

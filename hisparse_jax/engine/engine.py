@@ -131,7 +131,9 @@ class Engine:
     check_model_fits(config, model_config)
     spec_cls = MLACacheSpec if self.is_dsa else KVCacheSpec
     spec = spec_cls.from_model_config(model_config, config.dtype, config.block_size,
-                                      config.kv_cache_dtype)
+                                      config.kv_cache_dtype,
+                                      **({"index_cache_dtype": config.index_cache_dtype}
+                                         if self.is_dsa else {}))
     config = self.config = resolve_config(config, spec, is_dsa=self.is_dsa,
                                           num_devices=parallel.tp_size(self.mesh))
     plan = plan_engine_capacity(config, spec, is_dsa=self.is_dsa,

@@ -29,6 +29,10 @@ def check_model_kind(config: EngineConfig, model_config, is_dsa: bool) -> Engine
   indexer (`HiSparseConfig.for_index_topk`), no tensor parallelism or 8-bit cache yet;
   llama-family models have no learned indexer."""
   hisparse = config.hisparse
+  if not is_dsa and config.index_cache_dtype != "auto":
+    raise ValueError(f"--index_cache_dtype={config.index_cache_dtype}: only DSA models "
+                     f"(deepseek_v32, glm_moe_dsa) have an indexer-key cache; "
+                     f"{model_config.model_type} has none: use auto")
   if not is_dsa:
     if hisparse is not None and hisparse.indexer == "lightning":
       raise ValueError(

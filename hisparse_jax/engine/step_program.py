@@ -145,8 +145,10 @@ class KVLayout:
 @dataclasses.dataclass(frozen=True)
 class DsaLayout:
   """`KVLayout` of a DSA model: pool arrays latent[0..L-1], then index_k of each layer
-  with an indexer (`index_layers`, in order); tiered (HiSparse), `bounds` holds those
-  layers' indexer keys of host blocks (`host_index`), the host arrays are the host pool's
+  with an indexer (`index_layers`, in order), then with 8-bit indexer keys their
+  index_scale arrays; tiered (HiSparse), `bounds` holds those layers' indexer keys of
+  host blocks (`host_index`: an array, or a (values, scales) pair), the host arrays are
+  the host pool's
   (only the latent pages are read: loads move latent entries), the hot state is one
   (slot, last used, evicted at) triple per layer. record_topk: the step also returns each
   layer's selection (int32 [layers, tokens, k])."""
@@ -157,9 +159,12 @@ class DsaLayout:
 
   def layer_caches(self, num_layers, kv_arrays, bounds, hot_state, host_arrays):
     caches = []
+    num_index = len(self.index_layers)
+    kinds = (len(kv_arrays) - num_layers) // num_index  # 1, or 2 with 8-bit indexer keys
     for i in range(num_layers):
       slot = self.index_layers.index(i) if i in self.index_layers else None
-      pages = (kv_arrays[i],) if slot is None else (kv_arrays[i], kv_arrays[num_layers + slot])
+      pages = (kv_arrays[i],) if slot is None else (kv_arrays[i], *(
+          kv_arrays[num_layers + j * num_index + slot] for j in range(kinds)))
       if not self.tiered:
         caches.append(pages)
         continue
@@ -173,7 +178,8 @@ class DsaLayout:
   def outputs(self, kv_caches, bounds, hot_state):
     num_layers = len(kv_caches)
     pages = [c["pages"] if isinstance(c, dict) else c for c in kv_caches]
-    new_arrays = tuple(p[0] for p in pages) + tuple(p[1] for p in pages if len(p) > 1)
+    kinds = max(len(p) for p in pages)  # latent, index_k (, index_scale)
+    new_arrays = tuple(p[j] for j in range(kinds) for p in pages if len(p) > j)
     topk = ()
     if self.record_topk:
       topk = (jnp.stack([c["topk"] for c in kv_caches]),)

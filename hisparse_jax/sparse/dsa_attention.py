@@ -34,20 +34,33 @@ as its unit (resident token / hot-buffer token / miss loaded from its host token
 LRU slot), and `resolver.load_tokens` moves exactly the missed tokens' latent entries
 (one batched call per layer). SGLang's
 HiSparse keeps the same token-granular buffer for DSA.
+
+8-bit indexer keys (`MLACacheSpec.index_cache_dtype` int8 / fp8_e4m3: the layer's caches
+are (latent, index values, index scales), and a tiered layer's `host_index` the same
+pair): as DeepSeek-V3.2's reference indexer (`rotate_activation`, then `fp8_index` over
+an fp8 key cache with a scale per 128 values), each new key is rotated by the normalized
+Hadamard matrix (`hadamard`; orthogonal, so q . k is unchanged, and outlier dims are
+spread over all of them before the per-token scale is taken), then quantized with one
+float32 scale per token (kernels_pallas.quant); the select rotates the indexer queries
+the same way and scores the dequantized keys (the GPU kernel reads the 8-bit values and
+scales in place). A dim that is not a power of 2 is not rotated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import kernels_pallas
 from hisparse_jax.kv_cache.kv_pool import from_storage, to_storage
 from hisparse_jax.sparse import resolver
 from hisparse_jax.sparse.attention import COUNT_FIELDS, StepMetadata
+from kernels_pallas import quant
 from kernels_pallas.common import packed_ids
 from models.mla_attention import MLAStep, index_scores
 
@@ -72,6 +85,48 @@ class DsaStatic:
   host_copy: str = "xla"  # resolver.load_tokens' (transfer.host_copy_mode)
   tiered: bool = False
   record_topk: bool = False  # the new cache holds each token's selection ("topk")
+
+
+@functools.cache
+def hadamard(dim: int) -> np.ndarray | None:
+  """float32 [dim, dim]: the Sylvester Hadamard matrix scaled by dim**-0.5 (symmetric and
+  orthogonal: x @ H is DeepSeek's `hadamard_transform(x, scale=dim**-0.5)`); None when
+  dim is not a power of 2."""
+  if dim < 1 or dim & (dim - 1):
+    return None
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < dim:
+    h = np.block([[h, h], [h, -h]])
+  return h * np.float32(dim ** -0.5)
+
+
+def rotate(x: jax.Array) -> jax.Array:
+  """x [..., dim] @ `hadamard(dim)` in float32 (x as is when dim is not a power of 2)."""
+  h = hadamard(x.shape[-1])
+  if h is None:
+    return x.astype(jnp.float32)
+  return jnp.matmul(x.astype(jnp.float32), jnp.asarray(h), precision=lax.Precision.HIGHEST)
+
+
+def quantize_index_keys(index_k: jax.Array, values_dtype) -> tuple[jax.Array, jax.Array]:
+  """New indexer keys [tokens, dim] -> (8-bit values [tokens, dim] of `values_dtype`:
+  int8, or uint8 fp8_e4m3 bits; float32 scales [tokens, 1]) of the rotated keys."""
+  return quant.quantize(rotate(index_k), quant.kind_of(values_dtype))
+
+
+def index_keys(pages: tuple, kv_dtype):
+  """A layer's indexer keys as `select` reads them: the storage array, or with 8-bit keys
+  (a (values, scales) pair) `QuantizedPages` of logical dtype kv_dtype."""
+  if len(pages) == 1:
+    return pages[0]
+  return quant.QuantizedPages(pages[0], pages[1], kv_dtype)
+
+
+def _gathered_keys(keys, ids: jax.Array, kv_dtype) -> jax.Array:
+  """keys[ids] as float32 (dequantized in float32 when 8-bit)."""
+  if isinstance(keys, quant.QuantizedPages):
+    return quant.dequantize(keys.values[ids], keys.scales[ids], jnp.float32)
+  return from_storage(keys[ids], kv_dtype).astype(jnp.float32)
 
 
 def write_entries(pages: jax.Array, new: jax.Array, slot_ids: jax.Array, kv_dtype
@@ -113,7 +168,8 @@ def select(step: MLAStep, index_pages, host_index, metadata: StepMetadata, row, 
            index_topk: int, kv_dtype, scores_kernel=None) -> jax.Array:
   """int32 [tokens, k] selected key positions of each token (negative: none), k =
   min(index_topk, table width x block_size). index_pages: the layer's indexer keys
-  (storage dtype); host_index: those of host blocks on the device (HiSparse) or None.
+  (storage dtype, or 8-bit `QuantizedPages` of rotated keys: `index_keys`); host_index:
+  those of host blocks on the device (HiSparse, the same form) or None.
   scores_kernel: the GPU backends' `KernelOps.index_scores` (kernels_pallas.index_scores:
   the keys read in place, a tile of tokens a launch, its scores bounding the tile), else
   the keys are gathered and scored in jnp (`index_scores`)."""
@@ -126,12 +182,16 @@ def select(step: MLAStep, index_pages, host_index, metadata: StepMetadata, row, 
   if k == num_keys:  # every allowed key is selected: no scoring needed (the same set)
     return jnp.where(keys_pos[None, :] <= pos[:, None], keys_pos[None, :], -1)
   index_q, index_w = step.index_q[0], step.index_w[0]
+  if isinstance(index_pages, quant.QuantizedPages):  # the keys are stored rotated
+    index_q = rotate(index_q).astype(index_q.dtype)
   num_tokens, _, index_dim = index_q.shape
   # (the kernel writes one float32 score a key, the jnp path gathers index_dim values)
   tile = _tile(num_tokens, num_keys, 1 if scores_kernel is not None else index_dim)
   if scores_kernel is not None:  # the kernel's operands, in their logical dtype
-    keys_in_place = (from_storage(index_pages, kv_dtype),) + (
-        () if host_index is None else (from_storage(host_index, kv_dtype),))
+    logical = lambda x: x if isinstance(x, quant.QuantizedPages) else from_storage(  # noqa: E731
+        x, kv_dtype)
+    keys_in_place = (logical(index_pages),) + (
+        () if host_index is None else (logical(host_index),))
 
   def tile_topk(i, out):
     toks = i * tile + jnp.arange(tile)
@@ -141,9 +201,9 @@ def select(step: MLAStep, index_pages, host_index, metadata: StepMetadata, row, 
       scores = scores_kernel(index_q[toks], index_w[toks], keys_in_place[0], blocks,
                              *keys_in_place[1:], *host)
     else:
-      keys = from_storage(index_pages[blocks], kv_dtype)  # [tile, width, bs, 1, d]
+      keys = _gathered_keys(index_pages, blocks, kv_dtype)  # [tile, width, bs, 1, d]
       if host_index is not None:  # dropped blocks: their keys' device copy by host id
-        host = from_storage(host_index[metadata.host_tables[row[toks]]], kv_dtype)
+        host = _gathered_keys(host_index, metadata.host_tables[row[toks]], kv_dtype)
         keys = jnp.where((blocks != 0)[:, :, None, None, None], keys, host)
       keys = keys.reshape(tile, num_keys, index_dim)
       scores = index_scores(index_q[toks], keys, index_w[toks])  # [tile, keys]
@@ -179,14 +239,22 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, static: DsaStatic, step: MLA
   latent = write_entries(pages[0], step.kv[0], slot_ids, kv_dtype)
   index_pages = None
   if step.index_q is not None:
-    index_pages = write_entries(pages[1], step.index_k[0], slot_ids, kv_dtype)
+    if len(pages) == 3:  # 8-bit indexer keys: rotated, quantized, with their scales
+      values, scales = quantize_index_keys(step.index_k[0], pages[1].dtype)
+      index_pages = (write_entries(pages[1], values, slot_ids, kv_dtype),
+                     write_entries(pages[2], scales, slot_ids, kv_dtype))
+    else:
+      index_pages = (write_entries(pages[1], step.index_k[0], slot_ids, kv_dtype),)
   block_size = latent.shape[1]
   row, pos = token_rows(metadata, num_tokens)
   if index_pages is not None:
     # (The indexer keys of dropped blocks: only offloaded rows have any.)
     host_index = cache.get("host_index") if metadata.num_sparse_rows else None
-    sel = select(step, index_pages, host_index, metadata, row, pos, static.index_topk,
-                 kv_dtype, scores_kernel=ops.index_scores)
+    if host_index is not None:
+      host_index = index_keys(host_index if isinstance(host_index, tuple) else (host_index,),
+                              kv_dtype)
+    sel = select(step, index_keys(index_pages, kv_dtype), host_index, metadata, row, pos,
+                 static.index_topk, kv_dtype, scores_kernel=ops.index_scores)
   elif prev_topk is None:
     raise ValueError("a DSA layer without an indexer needs the previous layer's top-k")
   else:
@@ -214,7 +282,7 @@ def attend(ops: kernels_pallas.KernelOps, kv_dtype, static: DsaStatic, step: MLA
     out = ops.sparse_mla_decode(step.q[0], from_storage(latent, kv_dtype), addresses,
                                 sm_scale=static.softmax_scale,
                                 kv_lora_rank=static.kv_lora_rank)
-  new_pages = (latent,) if index_pages is None else (latent, index_pages)
+  new_pages = (latent,) if index_pages is None else (latent, *index_pages)
   if static.record_topk:
     out_cache["topk"] = sel
   if static.tiered:

@@ -57,8 +57,13 @@ def main(argv: list[str]) -> int:
     raise ValueError(f"--kv_cache_dtype={FLAGS.kv_cache_dtype}: 8-bit caches of DSA models "
                      f"({config.model_type}: MLA latent + indexer keys) are not supported; "
                      "use auto")
+  if not is_dsa and FLAGS.index_cache_dtype != "auto":
+    raise ValueError(f"--index_cache_dtype={FLAGS.index_cache_dtype}: only DSA models "
+                     f"(deepseek_v32, glm_moe_dsa) have an indexer-key cache; "
+                     f"{config.model_type} has none: use auto")
   spec = (MLACacheSpec if is_dsa else KVCacheSpec).from_model_config(
-      config, dtype, block_size_from_flags(), FLAGS.kv_cache_dtype)
+      config, dtype, block_size_from_flags(), FLAGS.kv_cache_dtype,
+      **({"index_cache_dtype": FLAGS.index_cache_dtype} if is_dsa else {}))
   plan_args = dict(max_model_len=FLAGS.max_model_len, host_pool_gib=FLAGS.host_pool_gib,
                    device_kv_gib=FLAGS.device_kv_gib)
   hisparse = hisparse_from_flags()
@@ -79,6 +84,7 @@ def main(argv: list[str]) -> int:
 
   engine_config = EngineConfig(
       model=FLAGS.model, dtype=dtype, block_size=spec.block_size,
+      kv_cache_dtype=FLAGS.kv_cache_dtype, index_cache_dtype=FLAGS.index_cache_dtype,
       device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
       max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
       max_num_batched_tokens=FLAGS.max_num_batched_tokens, hisparse=hisparse)
@@ -99,6 +105,7 @@ def _tensor_parallel() -> int:
 
   # Only the flags this command reads (its --help groups).
   kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
+                kv_cache_dtype=FLAGS.kv_cache_dtype, index_cache_dtype=FLAGS.index_cache_dtype,
                 device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
                 max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                 hisparse=hisparse_from_flags(),

@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
   from hisparse_jax.entrypoints.cli.generate import hisparse_from_flags, tier_kwargs_from_flags
 
   kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
+                index_cache_dtype=FLAGS.index_cache_dtype,
                 block_size=FLAGS.block_size, device_kv_gib=FLAGS.device_kv_gib,
                 host_pool_gib=FLAGS.host_pool_gib, max_model_len=FLAGS.max_model_len,
                 max_num_seqs=FLAGS.max_num_seqs,

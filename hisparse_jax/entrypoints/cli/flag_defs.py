@@ -31,6 +31,12 @@ flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
                   "fp8_e4m3 = 8-bit values + a float32 scale per token and KV head (3.56x "
                   "the float32 tokens at head_dim 32), dequantized where attention reads "
                   "them (xla / reference attention: CPU; not the Pallas kernels yet).")
+flags.DEFINE_enum("index_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
+                  "DSA models: what the lightning indexer's key cache stores (both tiers): "
+                  "auto = the model's dtype (transformers' indexer); int8 / fp8_e4m3 = "
+                  "8-bit values of the Hadamard-rotated keys + a float32 scale per token, "
+                  "as DeepSeek-V3.2's fp8 indexer cache (132 bytes a token and layer "
+                  "against bf16's 256 at index_head_dim 128: the select reads every key).")
 flags.DEFINE_integer("block_size", None, "Tokens per KV block (a power of two). Default: 128 on "
                      "CPU, 16 on accelerators and with --hisparse.")
 flags.DEFINE_float(
@@ -267,8 +273,8 @@ flags.DEFINE_integer("max_stream_buffer", 1024, "serve: outputs a stream may hol
 
 # The flags each command reads, in groups, for `hisparse-jax [COMMAND] --help`; a flag of
 # this file given to a command that does not read it is refused (absl's flags are global).
-_MODEL = ("model", "dtype", "kv_cache_dtype", "block_size", "device_kv_gib", "host_pool_gib",
-          "max_model_len")
+_MODEL = ("model", "dtype", "kv_cache_dtype", "index_cache_dtype", "block_size",
+          "device_kv_gib", "host_pool_gib", "max_model_len")
 _ENGINE = ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
            "compile_in_background", "max_step_programs", "compilation_cache_dir", "seed")
 _HISPARSE = ("hisparse", "top_k_tokens", "hot_buffer_tokens", "sink_tokens", "local_tokens",

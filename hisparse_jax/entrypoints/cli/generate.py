@@ -166,7 +166,7 @@ def engine_kwargs_from_flags(compile_in_background: bool = False) -> dict[str, A
   from hisparse_jax.engine.engine import EngineConfig  # noqa: PLC0415 (imports jax)
 
   kwargs = dict(model=FLAGS.model, dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
-                block_size=FLAGS.block_size,
+                index_cache_dtype=FLAGS.index_cache_dtype, block_size=FLAGS.block_size,
                 device_kv_gib=FLAGS.device_kv_gib, host_pool_gib=FLAGS.host_pool_gib,
                 max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens, seed=FLAGS.seed,
