@@ -29,7 +29,9 @@ XLA:CPU, tested against the references):
   place through each row's list of bounds rows; the GPU backends' select.
 * ``index_scores(index_q, index_w, index_pages, tables, host_index=None, host_tables=None)``
   -- DSA's lightning-indexer score of every key a token's table lists, the paged indexer
-  keys (and a tiered row's host copies) read in place; the GPU backends' DSA select.
+  keys (and a tiered row's host copies) read in place, bf16 / float32 or 8-bit
+  (``QuantizedPages``: int8 / fp8_e4m3 with a float32 scale per token); the GPU backends'
+  DSA select.
 * ``sparse_mla_decode(q, kv_pages, indices, *, sm_scale, kv_lora_rank, interpret=None)``
   -- DSA models: each query row over its own listed tokens of a paged MLA latent cache
   (``kv_pages [num_blocks, block_size, 1, kv_lora_rank + rope]``, flat token ids,

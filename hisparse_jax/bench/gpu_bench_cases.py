@@ -46,7 +46,7 @@ EXPECTED_IMPLS = {
                 "torch-cudnn", "tokamax-mosaic", "tokamax-triton", "tokamax-xla",
                 "jla-mgpu-attention"),
     "sparse_mla": ("ours-triton", "ours-mgpu", "xla-reference", "jla-dsa"),
-    "select": ("ours-triton", "ours-triton-int8", "ours-jnp", "cpp-cpu"),
+    "select": ("ours-triton", "ours-triton-int8", "ours-triton-fp8", "ours-jnp", "cpp-cpu"),
 }
 FULL = {
     "model": dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,

@@ -25,9 +25,10 @@ Kernels (gpu_bench_cases: FULL sizes, SMOKE the same structure at tiny shapes):
   select      HiSparse's block selection at 64k context (bounds scoring + top-k): ours
               (the bounds scored in place by kernels_pallas.block_scores; and the jnp
               path over gathered bounds); `select_over_attention` against ours' paged
-              decode at the same batch over its top-k tokens; and DSA's select at
-              DeepSeek-V3.2's indexer (kernels_pallas.index_scores + top-k) against our
-              sparse MLA decode
+              decode at the same batch over its top-k tokens (ours-triton-int8: over
+              int8 bounds); and DSA's select at DeepSeek-V3.2's indexer
+              (kernels_pallas.index_scores + top-k; ours-triton-fp8 / -int8: the same keys
+              stored 8-bit, read in place) against our sparse MLA decode
 
 Each row: median and min ms, bytes, FLOPs, GB/s, TFLOP/s, their shares of the device's
 peaks (kernels_pallas.bench.DEVICE_PEAKS), the roofline fraction (max(bytes / HBM,

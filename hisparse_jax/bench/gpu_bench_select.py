@@ -8,7 +8,12 @@ boundary block: the sums run in another order). The select over int8 bounds
 top-k) is checked against the elementwise bound of its dequantized bounds (the bytes it
 reads: int8 values and float32 scales), its agreement with the bfloat16 bounds' selection
 in its note. And DSA's select (`dsa_select_cases`):
-the lightning indexer's scores of every key and their top-k, at DeepSeek-V3.2's indexer.
+the lightning indexer's scores of every key and their top-k, at DeepSeek-V3.2's indexer,
+over bfloat16 keys and over the same keys stored 8-bit (`ours-triton-fp8` /
+`ours-triton-int8`: index_scores over QuantizedPages, a float32 scale per token), each
+checked against the scores of its dequantized keys and against the bfloat16 keys' within
+the bound their quantization error allows, its top-k agreement with the bfloat16 keys'
+in its note. (The block bounds have no fp8 form: the union select skips fp8.)
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kernels_pallas import cpu_kernels
 from kernels_pallas.block_key_bounds import QuantizedBounds, quantize_bounds
 from kernels_pallas.block_scores import block_scores
 from kernels_pallas.index_scores import index_scores, index_scores_reference
+from kernels_pallas.quant import QuantizedPages, quantize
 
 
 def _union_reference(scores: np.ndarray, kv_lens: np.ndarray, blocks) -> list[set]:
@@ -152,6 +158,8 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
   else:
     skipped["cpp-cpu"] = ("the C++ select is an XLA:CPU custom call (the GPU runs "
                           "block_scores)" if env.on_gpu else "the C++ CPU kernels did not build")
+  skipped["ours-triton-fp8"] = ("the block bounds are stored int8 only (QuantizedBounds); "
+                                "fp8 is the DSA indexer keys' (dsa_select_cases)")
   shape = dict(batch=batch, context=ctx, blocks=per_row, top_k_blocks=blocks.top_k_blocks,
                num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                bounds_dtype="bfloat16", selection="union")
@@ -160,11 +168,27 @@ def select_cases(cfg: dict, env: Env, seed: int = 5):
                              "union"), impls, skipped, check=check)
 
 
+@jax.jit
+def _quantization_bound(q, w, pages, qpages, tables):
+  """float32 [tokens, keys]: how far storing the keys 8-bit can move each score. relu is
+  1-Lipschitz, so |score8 - score| <= dim**-0.5 * sum_h |w_h| |q_h| . |k8 - k|
+  = dim**-0.5 * (sum_h |w_h| |q_h|) . |k8 - k|, k8 the dequantized key (float32)."""
+  tokens, _, dim = q.shape
+  a = jnp.einsum("th,thd->td", jnp.abs(w), jnp.abs(q.astype(jnp.float32)))
+  exact = QuantizedPages(qpages.values, qpages.scales, jnp.float32)
+  dk = jnp.abs(exact[tables] - pages[tables].astype(jnp.float32)).reshape(tokens, -1, dim)
+  return jnp.einsum("td,tkd->tk", a, dk) * dim**-0.5
+
+
 def dsa_select_cases(cfg: dict, env: Env, seed: int = 6):
   """DSA's select of one decode token per row: the indexer's score of every key of the
   row (its paged keys read in place by kernels_pallas.index_scores, or gathered and scored
   in jnp, as the CPU engine does) and the top `topk` keys. Ok when the scores agree to
-  float32 rounding and >= 99% of the selected keys are the reference's."""
+  float32 rounding and >= 99% of the selected keys are the reference's. The 8-bit rows
+  (the same keys quantized, scored in place): ok when their scores agree to float32
+  rounding with the reference over their dequantized keys, >= 99% of their top-k is that
+  reference's, and they stay within the quantization error's bound of the bfloat16 keys'
+  scores (`_quantization_bound`); their top-k agreement with the bfloat16 keys' is noted."""
   c = cfg["dsa_select"]
   batch, ctx, heads, dim, bs, k = (c["batch"], c["context"], c["heads"], c["dim"],
                                    c["block_size"], c["topk"])
@@ -183,15 +207,38 @@ def dsa_select_cases(cfg: dict, env: Env, seed: int = 6):
   gathered = jax.jit(lambda *a: topk(index_scores_reference(*a)))
   reference = jax.jit(index_scores_reference)
 
+  def agreement(out, scores) -> float:
+    """The share of `scores`' top-k keys that `out` selected."""
+    want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return float(np.mean([len(set(g) & set(r)) / k for g, r in zip(np.asarray(out), want,
+                                                                    strict=True)]))
+
   def check(out, ref):
     ref = np.asarray(ref)
     err = float(np.abs(np.asarray(jax.jit(index_scores)(*args)) - ref).max())
-    want = np.argsort(-ref, axis=1, kind="stable")[:, :k]
-    agree = np.mean([len(set(g) & set(r)) / k for g, r in zip(np.asarray(out), want,
-                                                              strict=True)])
-    scale = float(np.abs(ref).max())
+    agree, scale = agreement(out, ref), float(np.abs(ref).max())
     ok = err <= 1e-4 * scale and agree >= 0.99
     return err, scale, ok, f"top-k agreement {agree:.4f} (ok >= 0.99)"
+
+  def check_8bit(qpages):
+    def check8(out, ref):
+      """Against the reference over the dequantized keys (what it scores), and the
+      bfloat16 keys' scores within the bound of the keys' quantization error."""
+      ref = np.asarray(ref)
+      ref8 = np.asarray(reference(q, w, qpages, tables))
+      got = np.asarray(jax.jit(index_scores)(q, w, qpages, tables))
+      err, scale = float(np.abs(got - ref8).max()), float(np.abs(ref8).max())
+      drift = np.abs(got - ref)
+      slack = drift - np.asarray(_quantization_bound(q, w, pages, qpages, tables))
+      within = float(slack.max()) <= 1e-4 * scale
+      agree8 = agreement(out, ref8)
+      ok = err <= 1e-4 * scale and within and agree8 >= 0.99
+      return err, scale, ok, (
+          f"top-k agreement {agree8:.4f} (ok >= 0.99) with its dequantized keys' reference; "
+          f"{agreement(out, ref):.4f} with the bfloat16 keys'; scores off the bfloat16 keys' "
+          f"by <= {float(drift.max()):.3g} (ref max {float(np.abs(ref).max()):.3g}), "
+          f"{'within' if within else 'PAST'} the quantization error's bound")
+    return check8
 
   impls = {"ours-triton": Impl(ours, args, "kernels_pallas.index_scores (the engine's GPU "
                                            "path: the keys read in place; interpret mode on "
@@ -199,9 +246,20 @@ def dsa_select_cases(cfg: dict, env: Env, seed: int = 6):
            "ours-jnp": Impl(gathered, args, "keys gathered, float32 einsums, lax.top_k (the "
                                             "CPU engine's path; the GPU's before "
                                             "index_scores), jit")}
+  # The same keys stored 8-bit (the engine's index_cache_dtype): values + a float32 scale a
+  # token, 132 B a token at dim 128 against bfloat16's 256.
+  nbytes8 = batch * ctx * (dim + 4) + q.size * 2 + w.size * 4
+  for kind, name in (("fp8_e4m3", "fp8"), ("int8", "int8")):
+    qpages = QuantizedPages(*quantize(pages, kind), jnp.bfloat16)
+    impls[f"ours-triton-{name}"] = Impl(
+        ours, (q, w, qpages, tables),
+        f"kernels_pallas.index_scores over the same keys stored {kind} (QuantizedPages: "
+        f"{'uint8 bits' if name == 'fp8' else 'int8'} values, a float32 scale per token; "
+        "(dim + 4) / (2 dim) of the bfloat16 keys' bytes, 0.52x at dim 128) + lax.top_k, "
+        "jit",
+        bytes=nbytes8, check=check_8bit(qpages))
   skipped = {"cpp-cpu": "the lightning indexer has no C++ select (the CPU engine scores in "
-                        "jnp)",
-             "ours-triton-int8": "the lightning indexer scores its keys, not int8 block bounds"}
+                        "jnp)"}
   nbytes = batch * ctx * dim * 2 + q.size * 2 + w.size * 4
   shape = dict(batch=batch, context=ctx, topk=k, index_heads=heads, index_dim=dim,
                block_size=bs, keys_dtype="bfloat16", selection="lightning")

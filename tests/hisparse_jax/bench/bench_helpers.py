@@ -34,5 +34,5 @@ GPU_BENCH_EXPECTED = {
                 "torch-cudnn", "tokamax-mosaic", "tokamax-triton", "tokamax-xla",
                 "jla-mgpu-attention"},
     "sparse_mla": {"ours-triton", "ours-mgpu", "xla-reference", "jla-dsa"},
-    "select": {"ours-triton", "ours-triton-int8", "ours-jnp", "cpp-cpu"},
+    "select": {"ours-triton", "ours-triton-int8", "ours-triton-fp8", "ours-jnp", "cpp-cpu"},
 }
