@@ -205,6 +205,29 @@ def test_a_dsa_model_with_offload_compiles_its_token_loads(host_copy, tmp_path, 
     assert tiered.host_copies == 0 and tiered.host_bytes > 0
 
 
+@pytest.mark.parametrize("index_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_dsa_model_with_8bit_indexer_keys_compiles_its_steps_and_key_copies(
+    index_cache_dtype, tmp_path):
+  # The indexer reads 8-bit keys and their scales in place (device pool and the device
+  # copy of the host blocks' keys); the keys' copy to the host index moves both arrays.
+  transformers = pytest.importorskip("transformers")
+  from models.testing import DSA_TINY_HF_CONFIG  # noqa: PLC0415
+
+  transformers.DeepseekV32Config(**DSA_TINY_HF_CONFIG).save_pretrained(tmp_path)
+  lightning = HiSparseConfig(indexer="lightning", hot_buffer_tokens=16)
+  config = EngineConfig(model=str(tmp_path), hisparse=lightning, dtype="bfloat16",
+                        index_cache_dtype=index_cache_dtype, max_model_len=256,
+                        max_num_seqs=4, max_num_batched_tokens=64, host_pool_gib=0.1)
+  build, progs = _compile(config, {"decode", "tiered_decode", "index_keys_to_host"})
+  spec = build.spec
+  assert spec.index_quantized and spec.index_bytes_per_token == len(spec.index_layers) * (
+      DSA_TINY_HF_CONFIG["index_head_dim"] + 4)
+  for name in ("decode", "tiered_decode"):
+    assert progs[name].kernels == ("index_scores", "sparse_mla_decode"), progs[name]
+  assert progs["tiered_decode"].host_copies > 0
+  assert progs["index_keys_to_host"].host_copies == 0  # (device -> its device copy)
+
+
 def test_a_dsa_model_on_pallas_mgpu_compiles_the_mosaic_gpu_sparse_mla_decode(tmp_path):
   # The Mosaic GPU sparse MLA decode takes kv_lora_rank a multiple of 64 and rope 64
   # (DeepSeek's 512 + 64): the tiny DSA model at 64 + 64, bfloat16.

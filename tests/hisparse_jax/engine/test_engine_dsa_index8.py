@@ -7,7 +7,8 @@ Against the model-dtype keys on the same random checkpoints (models.testing.save
 index_topk 8): the selections of the same sequences (teacher-forced, every position past
 index_topk) stay close; offloaded decoding gives the all-resident tokens of the same
 8-bit cache; the capacity lines and the device's reserved bytes count the values and the
-scales; the Pallas kernels (interpret mode) give the xla path's tokens.
+scales; the Pallas kernels (interpret mode) give the xla path's tokens. (Compiled for an
+H200 without a GPU: test_aot_h200.py.)
 """
 
 import functools
@@ -122,6 +123,19 @@ def test_offloaded_decoding_gives_the_resident_tokens_and_bytes_count_the_scales
   assert m['hisparse_blocks_selected_total{source="host"}'] > 0
   assert engine.block_manager.device_pool.num_free_blocks == engine.device_pool.num_usable_blocks
   assert offloaded == resident
+
+
+def test_the_pallas_kernels_give_the_xla_tokens(model):
+  # kernels_pallas.index_scores (interpret mode: the kernel body a GPU compiles) reads the
+  # fp8 values and scales in place, offloaded rows' host copies included.
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(2, 97, size=n).tolist() for n in (20, 13, 27, 5)]
+  kw = dict(device_kv_gib=0.00014, hisparse=LIGHTNING, index_cache_dtype="fp8_e4m3")
+  want = _run(_engine(model, **kw), prompts)
+  engine = _engine(model, kernel_backend="pallas", **kw)
+  assert engine.runner.ops.backend == "pallas"
+  assert _run(engine, prompts) == want
+  assert engine.metrics()["hisparse_offloads_total"] > 0
 
 
 def _run(engine, prompts):

@@ -57,6 +57,20 @@ def test_capacity_lists_both_caches_per_memory_kind(dsa_dir, capsys):
   assert "HiSparse (learned indexer, top-k 8 tokens): indexer keys of host blocks" in lines[0]
 
 
+def test_8bit_indexer_keys_generate_and_their_capacity_counts_the_scales(dsa_dir, capsys):
+  assert _main("generate", f"--model={dsa_dir}", "--prompt=bafu: bapo\\nbaki: bare\\n? baki:",
+               "--max_new_tokens=6", "--hisparse", "--hot_buffer_tokens=16",
+               "--index_cache_dtype=fp8_e4m3", *SMALL) == 0
+  assert "blocks selected: device" in capsys.readouterr().out
+  assert _main("capacity", f"--model={dsa_dir}", "--hisparse", "--hot_buffer_tokens=16",
+               "--index_cache_dtype=int8", *SMALL) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  for line in lines[:2]:
+    # 3 indexer layers x (32 int8 values + a float32 scale)
+    assert "; indexer keys 108 bytes per token = " in line
+    assert "(KV float32, indexer keys int8 + float32 scales)" in line
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--hisparse", "--top_k_tokens=16"),
      "--top_k_tokens is not a setting of DSA models (deepseek_v32: the learned indexer "
@@ -100,3 +114,11 @@ def test_convert_refuses_a_dsa_checkpoint(dsa_dir, tmp_path, capsys):
       "already in HF layout; convert writes llama-family models (from GGUF files or HF "
       "directories)")
   assert not out.exists()
+
+
+def test_8bit_indexer_keys_on_a_llama_model_exit_2_naming_the_flag(capsys):
+  # (the default model: hisparse-tiny, a llama)
+  assert _main("generate", "--prompt=bafu:", "--index_cache_dtype=int8", *SMALL) == 2
+  assert _one_line(capsys.readouterr().err) == (
+      "hisparse-jax generate: error: --index_cache_dtype=int8: only DSA models (deepseek_v32, "
+      "glm_moe_dsa) have an indexer-key cache; llama has none: use auto")
