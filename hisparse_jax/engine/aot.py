@@ -188,6 +188,7 @@ class AotBuild:
     tp = config.tensor_parallel_size
     device = TargetDevice(target, 0)
     check_kv_cache_dtype_devices(config.kv_cache_dtype, [device])
+    check_kv_cache_dtype_devices(config.index_cache_dtype, [device], "index_cache_dtype")
     if tp > 1:
       check_tensor_parallel(source, tp)
     check_model_fits(config, source)

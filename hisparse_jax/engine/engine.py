@@ -108,8 +108,9 @@ class Engine:
     if self.mesh is not None:  # refused before any weight is read
       check_tensor_parallel(unloaded, config.tensor_parallel_size)
       self.kv_head_repeat = kv_head_repeat(unloaded, config.tensor_parallel_size)
-    check_kv_cache_dtype_devices(
-        config.kv_cache_dtype, jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat)
+    devices = jax.devices()[:1] if self.mesh is None else self.mesh.devices.flat
+    check_kv_cache_dtype_devices(config.kv_cache_dtype, devices)
+    check_kv_cache_dtype_devices(config.index_cache_dtype, devices, "index_cache_dtype")
     loaded_here = model is None
     if model is None:
       model, model_config, tokenizer = load_pretrained(config.model, dtype=config.dtype,

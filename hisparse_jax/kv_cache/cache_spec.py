@@ -296,7 +296,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
-def check_kv_cache_dtype_devices(kv_cache_dtype: str, devices) -> None:
+def check_kv_cache_dtype_devices(kv_cache_dtype: str, devices,
+                                 field: str = "kv_cache_dtype") -> None:
   """ValueError naming the kv_cache_dtype field when a device cannot read the cache in
   its kernels: fp8_e4m3 on an NVIDIA GPU below compute capability 8.9 (Triton converts
   float8_e4m3fn with sm_89 instructions). CPUs store fp8 as bits and convert in XLA."""
@@ -309,6 +310,6 @@ def check_kv_cache_dtype_devices(kv_cache_dtype: str, devices) -> None:
       continue  # CPU, TPU, ROCm ("gfx90a"): nothing to check here
     if (int(parts[0]), int(parts[1])) < FP8_MIN_COMPUTE_CAPABILITY:
       raise ValueError(
-          f"kv_cache_dtype=fp8_e4m3 needs a GPU of compute capability 8.9 or newer (its "
+          f"{field}=fp8_e4m3 needs a GPU of compute capability 8.9 or newer (its "
           f"kernels convert float8_e4m3fn with sm_89 instructions); {device.device_kind} "
-          f"has {cc}: use kv_cache_dtype=int8")
+          f"has {cc}: use {field}=int8")

@@ -46,9 +46,10 @@ def _configs():
       "streamed_prefill": (dict(common, hisparse=sparse), 8, {"host_loads", "streamed"}),
       "mosaic_gpu": (dict(common, hisparse=sparse, dtype="bfloat16",
                           kernel_backend="pallas_mgpu"), 17, {"host_loads"}),
+      # fp8 indexer keys (their kernel's fp8 -> dot conversion on the device).
       "dsa_offload": (dict(common, hisparse=HiSparseConfig(indexer="lightning",
-                                                           hot_buffer_tokens=16)), 17,
-                      {"host_loads"}),
+                                                           hot_buffer_tokens=16),
+                           index_cache_dtype="fp8_e4m3"), 17, {"host_loads"}),
   }
 
 
@@ -87,7 +88,9 @@ def run_config(name: str, platform: str | None = None) -> dict:
   dtype = fields.get("dtype", "float32")
   model = _model(name, dtype)
   spec_cls = MLACacheSpec if name == "dsa_offload" else KVCacheSpec
-  spec = spec_cls.from_model_config(model.config, dtype, fields["block_size"])
+  spec = spec_cls.from_model_config(model.config, dtype, fields["block_size"], **(
+      {"index_cache_dtype": fields["index_cache_dtype"]} if "index_cache_dtype" in fields
+      else {}))
   host_blocks, gib = 80, 2**30
   # A budget of exactly `device_blocks` blocks beside what HiSparse reserves for them.
   config = check_model_kind(EngineConfig(**fields), model.config, name == "dsa_offload")

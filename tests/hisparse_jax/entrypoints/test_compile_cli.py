@@ -126,3 +126,29 @@ def test_a_checkpoint_of_the_8b_head_geometry_compiles_hisparse_int8_for_the_h10
   assert all(p["error"] is None for p in report["programs"])
   tiered = next(p for p in report["programs"] if p["name"] == "tiered_decode")
   assert tiered["host_copies"] > 0 and "paged_attention" in tiered["kernels"]
+
+
+def test_fp8_indexer_keys_of_a_dsa_model_exit_2_on_the_a100_and_compile_for_the_h200(
+    tmp_path):
+  # The indexer kernel converts fp8 keys with sm_89 instructions: the A100 is refused
+  # before anything compiles, naming the flag; the H200 compiles the DSA steps.
+  transformers = pytest.importorskip("transformers")
+  from models.testing import DSA_TINY_HF_CONFIG  # noqa: PLC0415
+
+  model = tmp_path / "dsa"
+  transformers.DeepseekV32Config(**DSA_TINY_HF_CONFIG).save_pretrained(model)
+  args = (f"--model={model}", "--index_cache_dtype=fp8_e4m3", "--dtype=bfloat16",
+          "--max_model_len=256", "--max_num_seqs=4", "--hisparse", "--hot_buffer_tokens=16",
+          "--host_pool_gib=0.1")
+  r, _ = _compile(tmp_path, "--target=a100", *args)
+  assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+  errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hisparse-jax compile:")]
+  assert errors == ["hisparse-jax compile: error: index_cache_dtype=fp8_e4m3 needs a GPU of "
+                    "compute capability 8.9 or newer (its kernels convert float8_e4m3fn with "
+                    "sm_89 instructions); NVIDIA A100-SXM4-80GB has 8.0: use "
+                    "index_cache_dtype=int8"], r.stderr[-2000:]
+  r, report = _compile(tmp_path, "--target=h200", "--programs=decode,tiered_decode", *args)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "indexer keys fp8_e4m3" in r.stdout.splitlines()[0]
+  assert {p["name"] for p in report["programs"]} == {"decode", "tiered_decode"}
+  assert all(p["error"] is None for p in report["programs"])
