@@ -224,9 +224,10 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
                      block_scores=bind(bsc.block_scores), index_scores=bind(isc.index_scores))
   if name == "pallas_mgpu":
     # The decode kernels on Mosaic GPU (paged: bf16/f16 or 8-bit pages read as either,
-    # block_size a multiple of 8; DSA's sparse MLA: bf16/f16, kv_lora_rank a multiple of 64,
-    # rope 64; see their modules), the ragged one where its limits allow
-    # (`_ragged_mgpu_or_triton`), the other two on Triton. Compiled only: their CPU
+    # block_size a multiple of 8, head_dim a multiple of 32, where its limits allow:
+    # `_paged_mgpu_or_triton`; DSA's sparse MLA: bf16/f16, kv_lora_rank a multiple of 64,
+    # rope 64, refused at start otherwise; see their modules), the ragged one where its
+    # limits allow (`_ragged_mgpu_or_triton`), the other two on Triton. Compiled only: their CPU
     # interpreter (InterpretGPUParams) is what tests/kernels_pallas/test_mgpu_*.py run.
     if target_platform(platform) != "gpu":
       raise ValueError(f"backend 'pallas_mgpu' targets a GPU, got platform {platform!r}")
@@ -234,7 +235,9 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
                   for m in ("paged_attention_mgpu", "sparse_mla_mgpu"))
     bind = functools.partial(functools.partial, interpret=False)
     ragged = functools.partial(_ragged_mgpu_or_triton, bind(rpa.ragged_paged_attention))
-    return KernelOps(name, bind(pam.paged_attention_mgpu), ragged,
+    paged = functools.partial(_paged_mgpu_or_triton, bind(pam.paged_attention_mgpu),
+                              bind(pa.paged_attention))
+    return KernelOps(name, paged, ragged,
                      bind(wkv.write_kv), bind(bkb.block_key_bounds),
                      sparse_mla_decode=bind(smlam.sparse_mla_decode_mgpu),
                      block_scores=bind(bsc.block_scores), index_scores=bind(isc.index_scores))
@@ -249,6 +252,24 @@ def ops(backend: BackendName | None = None, *, platform: str | None = None,
   return KernelOps(name, pa.paged_attention_reference, rpa.ragged_paged_attention_reference,
                    wkv.write_kv_reference, bkb.block_key_bounds_reference,
                    sparse_mla_decode=smla.sparse_mla_decode_reference)
+
+
+# The keywords both paged decode kernels take (the engine passes no others).
+_PAGED_COMMON_KWARGS = {"sm_scale", "soft_cap", "num_splits", "return_lse"}
+
+
+def _paged_mgpu_or_triton(mgpu_paged: Callable[..., jax.Array],
+                          triton_paged: Callable[..., jax.Array], q, k_pages, v_pages, *args,
+                          **kwargs):
+  """The "pallas_mgpu" backend's paged decode: the Mosaic GPU kernel
+  (:mod:`kernels_pallas.paged_attention_mgpu`) within its limits, else `triton_paged`
+  (head_dim not a multiple of 32, e.g. 80; block sizes not a multiple of 8; float32 pages;
+  more than 64 query heads per KV head). Decided at trace time from the shapes, so one
+  lowered program holds one of the two (`hisparse-jax compile` lists which)."""
+  pam = importlib.import_module("kernels_pallas.paged_attention_mgpu")
+  if pam.supports(q, k_pages) and not kwargs.keys() - _PAGED_COMMON_KWARGS:
+    return mgpu_paged(q, k_pages, v_pages, *args, **kwargs)
+  return triton_paged(q, k_pages, v_pages, *args, **kwargs)
 
 
 def _ragged_mgpu_or_triton(triton_ragged: Callable[..., jax.Array], q, k_pages, v_pages,

@@ -324,6 +324,19 @@ def _check_mgpu_sizes(q, k_pages, tokens_per_step: int) -> int:
   return tokens_per_step // block_size
 
 
+def supports(q, k_pages, tokens_per_step: int = DEFAULT_TOKENS_PER_STEP) -> bool:
+  """Whether the kernel takes these q and pages (float or 8-bit `QuantizedPages`; the
+  limits of the module docstring): the "pallas_mgpu" backend's decode runs the Triton
+  kernel where not (kernels_pallas.backend)."""
+  if k_pages.ndim != 4 or q.ndim != 3:
+    return False
+  try:
+    _check_mgpu_sizes(q, k_pages, tokens_per_step)
+  except ValueError:
+    return False
+  return True
+
+
 def default_num_splits(batch: int, num_kv_heads: int, num_steps: int,
                        num_sms: int = NUM_SMS) -> int:
   """Splits of each row's table (split-K) for a grid of batch * num_kv_heads programs over

@@ -69,7 +69,11 @@ def test_pallas_mgpu_binds_the_mosaic_gpu_decode_kernel_and_triton_others():
   from kernels_pallas.sparse_mla_mgpu import sparse_mla_decode_mgpu
   mgpu = kernels_pallas.ops("pallas_mgpu", platform="gpu")
   assert mgpu.backend == "pallas_mgpu" and backend.resolve_backend("pallas_mgpu") == "pallas_mgpu"
-  assert mgpu.paged_attention.func is paged_attention_mgpu
+  # Paged decode: the Mosaic GPU kernel within its limits, else the Triton one.
+  assert mgpu.paged_attention.func is backend._paged_mgpu_or_triton
+  mgpu_paged, triton_paged = mgpu.paged_attention.args
+  assert mgpu_paged.func is paged_attention_mgpu
+  assert triton_paged.func is kernels_pallas.paged_attention
   # Ragged: the Mosaic GPU kernel within its limits, else the Triton one (compiled).
   assert mgpu.ragged_paged_attention.func is backend._ragged_mgpu_or_triton
   (triton,) = mgpu.ragged_paged_attention.args
@@ -78,7 +82,8 @@ def test_pallas_mgpu_binds_the_mosaic_gpu_decode_kernel_and_triton_others():
   assert mgpu.block_key_bounds.func is kernels_pallas.block_key_bounds
   assert mgpu.sparse_mla_decode.func is sparse_mla_decode_mgpu  # DSA's decode too
   assert {f.keywords["interpret"]
-          for f in (mgpu[1], triton, *mgpu[3:5], mgpu.sparse_mla_decode)} == {False}
+          for f in (mgpu_paged, triton_paged, triton, *mgpu[3:5], mgpu.sparse_mla_decode)
+          } == {False}
   # Triton's sparse MLA stays the pallas backend's.
   assert kernels_pallas.ops("pallas", platform="gpu").sparse_mla_decode.func is (
       kernels_pallas.sparse_mla_decode)

@@ -168,6 +168,26 @@ def test_the_mosaic_gpu_decode_kernel_compiles_for_sm90a():
   assert "ragged_paged_attention" not in kernels
 
 
+def test_the_mosaic_gpu_backend_decodes_head_dim_80_on_triton(tmp_path):
+  # head_dim 80 (Phi-2's) is not a multiple of the 32 the WGMMA tiles need: the
+  # pallas_mgpu backend's decode falls back to the Triton kernel for that shape (session
+  # 38's compile sweep: it failed to compile before), the dense rows likewise.
+  from models import data, testing  # noqa: PLC0415
+  from models.config import ModelConfig  # noqa: PLC0415
+
+  config = ModelConfig(model_type="llama", vocab_size=len(data.VOCAB), hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=80, max_position_embeddings=4096,
+                       bos_token_id=data.BOS_ID, eos_token_id=data.EOS_ID)
+  path = testing.save_random_checkpoint(tmp_path / "hd80", config=config)
+  engine = EngineConfig(model=path, hisparse=HISPARSE, dtype="bfloat16",
+                        kernel_backend="pallas_mgpu", host_pool_gib=0.5, **SMALL)
+  _, progs = _compile(engine, {"tiered_decode"})
+  kernels = progs["tiered_decode"].kernels
+  assert "paged_attention" in kernels and "ragged_paged_attention" in kernels
+  assert not any("mosaic_gpu" in k for k in kernels), kernels
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_the_mosaic_gpu_decode_kernel_over_8bit_kv_compiles_for_sm90a(kv_cache_dtype):
   config = EngineConfig(hisparse=HISPARSE, dtype="bfloat16", kernel_backend="pallas_mgpu",
