@@ -24,6 +24,12 @@ SCALE_BYTES = 4  # float32 scale per token and KV head of a quantized cache
 NULL_BLOCK_ID = 0  # block 0 of each pool (and of each tier's BlockPool): the null block
 
 
+def stored_dtype(dtype: str, cache_dtype: str) -> str:
+  """The dtype a cache of logical `dtype` stores its values as under `cache_dtype` (a
+  KV_CACHE_DTYPES name): `dtype` for auto, int8, or uint8 (fp8_e4m3 bits)."""
+  return dtype if cache_dtype == "auto" else jnp.dtype(STORAGE_DTYPES[cache_dtype]).name
+
+
 def num_usable_blocks(num_blocks: int) -> int:
   """Blocks of a pool of `num_blocks` that can be handed out: all but the null block."""
   return num_blocks - 1
@@ -75,9 +81,7 @@ class KVCacheSpec:
   @property
   def cache_dtype(self) -> str:
     """The dtype of the stored K/V values: `dtype`, int8, or uint8 (fp8_e4m3 bits)."""
-    if not self.quantized:
-      return self.dtype
-    return jnp.dtype(STORAGE_DTYPES[self.kv_cache_dtype]).name
+    return stored_dtype(self.dtype, self.kv_cache_dtype)
 
   @property
   def itemsize(self) -> int:
@@ -237,9 +241,7 @@ class MLACacheSpec:
   @property
   def index_dtype(self) -> str:
     """The stored dtype of the indexer keys: `dtype`, int8 or uint8 (fp8_e4m3 bits)."""
-    if not self.index_quantized:
-      return self.dtype
-    return jnp.dtype(STORAGE_DTYPES[self.index_cache_dtype]).name
+    return stored_dtype(self.dtype, self.index_cache_dtype)
 
   @property
   def index_bytes_per_token(self) -> int:
