@@ -58,9 +58,13 @@ def _sparse_mla_kernel(
     sm_scale: float,
     tokens_per_step: int,
     kv_lora_rank: int,
+    rope: int,
 ):
-  block_h = q_lat_ref.shape[0]
-  rope = q_rope_ref.shape[1]
+  # q_lat / q_rope / o are padded to powers of 2 (rank_p, rope_p: Triton tensors) when
+  # kv_lora_rank or rope is not one; the pool is read with its columns past each masked.
+  block_h, rank_p = q_lat_ref.shape
+  rope_p = q_rope_ref.shape[1]
+  padded = (rank_p, rope_p) != (kv_lora_rank, rope)
   block_size = kv_ref.shape[1]
   num_steps = idx_ref.shape[0] // tokens_per_step
   q_lat, q_rope = q_lat_ref[...], q_rope_ref[...]
@@ -72,13 +76,20 @@ def _sparse_mla_kernel(
     safe = jnp.where(valid, idx, 0)
     blk, off = safe // block_size, safe % block_size
     # Every axis an array index: [tokens, width] rows gathered through the flat ids.
-    shape_lat, shape_rope = (tokens_per_step, kv_lora_rank), (tokens_per_step, rope)
-    k_lat = kv_ref[jnp.broadcast_to(blk[:, None], shape_lat),
-                   jnp.broadcast_to(off[:, None], shape_lat),
-                   lax.broadcasted_iota(jnp.int32, shape_lat, 1)]
-    k_rope = kv_ref[jnp.broadcast_to(blk[:, None], shape_rope),
-                    jnp.broadcast_to(off[:, None], shape_rope),
-                    kv_lora_rank + lax.broadcasted_iota(jnp.int32, shape_rope, 1)]
+    shape_lat, shape_rope = (tokens_per_step, rank_p), (tokens_per_step, rope_p)
+    lat_cols = lax.broadcasted_iota(jnp.int32, shape_lat, 1)
+    rope_cols = lax.broadcasted_iota(jnp.int32, shape_rope, 1)
+    lat_idx = (jnp.broadcast_to(blk[:, None], shape_lat),
+               jnp.broadcast_to(off[:, None], shape_lat), lat_cols)
+    rope_idx = (jnp.broadcast_to(blk[:, None], shape_rope),
+                jnp.broadcast_to(off[:, None], shape_rope), kv_lora_rank + rope_cols)
+    if padded:  # (columns past kv_lora_rank / rope: not read, 0)
+      from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+
+      k_lat = plgpu.load(kv_ref.at[lat_idx], mask=lat_cols < kv_lora_rank, other=0)
+      k_rope = plgpu.load(kv_ref.at[rope_idx], mask=rope_cols < rope, other=0)
+    else:
+      k_lat, k_rope = kv_ref[lat_idx], kv_ref[rope_idx]
     s = (jnp.dot(q_lat, k_lat.T, precision=lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
          + jnp.dot(q_rope, k_rope.T, precision=lax.Precision.HIGHEST,
@@ -99,7 +110,7 @@ def _sparse_mla_kernel(
 
   m0 = jnp.full((block_h,), common.MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_h,), jnp.float32)
-  acc0 = jnp.zeros((block_h, kv_lora_rank), jnp.float32)
+  acc0 = jnp.zeros((block_h, rank_p), jnp.float32)
   m, l, acc = lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
   o_ref[...] = acc
   m_ref[...] = m
@@ -112,6 +123,9 @@ def _sparse_mla_call(q, kv_pages, indices, *, sm_scale, kv_lora_rank, block_h,
   num_queries, num_heads, width = q.shape
   num_blocks, block_size = kv_pages.shape[:2]
   rope = width - kv_lora_rank
+  # Triton tensors have power-of-2 sizes: q's two parts and the output padded with zeros,
+  # the pool read in place with the columns past each masked (a rank of 192: 256).
+  rank_p, rope_p = common.next_power_of_2(kv_lora_rank), common.next_power_of_2(rope)
   topk = indices.shape[1]
   head_tiles = common.cdiv(num_heads, block_h)
   per_split = common.round_up(common.cdiv(topk, num_splits), tokens_per_step)
@@ -120,32 +134,36 @@ def _sparse_mla_call(q, kv_pages, indices, *, sm_scale, kv_lora_rank, block_h,
   q = jnp.pad(q, ((0, 0), (0, head_tiles * block_h - num_heads), (0, 0)))
   q = q.reshape(num_queries, head_tiles, block_h, width)
   kernel = functools.partial(_sparse_mla_kernel, sm_scale=sm_scale,
-                             tokens_per_step=tokens_per_step, kv_lora_rank=kv_lora_rank)
+                             tokens_per_step=tokens_per_step, kv_lora_rank=kv_lora_rank,
+                             rope=rope)
+  q_lat = jnp.pad(q[..., :kv_lora_rank], ((0, 0),) * 3 + ((0, rank_p - kv_lora_rank),))
+  q_rope = jnp.pad(q[..., kv_lora_rank:], ((0, 0),) * 3 + ((0, rope_p - rope),))
+  width_p = max(width, kv_lora_rank + rope_p)  # (the rope part's masked columns past it)
   part_shape = (num_splits, num_queries, head_tiles, block_h)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(num_queries, head_tiles, num_splits),
       in_specs=[
-          pl.BlockSpec((None, None, block_h, kv_lora_rank), lambda i, h, s: (i, h, 0, 0)),
-          pl.BlockSpec((None, None, block_h, rope), lambda i, h, s: (i, h, 0, 0)),
-          pl.BlockSpec((num_blocks, block_size, None, width), lambda i, h, s: (0, 0, 0, 0)),
+          pl.BlockSpec((None, None, block_h, rank_p), lambda i, h, s: (i, h, 0, 0)),
+          pl.BlockSpec((None, None, block_h, rope_p), lambda i, h, s: (i, h, 0, 0)),
+          pl.BlockSpec((num_blocks, block_size, None, width_p), lambda i, h, s: (0, 0, 0, 0)),
           pl.BlockSpec((None, None, per_split), lambda i, h, s: (i, s, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, block_h, kv_lora_rank),
+          pl.BlockSpec((None, None, None, block_h, rank_p),
                        lambda i, h, s: (s, i, h, 0, 0)),
           pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (s, i, h, 0)),
           pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (s, i, h, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((*part_shape, kv_lora_rank), jnp.float32),
+          jax.ShapeDtypeStruct((*part_shape, rank_p), jnp.float32),
           jax.ShapeDtypeStruct(part_shape, jnp.float32),
           jax.ShapeDtypeStruct(part_shape, jnp.float32),
       ],
       interpret=interpret,
       compiler_params=backend.compiler_params(interpret),
       name="sparse_mla_decode",
-  )(q[..., :kv_lora_rank], q[..., kv_lora_rank:], kv_pages, idx)
+  )(q_lat, q_rope, kv_pages, idx)
   # Log-sum-exp combine of the splits. Empty splits carry m = MASK_VALUE, l = 0.
   m_all = m.max(axis=0)
   w = jnp.exp(m - m_all[None])
@@ -153,7 +171,7 @@ def _sparse_mla_call(q, kv_pages, indices, *, sm_scale, kv_lora_rank, block_h,
   o_all = (w[..., None] * o).sum(axis=0)
   out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None],
                   0.0)
-  out = out.reshape(num_queries, head_tiles * block_h, kv_lora_rank)[:, :num_heads]
+  out = out.reshape(num_queries, head_tiles * block_h, rank_p)[:, :num_heads, :kv_lora_rank]
   return out.astype(q.dtype)
 
 
@@ -174,7 +192,8 @@ def sparse_mla_decode(
   """Each query row over its listed tokens (module docstring): [num_queries, num_heads,
   kv_lora_rank] in q's dtype. interpret: None = interpret mode on CPU, compiled on GPU;
   block_h, tokens_per_step, num_splits: tuning knobs (None: defaults). The compiled kernel
-  needs power-of-2 kv_lora_rank, rope, block_h and tokens_per_step (Triton tensors)."""
+  needs power-of-2 block_h and tokens_per_step (Triton tensors); a kv_lora_rank or rope
+  that is not one is padded (its columns past masked)."""
   _check(q, kv_pages, indices, kv_lora_rank)
   interpret = backend.resolve_interpret(interpret)
   num_heads, width = q.shape[1:]
@@ -191,9 +210,7 @@ def sparse_mla_decode(
                       ("num_splits", num_splits)):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
-  backend.check_triton_sizes(interpret, kv_lora_rank=kv_lora_rank,
-                             rope_dim=width - kv_lora_rank, block_h=block_h,
-                             tokens_per_step=tokens_per_step)
+  backend.check_triton_sizes(interpret, block_h=block_h, tokens_per_step=tokens_per_step)
   return _sparse_mla_call(q, kv_pages, indices, sm_scale=float(sm_scale),
                           kv_lora_rank=kv_lora_rank, block_h=block_h,
                           tokens_per_step=tokens_per_step, num_splits=num_splits,

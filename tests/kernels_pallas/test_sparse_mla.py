@@ -1,6 +1,9 @@
 """Sparse MLA decode (DSA models' attention): the Pallas kernel (interpret mode) against its
 reference, and both against a naive numpy computation of the contract."""
 
+import functools
+import importlib.util
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -50,6 +53,9 @@ GRID = [  # (queries, heads, rank, rope, block_size, topk, dtype, knobs)
     (2, 16, 32, 16, 1, 8, "float32", {"num_splits": 2, "tokens_per_step": 4}),
     (1, 1, 64, 16, 4, 64, "float32", {"block_h": 2, "num_splits": 3}),
     (4, 16, 32, 16, 16, 37, "bfloat16", {"block_h": 16, "tokens_per_step": 16}),
+    # Not powers of 2 (padded in the kernel, the pool's columns past each masked).
+    (2, 4, 48, 24, 4, 37, "float32", {}),
+    (2, 8, 192, 32, 16, 40, "bfloat16", {}),
 ]
 
 
@@ -100,3 +106,15 @@ def test_bad_shapes_are_named():
     sparse_mla_decode(q, pages, idx, sm_scale=1.0, kv_lora_rank=48)
   with pytest.raises(ValueError, match=r"kv_pages \[num_blocks, block_size, 1, width\]"):
     sparse_mla_decode(q, jnp.zeros((8, 4, 2, 48)), idx, sm_scale=1.0, kv_lora_rank=32)
+
+
+def test_a_kv_lora_rank_not_a_power_of_2_compiles_for_an_h200(rng):
+  # (the session 38 compile sweep: kv_lora_rank 192 was refused by the Triton lowering)
+  if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+    pytest.skip("XLA's GPU compiler is not installed (jax[cuda13])")
+  S = jax.ShapeDtypeStruct
+  args = (S((8, 16, 224), jnp.bfloat16), S((513, 16, 1, 224), jnp.bfloat16),
+          S((8, 256), jnp.int32))
+  call = functools.partial(sparse_mla_decode, sm_scale=SCALE, kv_lora_rank=192)
+  target, lowered = lib.lower_for_h200(call, *args)
+  target.compile(lowered)
