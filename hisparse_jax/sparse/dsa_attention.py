@@ -123,10 +123,11 @@ def index_keys(pages: tuple, kv_dtype):
 
 
 def _gathered_keys(keys, ids: jax.Array, kv_dtype) -> jax.Array:
-  """keys[ids] as float32 (dequantized in float32 when 8-bit)."""
+  """keys[ids] in their logical dtype (8-bit: dequantized in float32; `index_scores`
+  computes in float32 either way)."""
   if isinstance(keys, quant.QuantizedPages):
     return quant.dequantize(keys.values[ids], keys.scales[ids], jnp.float32)
-  return from_storage(keys[ids], kv_dtype).astype(jnp.float32)
+  return from_storage(keys[ids], kv_dtype)
 
 
 def write_entries(pages: jax.Array, new: jax.Array, slot_ids: jax.Array, kv_dtype
