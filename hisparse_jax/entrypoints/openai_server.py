@@ -189,9 +189,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, max_model_len: int
         max_num_seqs=engine.engine.config.max_num_seqs, max_model_len=max_model_len,
         num_streams=app.state.num_streams)
 
-  def stream_response(events: AsyncIterator[dict]) -> responses.StreamingResponse:
+  def stream_response(events: AsyncIterator[dict],
+                      streams: list[RequestStream]) -> responses.StreamingResponse:
     app.state.num_streams += 1
-    return sse(events, limits.request_timeout_s, on_close=_stream_closed)
+    return sse(events, streams, limits.request_timeout_s, on_close=_stream_closed)
 
   def _stream_closed() -> None:
     app.state.num_streams -= 1
@@ -258,7 +259,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, max_model_len: int
     streams = await start(request_id, prompts, sp, body, "prompt", request_salt(body, raw))
     name = body.model or served_model_name
     if body.stream:
-      return stream_response(completion_stream(streams, request_id, name, body, tokenizer))
+      return stream_response(completion_stream(streams, request_id, name, body, tokenizer),
+                             streams)
     return await within_timeout(
         completion_response(streams, request_id, name, body.n, tokenizer),
         limits.request_timeout_s)
@@ -289,7 +291,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, max_model_len: int
                           request_salt(body, raw))
     name = body.model or served_model_name
     if body.stream:
-      return stream_response(chat_stream(streams, request_id, name, body, tokenizer, num_top))
+      return stream_response(chat_stream(streams, request_id, name, body, tokenizer, num_top),
+                             streams)
     return await within_timeout(chat_response(streams, request_id, name, tokenizer, num_top),
                                 limits.request_timeout_s)
 

@@ -6,7 +6,9 @@ request still running (a client that left). The builders below turn the outputs 
 OpenAI's bodies: `completion_response` / `chat_response` the whole answer as one dict
 (the outputs come FINAL_ONLY), `completion_stream` / `chat_stream` one chunk per step
 (DELTA outputs), which `sse` sends as server-sent events ("data: {chunk}", then
-"data: [DONE]"; a timeout or a dead engine ends the stream with an error event).
+"data: [DONE]"; a timeout or a dead engine ends the stream with an error event). `sse`
+closes the request streams itself when its response ends: a response cancelled in the
+middle of a `send` never resumes its body, so `_merge`'s own closing would wait for GC.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import responses
 
@@ -24,12 +26,23 @@ from hisparse_jax.entrypoints.async_engine import RequestStream, StreamOverflowE
 from hisparse_jax.entrypoints.openai_errors import APIError
 
 
-def sse(events: AsyncIterator[dict], timeout_s: float = math.inf,
-         on_close=None) -> responses.StreamingResponse:
-  """Server-sent events. A client that disconnects cancels this body: closing `events`
-  closes the request streams under it, which aborts their requests. Past `timeout_s` the
-  stream ends with an error event (its requests aborted). `on_close`: called once when
-  the body ends, however it ends."""
+def sse(events: AsyncIterator[dict], streams: Sequence[RequestStream] = (),
+        timeout_s: float = math.inf, on_close=None) -> responses.StreamingResponse:
+  """Server-sent events of `events`, which reads `streams`. A client that disconnects
+  cancels this body: its request streams are closed, which aborts their requests. Past
+  `timeout_s` the stream ends with an error event (its requests aborted). `on_close`:
+  called once when the response ends, however it ends."""
+  closed = False
+
+  def close() -> None:
+    nonlocal closed
+    if not closed:
+      closed = True
+      for stream in streams:
+        stream.close()
+      if on_close is not None:
+        on_close()
+
   async def body():
     deadline = time.monotonic() + timeout_s
     try:
@@ -53,10 +66,27 @@ def sse(events: AsyncIterator[dict], timeout_s: float = math.inf,
                "code": 503}
       yield f"data: {json.dumps({'error': error})}\n\n"
     finally:
+      close()
       await events.aclose()
-      if on_close is not None:
-        on_close()
-  return responses.StreamingResponse(body(), media_type="text/event-stream")
+  return _EventStream(body(), close)
+
+
+class _EventStream(responses.StreamingResponse):
+  """A StreamingResponse that runs `close` (synchronous) when it ends. A response
+  cancelled by its client's disconnect while it waits in `send` (behind a middleware's
+  stream, say) leaves its body generator suspended at a `yield`: starlette does not close
+  it, so its `finally` would run only when the garbage collector finds it, and its
+  requests would run on, maybe to the end (`finish_reason` length, not abort)."""
+
+  def __init__(self, body, close):
+    super().__init__(body, media_type="text/event-stream")
+    self._close = close
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self._close()
 
 
 async def completion_response(streams, request_id, name, n, tokenizer) -> dict:
