@@ -43,6 +43,9 @@ Accuracy suites (run only by name, not by `all`: about an hour on the 2-core CPU
                           cache: the first disk-tier hit after a restart (warm-up off, on,
                           on with its programs cached) vs the same hit on the warmed
                           server; time to "serving on"; recompute (~10 min)
+  slow_clients            `serve`'s streams' inter-token latency alone and beside a slow
+                          and a stalled client (aborted at --max_stream_buffer), rounds
+                          alternated; pools empty afterwards (~1-3 min)
 
 Every ratio is measured side by side in one run (the contenders interleaved); the JSON
 names the machine (CPU, cores, accelerator, jax version, load average at the start and
@@ -83,6 +86,7 @@ ACCURACY_SUITES = {
     "dsa_decode": "dsa_decode",
     "third_tier": "third_tier",
     "warm_restart": "warm_restart",
+    "slow_clients": "slow_clients",
 }
 # Suites whose module has plot(result, path), which --bench_plot draws.
 PLOTTED = ("decode_sparse_vs_dense", "passkey", "hisparse_throughput")
