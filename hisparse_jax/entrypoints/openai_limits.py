@@ -7,7 +7,9 @@ the engine is not running or the server drains: `app.state.draining`, which serv
 on SIGTERM). The routes then call `check_request` (a request's own limits, 400 naming
 the field; 429 when too many streams are open), `check_queue` (429 when the engine's
 queue is full) and `within_timeout` (408). Every refusal comes before anything of the
-request reaches the engine, so other requests are not affected.
+request reaches the engine, so other requests are not affected. `unless_disconnected`
+aborts a whole-answer (non-streamed) request whose client has gone (vLLM's
+`with_cancellation`); a stream's disconnect ends its response (openai_streaming.sse).
 """
 
 from __future__ import annotations
@@ -161,3 +163,26 @@ async def within_timeout(awaitable, timeout_s: float):
   except asyncio.TimeoutError:
     raise APIError(408, f"the request ran past {timeout_s:g} s "
                    "(--request_timeout_s) and was aborted", None, "TimeoutError") from None
+
+
+async def unless_disconnected(request: fastapi.Request, awaitable):
+  """`awaitable`'s result; if the client disconnects first, `awaitable` is cancelled
+  (which closes its request streams: the requests are aborted, their blocks freed) and
+  the answer is an empty 499 (nginx's "client closed request"; nobody reads it)."""
+  task = asyncio.ensure_future(awaitable)
+
+  async def disconnect():
+    while (await request.receive())["type"] != "http.disconnect":
+      pass  # (the body was read before the route ran: nothing else comes)
+
+  watcher = asyncio.ensure_future(disconnect())
+  try:
+    await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+  finally:  # (also when this handler itself is cancelled)
+    watcher.cancel()
+    if not task.done():
+      task.cancel()
+    await asyncio.gather(task, watcher, return_exceptions=True)
+  if task.cancelled():
+    return fastapi.responses.Response(status_code=499)
+  return task.result()

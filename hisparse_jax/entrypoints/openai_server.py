@@ -59,6 +59,7 @@ from hisparse_jax.entrypoints.openai_limits import (
   ServerLimits,
   check_queue,
   install_gate,
+  unless_disconnected,
   within_timeout,
 )
 from hisparse_jax.entrypoints.openai_protocol import (
@@ -261,9 +262,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, max_model_len: int
     if body.stream:
       return stream_response(completion_stream(streams, request_id, name, body, tokenizer),
                              streams)
-    return await within_timeout(
+    return await unless_disconnected(raw, within_timeout(
         completion_response(streams, request_id, name, body.n, tokenizer),
-        limits.request_timeout_s)
+        limits.request_timeout_s))
 
   @app.post("/v1/chat/completions", responses=route_responses(
       *post_errors, 408, 429, ok=ChatCompletionResponse, stream=ChatCompletionChunk))
@@ -293,8 +294,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, *, max_model_len: int
     if body.stream:
       return stream_response(chat_stream(streams, request_id, name, body, tokenizer, num_top),
                              streams)
-    return await within_timeout(chat_response(streams, request_id, name, tokenizer, num_top),
-                                limits.request_timeout_s)
+    return await unless_disconnected(raw, within_timeout(
+        chat_response(streams, request_id, name, tokenizer, num_top), limits.request_timeout_s))
 
   app.openapi = lambda: openapi_schema(
       app, keyed=keys is not None, limits=limits,

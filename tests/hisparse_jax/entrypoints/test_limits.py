@@ -7,6 +7,7 @@ bench)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -170,6 +171,42 @@ def test_slow_and_stalled_clients_are_aborted_and_the_others_are_served():
   assert r["kv_used_tokens_after"] == 0, r
   assert result["still_serving"] and result["server_exit_status"] == 0, result
   assert result["with_over_without"] > 0
+
+
+def test_a_whole_answer_whose_client_left_is_aborted():
+  """A non-streamed completion or chat request of 4,000 tokens whose client closes its
+  connection while the request runs is aborted (not run to its last token), its blocks
+  freed (vLLM's with_cancellation)."""
+  s = ServerProcess(*BASE, "--max_model_len=4096")
+  running = 'hisparse_num_requests{state="running"}'
+  try:
+    for route, fields in (("completions", {"prompt": "lodu:"}),
+                          ("chat/completions",
+                           {"messages": [{"role": "user", "content": "lodu:"}]})):
+      before = s.metrics()
+      host, port = s.url.split("//", 1)[1].rsplit(":", 1)
+      body = json.dumps({"model": MODEL, **fields, "max_tokens": 4000, "ignore_eos": True,
+                         "temperature": 0.0}).encode()
+      with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v1/{route} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                     + body)
+        deadline = time.monotonic() + 60
+        while not s.metrics().get(running):
+          assert time.monotonic() < deadline, "the request never ran"
+          time.sleep(0.05)
+      deadline = time.monotonic() + 120
+      while (after := s.metrics()).get(running):
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+      ended = {reason: after.get(f'hisparse_requests_total{{finish_reason="{reason}"}}', 0)
+               - before.get(f'hisparse_requests_total{{finish_reason="{reason}"}}', 0)
+               for reason in ("abort", "length")}
+      assert ended == {"abort": 1, "length": 0}, (route, ended)
+      assert after['hisparse_kv_usage_ratio{memory_kind="device"}'] == 0.0
+    _still_serving(s)
+  finally:
+    assert s.stop() == 0
 
 
 def test_a_stream_that_is_not_read_is_aborted_at_its_buffer():
