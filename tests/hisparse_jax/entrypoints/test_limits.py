@@ -64,6 +64,13 @@ def test_request_size_limits(server):
   r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60,
                  headers={"content-type": "application/json"})
   assert r.status_code == 413, r.text
+
+  def small():  # chunked and within the limit: replayed to the route, answered
+    yield json.dumps(OK).encode()[:10]
+    yield json.dumps(OK).encode()[10:]
+  r = httpx.post(server.url + "/v1/completions", content=small(), timeout=60,
+                 headers={"content-type": "application/json"})
+  assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
   _assert_error(_post(server, {**OK, "prompt": ["a", "b", "c"]}), 400, "prompt",
                 "3 prompts")
   _assert_error(_post(server, {**OK, "prompt": [[5] * 200, [6] * 200]}), 400, "prompt",
