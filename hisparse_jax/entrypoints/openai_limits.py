@@ -56,10 +56,15 @@ def install_gate(app: fastapi.FastAPI, engine: AsyncEngine, limits: ServerLimits
   """The middleware every request passes first: one of `api_keys` on the guarded routes
   (/v1/*, /tokenize, /detokenize, the dashboard; its key salt then in
   `request.state.key_salt`), then a POST body's size, then 503 unless the engine runs and
-  the server is not draining (/metrics and the dashboard still answer)."""
+  the server is not draining (/metrics and the dashboard still answer).
 
-  @app.middleware("http")
-  async def _gate(request: fastapi.Request, call_next):
+  A plain ASGI middleware (as vLLM's), not starlette's BaseHTTPMiddleware: that one
+  passes every message of a response through a memory stream to a task of its own, so a
+  route's `send` can wait there, and a client's disconnect then lands in that `send`.
+  A chunked body read here is replayed to the route as one message."""
+
+  async def gate(request: fastapi.Request) -> tuple[fastapi.Response | None, bytes | None]:
+    """(the refusal, or None; a chunked body read here, or None)."""
     path = request.url.path
     dashboard = path.rstrip("/") in ("/dashboard", "/dashboard/data")
     guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize") or dashboard
@@ -71,30 +76,54 @@ def install_gate(app: fastapi.FastAPI, engine: AsyncEngine, limits: ServerLimits
         key_salt = api_keys.key_salt(request.query_params.get("token"))
       if key_salt is None:
         return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                              None, "AuthenticationError")
+                              None, "AuthenticationError"), None
       request.state.key_salt = key_salt  # (the routes' cache salt under --cache_salt_by_api_key)
+    body = None
     if request.method == "POST":  # the body's size, before anything reads it
       declared = request.headers.get("content-length")
       if declared is not None and (not declared.isdigit()
                                    or int(declared) > limits.max_request_bytes):
         return error_response(413, f"the request body is {declared} bytes; at most "
                               f"{limits.max_request_bytes} (--max_request_bytes)", None,
-                              "RequestTooLargeError")
-      if declared is None:  # chunked: counted as it arrives (and kept for the handler)
+                              "RequestTooLargeError"), None
+      if declared is None:  # chunked: counted as it arrives (and replayed to the route)
         chunks, size = [], 0
         async for chunk in request.stream():
           size += len(chunk)
           if size > limits.max_request_bytes:
-            return error_response(413, f"the request body is over {limits.max_request_bytes} "
-                                  "bytes (--max_request_bytes)", None, "RequestTooLargeError")
+            return error_response(413, f"the request body is over "
+                                  f"{limits.max_request_bytes} bytes (--max_request_bytes)",
+                                  None, "RequestTooLargeError"), None
           chunks.append(chunk)
-        request._body = b"".join(chunks)  # (starlette replays it to the handler)
+        body = b"".join(chunks)
     if (path != "/metrics" and not dashboard
         and (app.state.draining or not engine.is_running)):
       message = ("the server is shutting down" if app.state.draining
                  else "the engine is not running")
-      return error_response(503, message, None, "ServiceUnavailableError")
-    return await call_next(request)
+      return error_response(503, message, None, "ServiceUnavailableError"), None
+    return None, body
+
+  def middleware(inner):
+    async def asgi(scope, receive, send):
+      if scope["type"] != "http":
+        await inner(scope, receive, send)
+        return
+      refusal, body = await gate(fastapi.Request(scope, receive))
+      if refusal is not None:
+        await refusal(scope, receive, send)
+        return
+      if body is not None:  # the chunked body read above, then the client's own messages
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay():
+          return pending.pop() if pending else await receive()
+
+        await inner(scope, replay, send)
+        return
+      await inner(scope, receive, send)
+    return asgi
+
+  app.add_middleware(middleware)
 
 
 def check_request(body, prompts: list[dict], max_tokens: int | None,
