@@ -26,7 +26,7 @@ from hisparse_jax.entrypoints.async_engine import RequestStream, StreamOverflowE
 from hisparse_jax.entrypoints.openai_errors import APIError
 
 
-def sse(events: AsyncIterator[dict], streams: Sequence[RequestStream] = (),
+def sse(events: AsyncIterator[dict], streams: Sequence[RequestStream],
         timeout_s: float = math.inf, on_close=None) -> responses.StreamingResponse:
   """Server-sent events of `events`, which reads `streams`. A client that disconnects
   cancels this body: its request streams are closed, which aborts their requests. Past
